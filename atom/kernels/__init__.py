@@ -1,0 +1,46 @@
+"""Triton kernels of atom, each beside a pure-torch reference of the same math.
+
+On CUDA (or under ``TRITON_INTERPRET=1``, which tests use on CPU) the public functions run
+the Triton kernels; the engine on CPU calls the ``*_reference`` functions directly.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # e.g. macOS: only the torch references are available
+    HAS_TRITON = False
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` should go through a Triton kernel rather than a torch reference."""
+    if not HAS_TRITON:
+        return False
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Imported after use_triton: the kernel modules import it from here.
+from atom.kernels.decode_attention import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+from atom.kernels.kv_cache import store_kvcache, store_kvcache_reference  # noqa: E402
+from atom.kernels.prefill_attention import (  # noqa: E402
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+
+__all__ = [
+    "HAS_TRITON",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "store_kvcache",
+    "store_kvcache_reference",
+    "use_triton",
+]

@@ -1,0 +1,81 @@
+"""Multi-head attention (MHA / GQA) over a paged KV cache.
+
+Cache layout per layer: k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Each step first writes the new tokens' K/V at their slots, then attends from the cache:
+decode-only steps use the decode kernel (CUDA-graph safe), anything else (prefill,
+chunked prefill, prefix-cache hits, mixed prefill/decode) the varlen prefill kernel.
+On CUDA the Triton kernels run; on CPU their torch references (the same math).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from atom.forward_context import get_forward_context
+from atom.kernels import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+    store_kvcache,
+    store_kvcache_reference,
+)
+
+
+class MHAAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        # Bound by the ModelRunner once the cache is allocated.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+        meta = get_forward_context().attention
+        if meta.block_tables is None:
+            return self._dense_causal(q, k, v)
+        on_gpu = q.is_cuda
+        store = store_kvcache if on_gpu else store_kvcache_reference
+        store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            decode = paged_decode_attention if on_gpu else paged_decode_attention_reference
+            out = decode(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_reference
+            out = prefill(
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.context_lens,
+                self.scale,
+                meta.max_seqlen_q,
+            )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _dense_causal(self, q, k, v):
+        """One sequence without a cache: used only by the memory-profiling run."""
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)

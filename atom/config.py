@@ -1,0 +1,85 @@
+"""Engine configuration: one dataclass, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
+    """`auto` (or None) is float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}") from None
+
+
+@dataclass
+class Config:
+    """Everything the engine needs to know before it loads a model.
+
+    KV-cache size: on CUDA from `gpu_memory_utilization` (fraction of the device's memory
+    the engine may use in all); on CPU from `kv_cache_memory_bytes`. `num_kvcache_blocks`
+    overrides both (tests use it to force preemption).
+    """
+
+    model: str | None = None  # HF directory or .gguf file; None = embedded SmolLM2
+    device: str = field(default_factory=default_device)
+    dtype: str | torch.dtype | None = "auto"
+    max_model_len: int | None = None  # None = the model's context length (capped at 8192)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int = 1 << 30
+    num_kvcache_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: list[int] | None = None  # None = 1, 2, 4, 8, then steps of 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device=cuda was asked for but no CUDA device is available")
+        self.torch_dtype = parse_dtype(self.dtype, self.device)
+        if self.device == "cpu" and self.torch_dtype != torch.float32:
+            # CPU kernels are the torch references; they work in any dtype but fp32 is
+            # what HF parity is measured in. Allow it anyway: the user asked.
+            pass
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")

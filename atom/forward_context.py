@@ -1,0 +1,58 @@
+"""The one ambient object of a forward pass: attention metadata for this step.
+
+The ModelRunner sets it around each forward (and each CUDA-graph capture) with
+`forward_context(...)`; attention layers read it with `get_forward_context()`. Nothing
+else is global.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Device-side metadata every attention backend reads.
+
+    slot_mapping:  [num_tokens] int64, cache slot of each new token; -1 = padding (skip).
+    context_lens:  [num_seqs] int32, KV length of each sequence after this step; 0 = padding.
+    block_tables:  [num_seqs, max_blocks_per_seq] int32, the sequence's KV block ids.
+    cu_seqlens_q:  [num_seqs + 1] int32, start of each sequence's new tokens.
+    max_seqlen_q:  host int, longest run of new tokens (grid size of the prefill kernel).
+    is_decode:     every sequence computes exactly one token (decode kernel, graphable).
+    Dense profiling runs (no KV cache yet) leave block_tables as None.
+    """
+
+    slot_mapping: torch.Tensor | None
+    context_lens: torch.Tensor | None
+    block_tables: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    max_seqlen_q: int
+    is_decode: bool
+
+
+@dataclass
+class ForwardContext:
+    attention: AttentionMetadata
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(attention: AttentionMetadata):
+    global _current
+    previous, _current = _current, ForwardContext(attention)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention was called outside a forward_context(...)")
+    return _current

@@ -1,0 +1,289 @@
+"""Decode attention over the paged KV cache: one new query token per sequence.
+
+Shapes and dtypes:
+    q              [batch, num_q_heads, head_dim], fp16/bf16/fp32
+    k_cache,
+    v_cache        [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, contiguous
+    block_tables   [batch_capacity >= batch, max_blocks_per_seq], int32; row b holds the
+                   block ids of sequence b, entries past its context are ignored
+    context_lens   [batch], int32: KV tokens of each sequence in the cache, the current token
+                   included; 0 marks a padding row (CUDA-graph padding) whose output is zeros
+    out            [batch, num_q_heads, head_dim], q's dtype
+
+GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
+
+Runtime lengths: batch and context_lens (read on the device, so the kernel can be captured
+in a CUDA graph and replayed with other lengths). Geometry (constexpr): head_dim,
+block_size, group size, tile sizes.
+
+Kernel design: one program per (sequence, kv head, context split). It holds the whole
+query-head group of its kv head as a [BLOCK_G, BLOCK_D] tile, walks its share of the
+context in tiles of BLOCK_N tokens gathered through the block table, and keeps an online
+softmax in fp32. With several splits (long contexts, small batches) a second kernel merges
+the partial results by their log-sum-exp.
+"""
+
+import torch
+
+from atom.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    partial_out_ptr,  # [batch, num_q_heads, num_splits, HEAD_DIM] fp32, used when SPLIT
+    partial_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, log2 domain, used when SPLIT
+    sm_scale,
+    stride_q_batch,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_block_tables_row,
+    stride_out_batch,
+    stride_out_head,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # GROUP_SIZE padded to a power of 2 >= 16 for tl.dot
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    SPLIT: tl.constexpr,
+):
+    batch_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # This program's share of the context, in whole tiles; empty when context_len == 0.
+    context_len = tl.load(context_lens_ptr + batch_idx)
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_head = kv_head * GROUP_SIZE + offs_g
+    g_mask = offs_g < GROUP_SIZE
+    d_mask = offs_d < HEAD_DIM
+
+    q_ptrs = q_ptr + batch_idx * stride_q_batch + q_head[:, None] * stride_q_head + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # Finite initial max: a fully masked tile then gives exp2(-inf) = 0, never NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # softmax via exp2
+
+    block_table_row = block_tables_ptr + batch_idx.to(tl.int64) * stride_block_tables_row
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + offs_n
+        n_mask = pos < end
+        # token -> (block id from the table, offset inside the block); int64 past 2^31.
+        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        token_offs = (
+            block_id.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_offset
+            + kv_head * stride_cache_head
+        )
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens: acc is 0, output zeros
+    acc = acc / l_safe[:, None]
+    if SPLIT:
+        row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits + split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(partial_lse_ptr + row, lse, mask=g_mask)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+    else:
+        out_ptrs = (
+            out_ptr
+            + batch_idx * stride_out_batch
+            + q_head[:, None] * stride_out_head
+            + offs_d[None, :]
+        )
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_out_batch,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next_power_of_2(num_splits)
+):
+    # One program per (sequence, query head): weight each split by exp2(lse - max lse).
+    batch_idx = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    row = (batch_idx * tl.num_programs(1) + head) * num_splits + offs_s
+
+    lse = tl.load(partial_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty
+    weight = tl.exp2(lse - lse_max)
+    partial = tl.load(
+        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, 0)
+    merged = tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
+    out_ptrs = out_ptr + batch_idx * stride_out_batch + head * stride_out_head + offs_d
+    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _pick_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int, block_n: int) -> int:
+    """Enough programs to fill the GPU; depends on shapes only, so graph replays agree."""
+    if not q.is_cuda:
+        return 1  # the interpreter pays per program
+    programs = q.shape[0] * num_kv_heads
+    wanted = triton.cdiv(
+        2 * torch.cuda.get_device_properties(q.device).multi_processor_count, programs
+    )
+    useful = triton.cdiv(max_context, 4 * block_n)  # at least ~4 tiles per split
+    return max(1, min(wanted, useful, 32))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged KV; returns ``out``.
+
+    ``num_splits`` (context splits per sequence) is picked from the shapes when None.
+    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    """
+    if not use_triton(q):
+        return paged_decode_attention_reference(
+            q, k_cache, v_cache, block_tables, context_lens, scale, out
+        )
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_q_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    group_size = num_q_heads // num_kv_heads
+    # Big tiles in the interpreter (cost per program), 64 tokens on a GPU.
+    block_n = 64 if q.is_cuda else 256
+    if num_splits is None:
+        num_splits = _pick_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size, block_n)
+    split = num_splits > 1
+    partial_out = partial_lse = out  # unused placeholders when not split
+    if split:
+        partial_lse = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
+        partial_out = q.new_empty((*partial_lse.shape, head_dim), dtype=torch.float32)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial_out,
+        partial_lse,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP_SIZE=group_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLIT=split,
+    )
+    if split:
+        _merge_splits_kernel[(batch, num_q_heads)](
+            partial_out,
+            partial_lse,
+            out,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pure-torch ``paged_decode_attention`` (fp32 math, a Python loop over sequences)."""
+    batch, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group_size = num_q_heads // num_kv_heads
+    result = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b, context_len in enumerate(context_lens[:batch].tolist()):
+        if context_len == 0:
+            continue  # padding row: zeros
+        blocks = block_tables[b, : (context_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:context_len].float()  # [context, kv_heads, dim]
+        v = v_cache[blocks].flatten(0, 1)[:context_len].float()
+        q_group = q[b].float().view(num_kv_heads, group_size, head_dim)
+        probs = (torch.einsum("hgd,thd->hgt", q_group, k) * scale).softmax(dim=-1)
+        result[b] = torch.einsum("hgt,thd->hgd", probs, v).reshape(num_q_heads, head_dim)
+    if out is None:
+        return result.to(q.dtype)
+    return out.copy_(result)

@@ -1,0 +1,68 @@
+"""Decode CUDA graphs, one per padded batch size, captured on a slot's fixed buffers."""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from atom.forward_context import AttentionMetadata, forward_context
+
+
+def default_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16))
+    sizes = [s for s in sizes if s <= max_num_seqs]
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class DecodeGraphs:
+    """Captured decode steps of one RunnerSlot: replay with `run(batch_size)`."""
+
+    def __init__(self, model, slot, batch_sizes: list[int]):
+        self.model = model
+        self.slot = slot
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def padded_size(self, batch_size: int) -> int | None:
+        index = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[index] if index < len(self.batch_sizes) else None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        slot = self.slot
+        return AttentionMetadata(
+            slot_mapping=slot.slot_mapping.device[:size],
+            context_lens=slot.context_lens.device[:size],
+            block_tables=slot.block_tables.device[:size],
+            cu_seqlens_q=None,
+            max_seqlen_q=1,
+            is_decode=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        slot = self.slot
+        # Well-defined padding everywhere: no cache writes, nothing to attend to.
+        slot.slot_mapping.device.fill_(-1)
+        slot.context_lens.device.fill_(0)
+        pool = None
+        for size in reversed(self.batch_sizes):
+            input_ids = slot.input_ids.device[:size]
+            positions = slot.positions.device[:size]
+            graph = torch.cuda.CUDAGraph()
+            with forward_context(self._metadata(size)):
+                self.model.compute_logits(self.model(input_ids, positions))  # warm-up
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(input_ids, positions))
+            pool = graph.pool()
+            self.graphs[size] = graph
+            self.logits[size] = logits
+        torch.cuda.synchronize()
+
+    def run(self, padded_size: int, batch_size: int) -> torch.Tensor:
+        self.graphs[padded_size].replay()
+        return self.logits[padded_size][:batch_size]

@@ -1,0 +1,251 @@
+"""LLMEngine (add requests, step, abort) and LLM (batch `generate` with a progress bar)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from atom.config import Config
+from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.model_runner import ModelRunner
+from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.sequence import FinishReason, Sequence
+from atom.models.default_model import default_model_path
+from atom.models.loader import load_tokenizer, open_model
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    seq_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: Config | None = None, **kwargs):
+        self.config = config = config or Config(**kwargs)
+        source = open_model(config.model or default_model_path())
+        self.model_path = source.path
+        self.hf_config = hf = source.hf_config
+        self.tokenizer = load_tokenizer(source)
+        model_len = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}"
+            )
+        self.max_model_len = config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
+        self.model_runner = ModelRunner(config, hf, source.weights(), self.max_model_len)
+        self.block_manager = BlockManager(
+            self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self._eos_token_ids(),
+        )
+        self.requests: dict[int, Sequence] = {}
+        self.stats = EngineStats()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests --------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def add_request(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    ) -> int:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        token_ids = self.tokenize(prompt)
+        if not token_ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt is empty")
+        vocab = self.hf_config.vocab_size
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
+        ):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, more than max_model_len - 1 "
+                f"({self.max_model_len - 1}) leaves room to generate"
+            )
+        blocks = self.block_manager.blocks_for(len(token_ids) + 1)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}"
+            )
+        seq = Sequence(token_ids, params)
+        seq.prompt = prompt if isinstance(prompt, str) else None
+        self.requests[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        self.stats.requests += 1
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        """Stop a request and free its blocks; False if it was unknown or already done."""
+        seq = self.requests.pop(seq_id, None)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        tokens = self.model_runner.run(batch)
+        updated = self.scheduler.postprocess(batch, tokens)
+        self.stats.record(batch, len(tokens), time.perf_counter() - start)
+        outputs = []
+        for seq in updated:
+            finished = seq.is_finished
+            if finished:
+                self.requests.pop(seq.seq_id, None)
+            outputs.append(
+                StepOutput(
+                    seq.seq_id,
+                    [seq.last_token_id],
+                    finished,
+                    seq.finish_reason.value if finished else None,
+                )
+            )
+        return outputs
+
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            prompt=getattr(seq, "prompt", None),
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            text=self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+
+class EngineStats:
+    """Cumulative counters (the server's /metrics reads these)."""
+
+    def __init__(self):
+        self.requests = 0
+        self.steps = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.step_seconds = 0.0
+
+    def record(self, batch, num_sampled: int, seconds: float) -> None:
+        """Called after postprocess: each sequence's computed count includes this step."""
+        self.steps += 1
+        self.step_seconds += seconds
+        self.generated_tokens += num_sampled
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            before = seq.num_computed_tokens - n
+            self.prompt_tokens += max(0, min(seq.num_prompt_tokens, before + n) - before)
+
+
+class LLM:
+    """Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        config = kwargs.pop("config", None) or Config(model=model, **kwargs)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: Config) -> LLM:
+        return cls(config=config)
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        engine = self.engine
+        seqs = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                seqs.append(engine.requests[engine.add_request(prompt, params)])
+        except Exception:
+            for seq in seqs:  # a bad prompt refuses the whole call; leave nothing queued
+                engine.abort(seq.seq_id)
+            raise
+        bar = tqdm(
+            total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True
+        )
+        start, generated = time.perf_counter(), 0
+        try:
+            while any(not s.is_finished for s in seqs):
+                outputs = engine.step()
+                generated += len(outputs)
+                done = sum(1 for o in outputs if o.finished)
+                if done:
+                    bar.update(done)
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"{generated / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
+        finally:
+            bar.close()
+            for seq in seqs:
+                if not seq.is_finished:
+                    engine.abort(seq.seq_id)
+        return [engine.output_of(s) for s in seqs]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered through the model's chat template."""
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)

@@ -1,0 +1,152 @@
+"""ModelRunner: builds the model and its KV cache, and runs one scheduled step.
+
+It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch; one for
+now) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from atom.config import Config
+from atom.forward_context import AttentionMetadata, forward_context
+from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
+from atom.model_engine.runner_slot import RunnerSlot
+from atom.model_engine.sampler import Sampler
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: Config, hf_config, weights, max_model_len: int):
+        self.config = config
+        self.hf_config = hf_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        torch.manual_seed(config.seed)
+
+        self.model = self._build_model(weights)
+        self.sampler = Sampler()
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.slots = [
+            RunnerSlot(
+                index=0,
+                max_num_seqs=config.max_num_seqs,
+                max_num_tokens=config.max_num_batched_tokens,
+                max_blocks_per_seq=max_blocks_per_seq,
+                block_size=self.block_size,
+                vocab_size=hf_config.vocab_size,
+                device=self.device,
+            )
+        ]
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
+            self.graphs = DecodeGraphs(
+                self.model, self.slots[0], [s for s in sizes if s <= config.max_num_seqs]
+            )
+            self.graphs.capture()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _build_model(self, weights) -> torch.nn.Module:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+        finally:
+            torch.set_default_dtype(previous)
+        with torch.no_grad():
+            model.load_weights(weights)
+        return model.eval()
+
+    def kv_block_bytes(self) -> int:
+        layers = self.model.attention_layers
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers)
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        block_bytes = self.kv_block_bytes()
+        if self.config.num_kvcache_blocks is not None:
+            num_blocks = self.config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._blocks_from_free_memory(block_bytes)
+        else:
+            num_blocks = self.config.kv_cache_memory_bytes // block_bytes
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no room for a single KV block ({block_bytes} bytes); raise "
+                "--gpu-memory-utilization or the CPU KV budget, or lower --max-num-batched-tokens"
+            )
+        layers = self.model.attention_layers
+        a = layers[0]
+        self.kv_cache = torch.empty(
+            (2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for index, layer in enumerate(layers):
+            layer.k_cache = self.kv_cache[0, index]
+            layer.v_cache = self.kv_cache[1, index]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * block_bytes / 2**30,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _blocks_from_free_memory(self, block_bytes: int) -> int:
+        """Size the cache from what is left after a peak-sized forward (profiling run)."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        dense = AttentionMetadata(None, None, None, None, num_tokens, False)
+        with forward_context(dense):
+            hidden = self.model(input_ids, positions)
+        self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        budget = total * self.config.gpu_memory_utilization - used - activations
+        del hidden
+        torch.cuda.empty_cache()
+        return max(0, int(budget // block_bytes))
+
+    # -- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Run the forward for `batch` and return one sampled token per sampling sequence."""
+        slot = self.slots[0]
+        step = slot.prepare(batch)
+        padded = (
+            self.graphs.padded_size(step.num_seqs) if (self.graphs and step.is_decode) else None
+        )
+        if padded is not None:
+            slot.publish_model_inputs(step, padded_seqs=padded)
+            logits = self.graphs.run(padded, step.num_seqs)
+        else:
+            input_ids, positions, metadata = slot.publish_model_inputs(step)
+            with forward_context(metadata):
+                hidden = self.model(input_ids, positions)
+            if not step.sampling_seqs:
+                return []
+            if len(step.sampling_seqs) != step.num_tokens:  # not every token samples
+                hidden = hidden[slot.publish_logits_indices(step)]
+            logits = self.model.compute_logits(hidden)
+        if not step.sampling_seqs:
+            return []
+        tokens = self.sampler(logits, slot.publish_sampling(step))
+        return tokens.tolist()

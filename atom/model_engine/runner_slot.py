@@ -1,0 +1,222 @@
+"""A RunnerSlot: one step's host staging buffers and their fixed device destinations.
+
+The ModelRunner owns one slot per pipeline stage / two-batch-overlap micro-batch. The
+host side of every buffer is a numpy view of (pinned, on CUDA) memory that `prepare`
+writes without building torch tensors; the device side is allocated once, so CUDA graphs
+captured on it replay with each step's data. On CPU the two sides are the same memory.
+
+Each buffer declares its pad value, so a padded batch (CUDA-graph replay at a larger
+batch size) reads well-defined data: slot mapping -1 (write nothing), context lengths 0
+(attend to nothing), cu_seqlens repeat their last value.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from atom.forward_context import AttentionMetadata
+from atom.model_engine.sampler import SamplingTensors
+from atom.model_engine.scheduler import ScheduledBatch
+
+REPEAT_LAST = "repeat_last"
+
+
+class StagedBuffer:
+    """Host staging memory + fixed device destination for one named metadata buffer."""
+
+    def __init__(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pad
+    ):
+        self.name = name
+        self.pad = pad
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.array: np.ndarray = self.host.numpy()
+        self.device = (
+            self.host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+        )
+        if pad != REPEAT_LAST:
+            self.array.fill(pad)
+            if self.device is not self.host:
+                self.device.fill_(pad)
+
+    def publish(self, valid: int, padded: int | None = None) -> torch.Tensor:
+        """Pad rows [valid, padded) and send rows [0, padded) to the device destination."""
+        padded = valid if padded is None else padded
+        if padded > valid:
+            if self.pad == REPEAT_LAST:
+                self.array[valid:padded] = self.array[valid - 1]
+            else:
+                self.array[valid:padded] = self.pad
+        if self.device is not self.host:
+            self.device[:padded].copy_(self.host[:padded], non_blocking=True)
+        return self.device[:padded]
+
+
+@dataclass
+class PreparedStep:
+    """Host-side facts about the step just written into a slot's staging buffers."""
+
+    num_seqs: int
+    num_tokens: int
+    max_seqlen_q: int
+    is_decode: bool
+    sampling_seqs: list  # sequences that sample this step, in batch order
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+
+
+class RunnerSlot:
+    def __init__(
+        self,
+        index: int,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ):
+        self.index = index
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        seqs, tokens = max_num_seqs, max(max_num_tokens, max_num_seqs)
+
+        def buffer(name, shape, dtype, pad):
+            return StagedBuffer(name, shape, dtype, device, pad)
+
+        self.input_ids = buffer("input_ids", (tokens,), torch.int64, 0)
+        self.positions = buffer("positions", (tokens,), torch.int64, 0)
+        self.slot_mapping = buffer("slot_mapping", (tokens,), torch.int64, -1)
+        self.context_lens = buffer("context_lens", (seqs,), torch.int32, 0)
+        self.cu_seqlens_q = buffer("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST)
+        self.block_tables = buffer("block_tables", (seqs, max_blocks_per_seq), torch.int32, 0)
+        self.logits_indices = buffer("logits_indices", (seqs,), torch.int64, 0)
+        self.temperatures = buffer("temperatures", (seqs,), torch.float32, 0.0)
+        self.top_k = buffer("top_k", (seqs,), torch.int64, vocab_size)
+        self.top_p = buffer("top_p", (seqs,), torch.float32, 1.0)
+
+    # -- host side -------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        """Write the batch's metadata into the host staging buffers (numpy only)."""
+        seqs = batch.seqs
+        num_seqs = len(seqs)
+        bs = self.block_size
+        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
+        ends = starts + num_new
+        num_tokens = int(num_new.sum())
+
+        tables = self.block_tables.array
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+
+        cu = self.cu_seqlens_q.array
+        cu[0] = 0
+        np.cumsum(num_new, out=cu[1 : num_seqs + 1])
+        if batch.is_decode_only:
+            rows = np.arange(num_seqs)
+            positions = starts
+            ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num_seqs)
+        else:
+            rows = np.repeat(np.arange(num_seqs), num_new)
+            positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
+            ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.token_ids[a:b]
+                    for s, a, b in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
+                ),
+                np.int64,
+                num_tokens,
+            )
+        self.input_ids.array[:num_tokens] = ids
+        self.positions.array[:num_tokens] = positions
+        self.slot_mapping.array[:num_tokens] = tables[rows, positions // bs] * bs + positions % bs
+        self.context_lens.array[:num_seqs] = ends
+
+        lengths = np.fromiter((len(s) for s in seqs), np.int64, num_seqs)
+        samples = ends == lengths
+        sample_rows = np.flatnonzero(samples)
+        sampling_seqs = [seqs[i] for i in sample_rows.tolist()]
+        self.logits_indices.array[: len(sample_rows)] = cu[sample_rows + 1] - 1
+        params = [s.sampling_params for s in sampling_seqs]
+        all_greedy = all(p.temperature == 0.0 for p in params)
+        needs_top_k = needs_top_p = False
+        if not all_greedy:
+            n = len(params)
+            self.temperatures.array[:n] = [p.temperature for p in params]
+            self.top_k.array[:n] = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+            self.top_p.array[:n] = [p.top_p for p in params]
+            needs_top_k = any(p.top_k > 0 for p in params)
+            needs_top_p = any(p.top_p < 1.0 for p in params)
+        return PreparedStep(
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+            max_seqlen_q=int(num_new.max()),
+            is_decode=batch.is_decode_only,
+            sampling_seqs=sampling_seqs,
+            all_greedy=all_greedy,
+            needs_top_k=needs_top_k,
+            needs_top_p=needs_top_p,
+        )
+
+    # -- publication -----------------------------------------------------------------------
+    def publish_model_inputs(self, step: PreparedStep, padded_seqs: int | None = None):
+        """Send the forward's inputs; returns (input_ids, positions, attention metadata).
+
+        `padded_seqs` (decode only) pads the batch to a captured CUDA-graph size.
+        """
+        tokens, seqs = step.num_tokens, step.num_seqs
+        padded_tokens = padded_seqs if padded_seqs is not None else tokens
+        padded = padded_seqs if padded_seqs is not None else seqs
+        input_ids = self.input_ids.publish(tokens, padded_tokens)
+        positions = self.positions.publish(tokens, padded_tokens)
+        if padded > seqs:
+            self.block_tables.array[seqs:padded] = 0
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping.publish(tokens, padded_tokens),
+            context_lens=self.context_lens.publish(seqs, padded),
+            block_tables=self.block_tables.publish(seqs, padded),
+            cu_seqlens_q=None if step.is_decode else self.cu_seqlens_q.publish(seqs + 1),
+            max_seqlen_q=step.max_seqlen_q,
+            is_decode=step.is_decode,
+        )
+        return input_ids, positions, metadata
+
+    def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor:
+        return self.logits_indices.publish(len(step.sampling_seqs))
+
+    def publish_sampling(self, step: PreparedStep) -> SamplingTensors:
+        """Sampling parameters; all-greedy steps upload nothing."""
+        if step.all_greedy:
+            return SamplingTensors(all_greedy=True)
+        n = len(step.sampling_seqs)
+        generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
+        return SamplingTensors(
+            all_greedy=False,
+            temperatures=self.temperatures.publish(n),
+            top_k=self.top_k.publish(n) if step.needs_top_k else None,
+            top_p=self.top_p.publish(n) if step.needs_top_p else None,
+            needs_top_k=step.needs_top_k,
+            needs_top_p=step.needs_top_p,
+            generators=generators if any(g is not None for g in generators) else None,
+        )
+
+
+def _generator_of(seq, device: torch.device) -> torch.Generator | None:
+    """The seeded generator of a request, created on first use and kept on the sequence."""
+    seed = seq.sampling_params.seed
+    if seed is None:
+        return None
+    generator = getattr(seq, "generator", None)
+    if generator is None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        seq.generator = generator
+    return generator

@@ -1,0 +1,173 @@
+"""Continuous batching with chunked prefill, decode first, preemption by recompute.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences that decode
+(one uncomputed token) are served first, then running sequences part-way through their
+prefill, then waiting sequences in arrival order. A prefill larger than the remaining
+budget is cut into chunks. When a running sequence needs a KV block and none is free,
+the most recently admitted running sequence is preempted: its blocks are freed and it
+returns to the front of the queue to be recomputed later (prefix caching often makes the
+recompute cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: `seqs[i]` computes `num_new_tokens[i]` tokens (decodes first)."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    num_decodes: int  # the first num_decodes entries are single-token decodes
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, index: int) -> bool:
+        """Whether seqs[index] reaches its last token this step (and so samples one)."""
+        seq = self.seqs[index]
+        return seq.num_computed_tokens + self.num_new_tokens[index] == len(seq)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the tail is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        chosen: dict[Sequence, int] = {}  # insertion order = batch order
+        bm = self.block_manager
+        preemptions_before = self.num_preemptions
+
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_grow(seq, num_new):
+                victim = self.running[-1]
+                budget += chosen.pop(victim, 0)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            bm.grow(seq, num_new)
+            chosen[seq] = num_new
+            budget -= num_new
+
+        # After a preemption memory is tight: admit nothing new this step.
+        preempted = self.num_preemptions != preemptions_before
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            prefix = bm.find_prefix(seq)
+            num_new = min(len(seq) - len(prefix) * bm.block_size, budget)
+            if not bm.can_admit(seq, prefix, num_new):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, prefix)
+            bm.grow(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen[seq] = num_new
+            budget -= num_new
+
+        if not chosen:
+            return None
+        seqs = list(chosen)
+        num_decodes = 0
+        for seq in seqs:
+            if chosen[seq] == 1 and seq.num_uncomputed_tokens == 1:
+                num_decodes += 1
+            else:
+                break
+        return ScheduledBatch(seqs, [chosen[s] for s in seqs], num_decodes)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0  # recompute from scratch (prefix cache permitting)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- after the forward -------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Advance the batch by its computed tokens and append sampled ones.
+
+        `sampled` holds one token per sequence that samples (in batch order). Returns the
+        sequences that received a token this step.
+        """
+        updated = []
+        tokens = iter(sampled)
+        for index, seq in enumerate(batch.seqs):
+            samples = batch.samples(index)
+            seq.num_computed_tokens += batch.num_new_tokens[index]
+            self.block_manager.register_computed(seq)
+            if not samples:
+                continue
+            token = next(tokens)
+            seq.append_token(token)
+            updated.append(seq)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+        return updated
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire a sequence (also used for aborts); its blocks return to the pool."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,75 @@
+"""A request as the scheduler sees it: token ids, progress, and its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from atom.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence or a stop token
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client went away or the engine aborted it
+
+
+class Sequence:
+    """Prompt plus generated tokens of one request.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; the scheduler moves it
+    forward step by step (chunked prefill) and back to 0 on preemption (recompute).
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams):
+        self.seq_id = next(Sequence._ids)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits of the latest (re)admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full computed blocks
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.value}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

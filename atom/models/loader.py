@@ -1,0 +1,167 @@
+"""Open a model checkpoint: a Hugging Face directory (config.json + safetensors) or a GGUF file.
+
+`open_model` reads only metadata; `ModelSource.weights()` then streams HF-named float32 CPU
+tensors one at a time, and `load_tokenizer` builds the matching transformers tokenizer.
+"""
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be opened; the message names the file and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Arguments for `AutoTokenizer.from_pretrained`, plus a chat template to fall back on."""
+
+    directory: str
+    gguf_file: str | None = None
+    chat_template: str | None = None
+
+
+@dataclass
+class ModelSource:
+    """An opened checkpoint: its HF config, how to build its tokenizer, and its weights."""
+
+    path: str
+    format: str  # "gguf" or "safetensors"
+    hf_config: PretrainedConfig
+    tokenizer_source: TokenizerSource
+    weight_reader: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, float32 CPU tensor) lazily, one tensor at a time.
+
+        `lm_head.weight` appears only when the checkpoint stores it (untied embeddings).
+        """
+        return self.weight_reader()
+
+
+def open_model(path: str | os.PathLike) -> ModelSource:
+    """Open a HF model directory or a .gguf file, reading metadata only."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {path} does not exist (FileNotFoundError)")
+    if os.path.isdir(path):
+        return _open_hf_directory(path)
+    return _open_gguf(path)
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """Build the transformers tokenizer for `source`, with its chat template when one exists."""
+    spec = source.tokenizer_source
+    kwargs = {"local_files_only": True}
+    if spec.gguf_file is not None:
+        kwargs["gguf_file"] = spec.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.directory, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(
+            f"{source.path}: cannot build a tokenizer: {type(e).__name__}: {e}"
+        ) from e
+    if tokenizer.chat_template is None and spec.chat_template is not None:
+        tokenizer.chat_template = spec.chat_template
+    return tokenizer
+
+
+def _open_gguf(path: str) -> ModelSource:
+    # Imported here: gguf_loader imports ModelLoadError from this module.
+    from atom.models.gguf_loader import iter_gguf_weights, read_gguf
+
+    contents = read_gguf(path)
+    absolute = os.path.abspath(path)
+    return ModelSource(
+        path=path,
+        format="gguf",
+        hf_config=contents.hf_config,
+        tokenizer_source=TokenizerSource(
+            directory=os.path.dirname(absolute),
+            gguf_file=os.path.basename(absolute),
+            chat_template=contents.chat_template,
+        ),
+        weight_reader=lambda: iter_gguf_weights(path, contents.reader, contents.hf_config),
+    )
+
+
+def _open_hf_directory(path: str) -> ModelSource:
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is a directory without config.json; expected a Hugging Face model "
+            "directory (config.json + *.safetensors) or a .gguf file"
+        )
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(
+            f"{directory / 'config.json'} cannot be read as a transformers config: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{directory / 'config.json'}: model_type {hf_config.model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    files = _safetensors_files(directory)
+    for file in files:  # read each header now so a damaged file fails at open time
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except Exception as e:
+            raise ModelLoadError(
+                f"{file} is not a readable safetensors file: {type(e).__name__}: {e}"
+            ) from e
+    return ModelSource(
+        path=path,
+        format="safetensors",
+        hf_config=hf_config,
+        tokenizer_source=TokenizerSource(directory=str(directory)),
+        weight_reader=lambda: _iter_safetensors_weights(files),
+    )
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index_path = directory / SAFETENSORS_INDEX
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(
+                f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {e}"
+            ) from e
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [str(file) for file in files if not file.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index_path} lists shards that do not exist: {missing}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{directory} has no *.safetensors files (PyTorch .bin checkpoints are not supported)"
+        )
+    return files
+
+
+def _iter_safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(file, framework="pt") as shard:
+            for name in shard.keys():
+                try:
+                    tensor = shard.get_tensor(name)
+                except Exception as e:
+                    raise ModelLoadError(
+                        f"{file}: cannot read tensor {name}: {type(e).__name__}: {e}"
+                    ) from e
+                yield name, tensor.to(torch.float32)

@@ -1,0 +1,23 @@
+"""Architecture name (HF `config.architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from atom.models.llama import LlamaForCausalLM
+
+MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def model_class(config):
+    archs = list(getattr(config, "architectures", None) or [])
+    archs += [BY_MODEL_TYPE.get(getattr(config, "model_type", None), "")]
+    for arch in archs:
+        if arch in MODELS:
+            return MODELS[arch]
+    raise ValueError(
+        f"unsupported architecture {archs[:-1] or getattr(config, 'model_type', None)!r}; supported: {', '.join(MODELS)}"
+    )

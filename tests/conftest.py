@@ -1,0 +1,19 @@
+"""Shared pytest setup: Triton's interpreter on CPU-only machines, `gpu` tests skipped there."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must happen before any Triton kernel is defined: triton.jit reads it at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

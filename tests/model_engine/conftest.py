@@ -1,0 +1,112 @@
+"""Tiny random HF models saved to disk, and engines over them shared by the tests.
+
+Every engine built through `build_llm` is checked after each test: with no request
+alive, every KV block must be free.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from atom.model_engine.llm_engine import LLM
+from atom.models.loader import load_tokenizer, open_model
+
+_ENGINES: list[LLM] = []
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory):
+    """The SmolLM2 tokenizer saved as a plain HF tokenizer (tiny models reuse it)."""
+    from atom.models.default_model import default_model_path
+
+    tokenizer = load_tokenizer(open_model(default_model_path()))
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return path, tokenizer
+
+
+def _save_tiny(kind: str, root, tokenizer) -> str:
+    torch.manual_seed({"llama": 1, "qwen2": 2, "llama3": 3}[kind])
+    vocab = len(tokenizer)
+    common = dict(
+        TINY,
+        vocab_size=vocab,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        if kind == "llama3":
+            common["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+            common["tie_word_embeddings"] = True
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    path = root / kind
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, smollm2_tokenizer_dir):
+    _, tokenizer = smollm2_tokenizer_dir
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: _save_tiny(kind, root, tokenizer) for kind in ("llama", "qwen2", "llama3")}
+
+
+def build_llm(model: str, **kwargs) -> LLM:
+    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("kv_cache_memory_bytes", 64 << 20)
+    llm = LLM(model, **kwargs)
+    _ENGINES.append(llm)
+    return llm
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_blocks():
+    yield
+    for llm in _ENGINES:
+        bm = llm.engine.block_manager
+        assert not llm.engine.has_unfinished(), "a test left requests in the engine"
+        assert bm.num_free_blocks == bm.num_blocks, (
+            f"leaked KV blocks: {bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} in use"
+        )
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Reference tokens from HF transformers' greedy generate (fp32, one prompt at a time)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    return hf_generate(model, prompts, max_new_tokens)
+
+
+def hf_generate(model, prompts, max_new_tokens, stop_at_eos=False):
+    outputs = []
+    for ids in prompts:
+        input_ids = torch.tensor([ids])
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False)
+        if not stop_at_eos:
+            kwargs["min_new_tokens"] = max_new_tokens
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
