@@ -56,13 +56,21 @@ class Config:
     enforce_eager: bool = False
     cuda_graph_batch_sizes: list[int] | None = None  # None = 1, 2, 4, 8, then steps of 16
     seed: int = 0
+    # Schedule step N+1 while step N runs (None: on for CUDA, off for CPU).
+    async_scheduling: bool | None = None
+    load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (benchmarks)
+    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
 
     def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device=cuda was asked for but no CUDA device is available")
         self.torch_dtype = parse_dtype(self.dtype, self.device)
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:
             # CPU kernels are the torch references; they work in any dtype but fp32 is
             # what HF parity is measured in. Allow it anyway: the user asked.

@@ -24,6 +24,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 # Imported after use_triton: the kernel modules import it from here.
+from atom.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from atom.kernels.decode_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -33,13 +34,21 @@ from atom.kernels.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_reference,
 )
+from atom.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
+from atom.kernels.rotary import apply_rotary, apply_rotary_reference  # noqa: E402
 
 __all__ = [
     "HAS_TRITON",
+    "apply_rotary",
+    "apply_rotary_reference",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "silu_and_mul",
+    "silu_and_mul_reference",
     "store_kvcache",
     "store_kvcache_reference",
     "use_triton",

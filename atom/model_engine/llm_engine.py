@@ -15,7 +15,7 @@ from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import FinishReason, Sequence
 from atom.models.default_model import default_model_path
-from atom.models.loader import load_tokenizer, open_model
+from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,17 +45,23 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, config: Config | None = None, **kwargs):
         self.config = config = config or Config(**kwargs)
-        source = open_model(config.model or default_model_path())
-        self.model_path = source.path
-        self.hf_config = hf = source.hf_config
-        self.tokenizer = load_tokenizer(source)
+        self.model_path = config.model or default_model_path()
+        if config.load_format == "dummy":
+            source, hf, weights = None, read_config(self.model_path), None
+        else:
+            source = open_model(self.model_path)
+            hf, weights = source.hf_config, source.weights()
+        self.hf_config = hf
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(source or open_model(self.model_path))
         model_len = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}"
             )
         self.max_model_len = config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
-        self.model_runner = ModelRunner(config, hf, source.weights(), self.max_model_len)
+        self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -68,18 +74,22 @@ class LLMEngine:
         )
         self.requests: dict[int, Sequence] = {}
         self.stats = EngineStats()
+        self.async_scheduling = config.async_scheduling
+        self._in_flight = None  # (batch, StepHandle) launched but not yet read
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
         eos = getattr(self.hf_config, "eos_token_id", None)
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
     # -- requests --------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine runs without a tokenizer: pass token ids, not text")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
@@ -130,37 +140,57 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Schedule and launch one step; return what the step before it produced.
+
+        With asynchronous scheduling (CUDA default) step N+1 is scheduled and launched
+        before step N's tokens are read, so the host works while the device computes;
+        otherwise each step completes before `step` returns.
+        """
         start = time.perf_counter()
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        tokens = self.model_runner.run(batch)
-        updated = self.scheduler.postprocess(batch, tokens)
-        self.stats.record(batch, len(tokens), time.perf_counter() - start)
+        launched = None
+        if batch is not None:
+            launched = (batch, self.model_runner.launch(batch))
+            self.scheduler.on_launch(batch)
+        outputs = []
+        if self._in_flight is not None:
+            outputs = self._complete(*self._in_flight)
+            self._in_flight = None
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._complete(*launched)
+            self.stats.record(batch, time.perf_counter() - start)
+        return outputs
+
+    def _complete(self, batch, handle) -> list[StepOutput]:
+        tokens = handle.result()
+        updated = self.scheduler.on_complete(batch, tokens)
+        self.stats.generated_tokens += len(updated)
         outputs = []
         for seq in updated:
             finished = seq.is_finished
             if finished:
                 self.requests.pop(seq.seq_id, None)
-            outputs.append(
-                StepOutput(
-                    seq.seq_id,
-                    [seq.last_token_id],
-                    finished,
-                    seq.finish_reason.value if finished else None,
-                )
-            )
+            reason = seq.finish_reason.value if finished else None
+            outputs.append(StepOutput(seq.seq_id, [seq.last_token_id], finished, reason))
         return outputs
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
             prompt=getattr(seq, "prompt", None),
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            text=self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
+            text=self.decode(seq.output_token_ids),
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_cached_tokens=seq.num_cached_tokens,
@@ -177,11 +207,10 @@ class EngineStats:
         self.generated_tokens = 0
         self.step_seconds = 0.0
 
-    def record(self, batch, num_sampled: int, seconds: float) -> None:
-        """Called after postprocess: each sequence's computed count includes this step."""
+    def record(self, batch, seconds: float) -> None:
+        """Called after launch: each sequence's computed count includes this step."""
         self.steps += 1
         self.step_seconds += seconds
-        self.generated_tokens += num_sampled
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             before = seq.num_computed_tokens - n
             self.prompt_tokens += max(0, min(seq.num_prompt_tokens, before + n) - before)

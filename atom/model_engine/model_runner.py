@@ -46,6 +46,7 @@ class ModelRunner:
             )
         ]
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
@@ -64,7 +65,10 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         with torch.no_grad():
-            model.load_weights(weights)
+            if weights is None:
+                _random_init(model)
+            else:
+                model.load_weights(weights)
         return model.eval()
 
     def kv_block_bytes(self) -> int:
@@ -127,26 +131,79 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Run the forward for `batch` and return one sampled token per sampling sequence."""
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Queue the forward and sampling of `batch`; the tokens arrive through the handle.
+
+        Nothing here waits for the device except the producer check on the slot's staging
+        memory (its previous copies ran long ago in practice), so the host can schedule
+        the next step while this one runs.
+        """
         slot = self.slots[0]
+        slot.wait_for_transfers()
         step = slot.prepare(batch)
-        padded = (
+        graph_size = (
             self.graphs.padded_size(step.num_seqs) if (self.graphs and step.is_decode) else None
         )
-        if padded is not None:
-            slot.publish_model_inputs(step, padded_seqs=padded)
-            logits = self.graphs.run(padded, step.num_seqs)
+        input_ids, positions, metadata = slot.publish_model_inputs(step, padded_seqs=graph_size)
+        placeholders = slot.publish_placeholders(step)
+        sampling = step.sampling_seqs and slot.publish_sampling(step)
+        every_token_samples = len(step.sampling_seqs) == step.num_tokens
+        logits_indices = None
+        if step.sampling_seqs and graph_size is None and not every_token_samples:
+            logits_indices = slot.publish_logits_indices(step)
+        slot.record_transfers()
+
+        if placeholders is not None:
+            dst, src = placeholders
+            input_ids[dst] = self._last_sampled[src]
+        if graph_size is not None:
+            logits = self.graphs.run(graph_size, step.num_seqs)
         else:
-            input_ids, positions, metadata = slot.publish_model_inputs(step)
             with forward_context(metadata):
                 hidden = self.model(input_ids, positions)
             if not step.sampling_seqs:
-                return []
-            if len(step.sampling_seqs) != step.num_tokens:  # not every token samples
-                hidden = hidden[slot.publish_logits_indices(step)]
+                return StepHandle(None, None)
+            if logits_indices is not None:
+                hidden = hidden[logits_indices]
             logits = self.model.compute_logits(hidden)
-        if not step.sampling_seqs:
-            return []
-        tokens = self.sampler(logits, slot.publish_sampling(step))
-        return tokens.tolist()
+        tokens = self.sampler(logits, sampling)
+        self._last_sampled = tokens
+        return StepHandle.of(tokens)
+
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Synchronous form of `launch` (tests, tools)."""
+        return self.launch(batch).result()
+
+
+class StepHandle:
+    """Sampled tokens of a launched step, copied to the host without blocking."""
+
+    def __init__(self, host_tokens: torch.Tensor | None, done: torch.cuda.Event | None):
+        self._tokens = host_tokens
+        self._done = done
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor) -> StepHandle:
+        if not tokens.is_cuda:
+            return cls(tokens, None)
+        host = tokens.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(host, done)
+
+    def result(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return [] if self._tokens is None else self._tokens.tolist()
+
+
+def _random_init(model: torch.nn.Module) -> None:
+    """Random weights in the real shapes (`load_format="dummy"`, for benchmarks)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=generator)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:  # norm weights
+            param.fill_(1.0)

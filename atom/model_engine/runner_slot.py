@@ -69,6 +69,7 @@ class PreparedStep:
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
+    num_placeholders: int  # input tokens still on the device (filled from the last step)
 
 
 class RunnerSlot:
@@ -101,6 +102,22 @@ class RunnerSlot:
         self.temperatures = buffer("temperatures", (seqs,), torch.float32, 0.0)
         self.top_k = buffer("top_k", (seqs,), torch.int64, vocab_size)
         self.top_p = buffer("top_p", (seqs,), torch.float32, 1.0)
+        # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
+        self.placeholder_dst = buffer("placeholder_dst", (seqs,), torch.int64, 0)
+        self.placeholder_src = buffer("placeholder_src", (seqs,), torch.int64, 0)
+        # Host staging memory may be rewritten only after its copies ran (see wait_for_transfers).
+        self._transfers_done: torch.cuda.Event | None = None
+
+    def wait_for_transfers(self) -> None:
+        """Block until the previous step's host-to-device copies have executed."""
+        if self._transfers_done is not None:
+            self._transfers_done.synchronize()
+            self._transfers_done = None
+
+    def record_transfers(self) -> None:
+        if self.device.type == "cuda":
+            self._transfers_done = torch.cuda.Event()
+            self._transfers_done.record()
 
     # -- host side -------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
@@ -135,6 +152,17 @@ class RunnerSlot:
                 np.int64,
                 num_tokens,
             )
+        placeholders = [
+            (row, seq.pending_token[1])
+            for row, seq in enumerate(seqs)
+            if seq.pending_token is not None
+        ]
+        if placeholders:
+            rows_, src = zip(*placeholders, strict=True)
+            last_token_rows = cu[1 : num_seqs + 1] - 1
+            self.placeholder_dst.array[: len(rows_)] = last_token_rows[list(rows_)]
+            self.placeholder_src.array[: len(src)] = src
+            np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
         self.input_ids.array[:num_tokens] = ids
         self.positions.array[:num_tokens] = positions
         self.slot_mapping.array[:num_tokens] = tables[rows, positions // bs] * bs + positions % bs
@@ -164,6 +192,7 @@ class RunnerSlot:
             all_greedy=all_greedy,
             needs_top_k=needs_top_k,
             needs_top_p=needs_top_p,
+            num_placeholders=len(placeholders),
         )
 
     # -- publication -----------------------------------------------------------------------
@@ -188,6 +217,13 @@ class RunnerSlot:
             is_decode=step.is_decode,
         )
         return input_ids, positions, metadata
+
+    def publish_placeholders(self, step: PreparedStep):
+        """(dst, src) device index tensors of the placeholder fix-ups, or None."""
+        if not step.num_placeholders:
+            return None
+        n = step.num_placeholders
+        return self.placeholder_dst.publish(n), self.placeholder_src.publish(n)
 
     def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor:
         return self.logits_indices.publish(len(step.sampling_seqs))

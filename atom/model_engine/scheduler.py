@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from atom.model_engine.block_manager import BlockManager
-from atom.model_engine.sequence import FinishReason, Sequence, SequenceStatus
+from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence, SequenceStatus
 
 
 @dataclass
@@ -25,6 +25,8 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int  # the first num_decodes entries are single-token decodes
+    # Set by Scheduler.on_launch: (sequence, placeholder position) of each sampling row.
+    sampled: list[tuple[Sequence, int]] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -71,8 +73,10 @@ class Scheduler:
         bm = self.block_manager
         preemptions_before = self.num_preemptions
 
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decodes, prefills = [], []
+        for seq in self.running:
+            if not seq.finishing:
+                (decodes if seq.num_uncomputed_tokens == 1 else prefills).append(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -129,36 +133,57 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    # -- after the forward -------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Advance the batch by its computed tokens and append sampled ones.
+    # -- after the launch and after the forward ---------------------------------------------
+    def on_launch(self, batch: ScheduledBatch) -> None:
+        """The batch's forward is queued: count its tokens as computed and give each
+        sampling sequence a placeholder for the token it will receive.
 
-        `sampled` holds one token per sequence that samples (in batch order). Returns the
-        sequences that received a token this step.
+        With asynchronous scheduling the next step is scheduled before this one's tokens
+        are known: a decode's input is then the placeholder, which the ModelRunner fills
+        on the device from this step's sampled tokens. A sequence whose length limit this
+        token reaches is not scheduled again.
         """
-        updated = []
-        tokens = iter(sampled)
+        batch.sampled = []
         for index, seq in enumerate(batch.seqs):
             samples = batch.samples(index)
             seq.num_computed_tokens += batch.num_new_tokens[index]
-            self.block_manager.register_computed(seq)
             if not samples:
                 continue
-            token = next(tokens)
-            seq.append_token(token)
+            position = len(seq.token_ids)
+            seq.pending_token = (position, len(batch.sampled))
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+            batch.sampled.append((seq, position))
+            limit = seq.sampling_params.max_tokens
+            if seq.num_output_tokens >= limit or len(seq) >= self.max_model_len:
+                seq.finishing = True
+
+    def on_complete(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+        """Fill the placeholders with the sampled tokens (in sampling order) and retire
+        finished sequences. Returns the sequences that received a token."""
+        updated = []
+        for (seq, position), token in zip(batch.sampled, sampled, strict=True):
+            if seq.status == SequenceStatus.FINISHED:  # aborted, or stopped a step earlier
+                continue
+            seq.token_ids[position] = token
+            if seq.pending_token is not None and seq.pending_token[0] == position:
+                seq.pending_token = None
             updated.append(seq)
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, position + 1)
             if reason is not None:
+                del seq.token_ids[position + 1 :]  # a placeholder of a step still in flight
                 self.finish(seq, reason)
+        for seq in batch.seqs:
+            if seq.status != SequenceStatus.FINISHED:
+                self.block_manager.register_computed(seq)
         return updated
 
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> FinishReason | None:
         params = seq.sampling_params
         if token in params.stop_token_ids:
             return FinishReason.STOP
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

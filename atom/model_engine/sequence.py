@@ -7,6 +7,9 @@ import itertools
 
 from atom.sampling_params import SamplingParams
 
+# Stands for a sampled token that is still on the device (asynchronous scheduling).
+PLACEHOLDER_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -41,6 +44,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full computed blocks
         self.num_preemptions = 0
+        # (position in token_ids, row in the launching step's sampled tokens) while the
+        # last token is a placeholder; see Scheduler.on_launch.
+        self.pending_token: tuple[int, int] | None = None
+        self.finishing = False  # its last token is in flight and reaches a length limit
 
     def __len__(self) -> int:
         return len(self.token_ids)

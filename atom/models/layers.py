@@ -10,7 +10,15 @@ import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from atom.kernels import (
+    apply_rotary,
+    apply_rotary_reference,
+    rms_norm,
+    rms_norm_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
 
 
 class RMSNorm(nn.Module):
@@ -21,22 +29,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x; with `residual`, first add it and also return the sum."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        if x.is_cuda:
+            return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm_reference(x, self.weight, self.eps, residual)
 
 
 class SiluAndMul(nn.Module):
     """[..., 2 * I] (gate | up) -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x) if x.is_cuda else silu_and_mul_reference(x)
 
 
 def rope_parameters(config) -> tuple[float, dict | None]:
@@ -89,11 +91,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        if q.is_cuda:
+            return apply_rotary(positions, q, k, self.cos, self.sin)
+        return apply_rotary_reference(positions, q, k, self.cos, self.sin)

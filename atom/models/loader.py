@@ -59,6 +59,17 @@ def open_model(path: str | os.PathLike) -> ModelSource:
     return _open_gguf(path)
 
 
+def read_config(path: str | os.PathLike) -> PretrainedConfig:
+    """Only the model's config (for random-weight runs): a config.json directory or a GGUF."""
+    path = os.fspath(path)
+    if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")):
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read config.json: {type(e).__name__}: {e}") from e
+    return open_model(path).hf_config
+
+
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     """Build the transformers tokenizer for `source`, with its chat template when one exists."""
     spec = source.tokenizer_source

@@ -1,0 +1,91 @@
+"""SiLU-and-multiply of a fused gate/up projection (the SwiGLU MLP's activation).
+
+Shapes and dtypes:
+    x      [num_tokens, 2 * intermediate] (or [..., 2 * intermediate]): gate | up, fp32/bf16/
+           fp16; rows may be strided, only the last dimension must be unit-stride.
+    out    [num_tokens, intermediate], x's dtype: silu(gate) * up.
+
+Numerics as torch's ``F.silu(gate) * up``: silu runs in fp32 and is rounded to x's dtype,
+then the product is rounded to x's dtype. (The GPU's fp32 ``exp`` may differ from torch's in
+the last bit, which can flip a last bf16 bit.)
+
+Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): intermediate, tiles.
+"""
+
+import torch
+
+from atom.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    num_tokens,
+    stride_x,
+    stride_out,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # rows per program
+    BLOCK_I: tl.constexpr,  # columns per program
+):
+    # Program (i, j) covers rows [i * BLOCK_T, ...) and columns [j * BLOCK_I, ...) of out.
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_t < num_tokens)[:, None] & (offs_i < INTERMEDIATE)[None, :]
+    row = offs_t.to(tl.int64)[:, None]
+    col = offs_i[None, :]
+    dtype = x_ptr.dtype.element_ty
+
+    gate = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + INTERMEDIATE + col, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # rounded like torch's F.silu
+    out = silu.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + col, out.to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` as a new tensor of shape ``[..., I]``.
+
+    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the torch reference otherwise.
+    """
+    if not use_triton(x):
+        return silu_and_mul_reference(x)
+    assert x.shape[-1] % 2 == 0, "x must hold gate | up halves"
+    assert x.stride(-1) == 1, "the last dimension must be unit-stride"
+    intermediate = x.shape[-1] // 2
+    x_rows = x.reshape(-1, 2 * intermediate)  # a view for the usual [num_tokens, 2I] inputs
+    num_tokens = x_rows.shape[0]
+    out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
+    if num_tokens > 0 and intermediate > 0:
+        # Tiles of about 4K elements: 1 row x 4096 columns for a real model (many programs
+        # per row keep the GPU busy at small batch), several rows for toy ones.
+        block_i = min(4096, triton.next_power_of_2(intermediate))
+        block_t = max(1, min(16, 4096 // block_i))
+        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(intermediate, block_i))
+        _silu_and_mul_kernel[grid](
+            x_rows,
+            out,
+            num_tokens,
+            x_rows.stride(0),
+            out.stride(0),
+            INTERMEDIATE=intermediate,
+            BLOCK_T=block_t,
+            BLOCK_I=block_i,
+            num_warps=8 if block_t * block_i >= 4096 else 4,
+        )
+    return out.view(*x.shape[:-1], intermediate)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """Pure-torch ``silu_and_mul``."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

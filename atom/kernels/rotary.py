@@ -1,0 +1,212 @@
+"""Neox-style rotary embedding (HF ``rotate_half``) of queries and keys in one launch.
+
+Shapes and dtypes:
+    positions      [num_tokens], int32 or int64.
+    q              [num_tokens, num_q_heads, head_dim], fp32/bf16/fp16; k: [num_tokens,
+                   num_kv_heads, head_dim], same dtype. Both may be strided views (e.g. slices
+                   of a fused qkv projection); only head_dim must be unit-stride.
+    cos_cache,
+    sin_cache      [max_position, head_dim], any float dtype (both halves stored, as
+                   ``RotaryEmbedding`` builds them).
+    q_out, k_out   new contiguous tensors shaped and typed like q and k.
+
+Numerics equal ``apply_rotary_reference`` op for op: cos/sin are rounded to q's dtype, then
+each product, and the sum, is rounded to q's dtype as torch does. (In fp32 on a GPU the
+compiler may fuse a product and the sum into one FMA: a last-bit difference.)
+
+Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): heads, head_dim, tiles.
+"""
+
+import torch
+
+from atom.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    token,
+    stride_src_token,
+    stride_src_head,
+    stride_dst_token,
+    stride_dst_head,
+    cos_first,
+    sin_first,
+    cos_second,
+    sin_second,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # One token's [NUM_HEADS, head_dim] rows, as first halves x1 and second halves x2:
+    # out = x * cos + cat(-x2, x1) * sin, each op rounded to the input dtype like torch.
+    dtype = src_ptr.dtype.element_ty
+    offs_head = tl.arange(0, BLOCK_HEADS)[:, None]
+    offs_dim = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (offs_head < NUM_HEADS) & (offs_dim < HALF)
+    src = src_ptr + token * stride_src_token + offs_head * stride_src_head + offs_dim
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos_first).to(dtype).to(tl.float32) - (x2 * sin_first).to(dtype).to(tl.float32)
+    out2 = (x2 * cos_second).to(dtype).to(tl.float32) + (x1 * sin_second).to(dtype).to(tl.float32)
+    dst = dst_ptr + token * stride_dst_token + offs_head * stride_dst_head + offs_dim
+    tl.store(dst, out1.to(dtype), mask=mask)
+    tl.store(dst + HALF, out2.to(dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    num_tokens,
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_q_out_token,
+    stride_q_out_head,
+    stride_k_out_token,
+    stride_k_out_head,
+    stride_cache_position,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_KV_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # One program per token (the grid is exactly num_tokens): it reads the token's cos/sin
+    # row once for all q and k heads.
+    token = tl.program_id(0).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    offs_dim = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = offs_dim < HALF
+    cache = position * stride_cache_position + offs_dim
+    # Rounded to q's dtype first, as the torch code casts the cache rows.
+    cos_first = tl.load(cos_ptr + cache, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin_first = tl.load(sin_ptr + cache, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    cos_second = tl.load(cos_ptr + cache + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin_second = tl.load(sin_ptr + cache + HALF, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(
+        q_ptr,
+        q_out_ptr,
+        token,
+        stride_q_token,
+        stride_q_head,
+        stride_q_out_token,
+        stride_q_out_head,
+        cos_first,
+        sin_first,
+        cos_second,
+        sin_second,
+        NUM_Q_HEADS,
+        HALF,
+        BLOCK_Q_HEADS,
+        BLOCK_HALF,
+    )
+    _rotate_heads(
+        k_ptr,
+        k_out_ptr,
+        token,
+        stride_k_token,
+        stride_k_head,
+        stride_k_out_token,
+        stride_k_out_head,
+        cos_first,
+        sin_first,
+        cos_second,
+        sin_second,
+        NUM_KV_HEADS,
+        HALF,
+        BLOCK_KV_HEADS,
+        BLOCK_HALF,
+    )
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` and ``k`` by the angles of ``positions``; returns new (q_out, k_out).
+
+    Inputs are not modified. Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1),
+    the torch reference otherwise.
+    """
+    if not use_triton(q):
+        return apply_rotary_reference(positions, q, k, cos_cache, sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
+    assert positions.shape == (num_tokens,)
+    assert head_dim % 2 == 0, "rotate_half needs an even head_dim"
+    assert q.stride(2) == 1 and k.stride(2) == 1, "head_dim must be unit-stride"
+    assert cos_cache.shape[1] == head_dim and sin_cache.shape == cos_cache.shape
+    assert cos_cache.stride(1) == 1 and sin_cache.stride() == cos_cache.stride()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    _rotary_kernel[(num_tokens,)](
+        positions,
+        q,
+        k,
+        cos_cache,
+        sin_cache,
+        q_out,
+        k_out,
+        num_tokens,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+    )
+    return q_out, k_out
+
+
+def apply_rotary_reference(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch ``apply_rotary`` (HF ``apply_rotary_pos_emb`` with ``rotate_half``)."""
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
