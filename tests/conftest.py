@@ -17,3 +17,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Engine fixtures (tiny random models, the block-leak check) live in tests/engine_support.py.
+from tests.engine_support import (  # noqa: E402,F401
+    no_leaked_blocks,
+    smollm2_tokenizer_dir,
+    tiny_model_dirs,
+)

@@ -10,9 +10,13 @@ Shapes and dtypes:
                    ``RotaryEmbedding`` builds them).
     q_out, k_out   new contiguous tensors shaped and typed like q and k.
 
-Numerics equal ``apply_rotary_reference`` op for op: cos/sin are rounded to q's dtype, then
-each product, and the sum, is rounded to q's dtype as torch does. (In fp32 on a GPU the
-compiler may fuse a product and the sum into one FMA: a last-bit difference.)
+Numerics: cos/sin are rounded to q's dtype as in ``apply_rotary_reference``, then
+``x * cos + rotate_half(x) * sin`` is computed in fp32 and rounded to q's dtype once, where
+torch rounds each product and the sum. In fp32 the two agree to about 1e-6 (a GPU may fuse a
+product and the sum into an FMA); in bf16/fp16 about a quarter of the elements differ, by
+at most about one ulp of the head's largest outputs (cancellation makes it more than one ulp
+of a small output), see the tolerance in tests/kernels/test_rotary.py. (Rounding each op in
+the kernel would not help: on the GPU the compiler folds an fp32 -> bf16 -> fp32 round trip.)
 
 Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): heads, head_dim, tiles.
 """
@@ -50,19 +54,18 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
 ):
     # One token's [NUM_HEADS, head_dim] rows, as first halves x1 and second halves x2:
-    # out = x * cos + cat(-x2, x1) * sin, each op rounded to the input dtype like torch.
-    dtype = src_ptr.dtype.element_ty
+    # out = x * cos + cat(-x2, x1) * sin, in fp32, rounded once to the output dtype.
     offs_head = tl.arange(0, BLOCK_HEADS)[:, None]
     offs_dim = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (offs_head < NUM_HEADS) & (offs_dim < HALF)
     src = src_ptr + token * stride_src_token + offs_head * stride_src_head + offs_dim
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    out1 = (x1 * cos_first).to(dtype).to(tl.float32) - (x2 * sin_first).to(dtype).to(tl.float32)
-    out2 = (x2 * cos_second).to(dtype).to(tl.float32) + (x1 * sin_second).to(dtype).to(tl.float32)
+    out1 = x1 * cos_first - x2 * sin_first
+    out2 = x2 * cos_second + x1 * sin_second
     dst = dst_ptr + token * stride_dst_token + offs_head * stride_dst_head + offs_dim
-    tl.store(dst, out1.to(dtype), mask=mask)
-    tl.store(dst + HALF, out2.to(dtype), mask=mask)
+    tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

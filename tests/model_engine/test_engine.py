@@ -8,7 +8,7 @@ import pytest
 from atom.model_engine.llm_engine import LLMEngine
 from atom.models.loader import ModelLoadError
 from atom.sampling_params import SamplingParams
-from tests.model_engine.conftest import build_llm
+from tests.engine_support import build_llm
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from atom.sampling_params import SamplingParams
-from tests.model_engine.conftest import build_llm
+from tests.engine_support import build_llm
 
 pytestmark = pytest.mark.gpu
 

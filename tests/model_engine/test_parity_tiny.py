@@ -5,7 +5,7 @@ import random
 import pytest
 
 from atom.sampling_params import SamplingParams
-from tests.model_engine.conftest import build_llm, hf_greedy
+from tests.engine_support import build_llm, hf_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

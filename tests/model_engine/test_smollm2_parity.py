@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from atom.sampling_params import SamplingParams
-from tests.model_engine.conftest import build_llm, hf_generate
+from tests.engine_support import build_llm, hf_generate
 
 CHATS = [
     "What is the capital of France?",

@@ -1,7 +1,7 @@
-"""Tiny random HF models saved to disk, and engines over them shared by the tests.
+"""Tiny random HF models and engines over them, shared by the engine and entrypoint tests.
 
-Every engine built through `build_llm` is checked after each test: with no request
-alive, every KV block must be free.
+Every engine built through `build_llm` is checked after each test (fixture in
+tests/conftest.py): with no request alive, every KV block must be free.
 """
 
 from __future__ import annotations
