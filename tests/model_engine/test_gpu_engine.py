@@ -21,7 +21,11 @@ def _prompts(seed, lengths):
 
 
 def _assert_near_hf_greedy(model_dir, prompt, tokens, tolerance):
-    """Each generated token's HF logit is within `tolerance` of HF's best logit."""
+    """Each generated token's HF logit is within `tolerance` x |best logit| of HF's best.
+
+    bf16 keeps 8 significant bits: one unit in the last place is 2^-7 of the magnitude
+    (0.125 at a logit of 16-32), so near-ties may flip; 1% is about two such units.
+    """
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch.bfloat16
     ).cuda()
@@ -29,7 +33,8 @@ def _assert_near_hf_greedy(model_dir, prompt, tokens, tolerance):
     with torch.inference_mode():
         logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
     chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
-    gap = logits.max(dim=1).values - chosen
+    best = logits.max(dim=1).values
+    gap = (best - chosen) / best.abs().clamp(min=1.0)
     assert gap.max().item() <= tolerance, gap.tolist()
 
 
@@ -40,7 +45,7 @@ def test_bf16_greedy_within_tolerance_of_hf(tiny_model_dirs, kind):
     prompts = _prompts(1, [1, 9, 40, 129])
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
-        _assert_near_hf_greedy(tiny_model_dirs[kind], prompt, out.token_ids, tolerance=0.1)
+        _assert_near_hf_greedy(tiny_model_dirs[kind], prompt, out.token_ids, tolerance=0.01)
 
 
 def test_cuda_graph_padded_batches_match_eager(tiny_model_dirs):
