@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atom import envs
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -58,6 +60,10 @@ class Config:
     seed: int = 0
     # Schedule step N+1 while step N runs (None: on for CUDA, off for CPU).
     async_scheduling: bool | None = None
+    # How step metadata reaches the device: direct | packed (None: ATOM_H2D_BACKEND).
+    h2d_backend: str | None = None
+    # Full per-buffer publication checks (None: ATOM_H2D_CHECKED; tests turn it on).
+    h2d_checked: bool | None = None
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (benchmarks)
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
 
@@ -69,6 +75,14 @@ class Config:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device=cuda was asked for but no CUDA device is available")
         self.torch_dtype = parse_dtype(self.dtype, self.device)
+        if self.h2d_backend is None:
+            self.h2d_backend = envs.h2d_backend()
+        elif self.h2d_backend not in envs.H2D_BACKENDS:
+            raise ValueError(
+                f"h2d_backend {self.h2d_backend!r} is not known; valid values: {', '.join(envs.H2D_BACKENDS)}"
+            )
+        if self.h2d_checked is None:
+            self.h2d_checked = envs.h2d_checked()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:

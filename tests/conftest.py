@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+# Publication checks in full (per buffer) in every test; production mode is tested explicitly.
+os.environ.setdefault("ATOM_H2D_CHECKED", "1")
+
 if not torch.cuda.is_available():
     # Must happen before any Triton kernel is defined: triton.jit reads it at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -48,6 +48,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--h2d-backend",
+        choices=["direct", "packed"],
+        default=None,
+        help="how step metadata reaches the GPU (default: $ATOM_H2D_BACKEND or direct)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -64,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        h2d_backend=args.h2d_backend,
     )
 
 

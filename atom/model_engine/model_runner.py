@@ -43,6 +43,8 @@ class ModelRunner:
                 block_size=self.block_size,
                 vocab_size=hf_config.vocab_size,
                 device=self.device,
+                h2d_backend=config.h2d_backend,
+                h2d_checked=config.h2d_checked,
             )
         ]
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -151,7 +153,7 @@ class ModelRunner:
         logits_indices = None
         if step.sampling_seqs and graph_size is None and not every_token_samples:
             logits_indices = slot.publish_logits_indices(step)
-        slot.record_transfers()
+        slot.flush()
 
         if placeholders is not None:
             dst, src = placeholders

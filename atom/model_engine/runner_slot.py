@@ -19,42 +19,10 @@ import numpy as np
 import torch
 
 from atom.forward_context import AttentionMetadata
+from atom.h2d.contract import REPEAT_LAST
+from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
 from atom.model_engine.sampler import SamplingTensors
 from atom.model_engine.scheduler import ScheduledBatch
-
-REPEAT_LAST = "repeat_last"
-
-
-class StagedBuffer:
-    """Host staging memory + fixed device destination for one named metadata buffer."""
-
-    def __init__(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pad
-    ):
-        self.name = name
-        self.pad = pad
-        pin = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.array: np.ndarray = self.host.numpy()
-        self.device = (
-            self.host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
-        )
-        if pad != REPEAT_LAST:
-            self.array.fill(pad)
-            if self.device is not self.host:
-                self.device.fill_(pad)
-
-    def publish(self, valid: int, padded: int | None = None) -> torch.Tensor:
-        """Pad rows [valid, padded) and send rows [0, padded) to the device destination."""
-        padded = valid if padded is None else padded
-        if padded > valid:
-            if self.pad == REPEAT_LAST:
-                self.array[valid:padded] = self.array[valid - 1]
-            else:
-                self.array[valid:padded] = self.pad
-        if self.device is not self.host:
-            self.device[:padded].copy_(self.host[:padded], non_blocking=True)
-        return self.device[:padded]
 
 
 @dataclass
@@ -82,46 +50,49 @@ class RunnerSlot:
         block_size: int,
         vocab_size: int,
         device: torch.device,
+        h2d_backend: str = "direct",
+        h2d_checked: bool = True,
     ):
         self.index = index
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         seqs, tokens = max_num_seqs, max(max_num_tokens, max_num_seqs)
-
-        def buffer(name, shape, dtype, pad):
-            return StagedBuffer(name, shape, dtype, device, pad)
-
-        self.input_ids = buffer("input_ids", (tokens,), torch.int64, 0)
-        self.positions = buffer("positions", (tokens,), torch.int64, 0)
-        self.slot_mapping = buffer("slot_mapping", (tokens,), torch.int64, -1)
-        self.context_lens = buffer("context_lens", (seqs,), torch.int32, 0)
-        self.cu_seqlens_q = buffer("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST)
-        self.block_tables = buffer("block_tables", (seqs, max_blocks_per_seq), torch.int32, 0)
-        self.logits_indices = buffer("logits_indices", (seqs,), torch.int64, 0)
-        self.temperatures = buffer("temperatures", (seqs,), torch.float32, 0.0)
-        self.top_k = buffer("top_k", (seqs,), torch.int64, vocab_size)
-        self.top_p = buffer("top_p", (seqs,), torch.float32, 1.0)
-        # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
-        self.placeholder_dst = buffer("placeholder_dst", (seqs,), torch.int64, 0)
-        self.placeholder_src = buffer("placeholder_src", (seqs,), torch.int64, 0)
-        # Host staging memory may be rewritten only after its copies ran (see wait_for_transfers).
-        self._transfers_done: torch.cuda.Event | None = None
+        specs = [
+            BufferSpec("input_ids", (tokens,), torch.int64, 0),
+            BufferSpec("positions", (tokens,), torch.int64, 0),
+            BufferSpec("slot_mapping", (tokens,), torch.int64, -1),
+            BufferSpec("context_lens", (seqs,), torch.int32, 0),
+            BufferSpec("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST),
+            BufferSpec("block_tables", (seqs, max_blocks_per_seq), torch.int32, 0),
+            BufferSpec("logits_indices", (seqs,), torch.int64, 0),
+            BufferSpec("temperatures", (seqs,), torch.float32, 0.0),
+            BufferSpec("top_k", (seqs,), torch.int64, vocab_size),
+            BufferSpec("top_p", (seqs,), torch.float32, 1.0),
+            # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
+            BufferSpec("placeholder_dst", (seqs,), torch.int64, 0),
+            BufferSpec("placeholder_src", (seqs,), torch.int64, 0),
+        ]
+        self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
+        self.publisher = self.h2d.publisher
+        for name, buffer in self.h2d.buffers.items():
+            setattr(self, name, buffer)
 
     def wait_for_transfers(self) -> None:
         """Block until the previous step's host-to-device copies have executed."""
-        if self._transfers_done is not None:
-            self._transfers_done.synchronize()
-            self._transfers_done = None
+        self.publisher.wait_for_transfers()
 
-    def record_transfers(self) -> None:
-        if self.device.type == "cuda":
-            self._transfers_done = torch.cuda.Event()
-            self._transfers_done.record()
+    def flush(self) -> None:
+        """Send everything published for this step (packed: one copy + one scatter)."""
+        self.publisher.flush()
 
     # -- host side -------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         """Write the batch's metadata into the host staging buffers (numpy only)."""
+        with self.publisher.producer_guard(list(self.h2d.buffers.values())):
+            return self._prepare(batch)
+
+    def _prepare(self, batch: ScheduledBatch) -> PreparedStep:
         seqs = batch.seqs
         num_seqs = len(seqs)
         bs = self.block_size
@@ -204,29 +175,30 @@ class RunnerSlot:
         tokens, seqs = step.num_tokens, step.num_seqs
         padded_tokens = padded_seqs if padded_seqs is not None else tokens
         padded = padded_seqs if padded_seqs is not None else seqs
-        input_ids = self.input_ids.publish(tokens, padded_tokens)
-        positions = self.positions.publish(tokens, padded_tokens)
-        if padded > seqs:
-            self.block_tables.array[seqs:padded] = 0
+        input_ids = self._publish(self.input_ids, tokens, padded_tokens)
+        positions = self._publish(self.positions, tokens, padded_tokens)
         metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping.publish(tokens, padded_tokens),
-            context_lens=self.context_lens.publish(seqs, padded),
-            block_tables=self.block_tables.publish(seqs, padded),
-            cu_seqlens_q=None if step.is_decode else self.cu_seqlens_q.publish(seqs + 1),
+            slot_mapping=self._publish(self.slot_mapping, tokens, padded_tokens),
+            context_lens=self._publish(self.context_lens, seqs, padded),
+            block_tables=self._publish(self.block_tables, seqs, padded),
+            cu_seqlens_q=None if step.is_decode else self._publish(self.cu_seqlens_q, seqs + 1),
             max_seqlen_q=step.max_seqlen_q,
             is_decode=step.is_decode,
         )
         return input_ids, positions, metadata
+
+    def _publish(self, buffer, valid: int, padded: int | None = None) -> torch.Tensor:
+        return self.publisher.publish(buffer, valid, padded)
 
     def publish_placeholders(self, step: PreparedStep):
         """(dst, src) device index tensors of the placeholder fix-ups, or None."""
         if not step.num_placeholders:
             return None
         n = step.num_placeholders
-        return self.placeholder_dst.publish(n), self.placeholder_src.publish(n)
+        return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
 
     def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor:
-        return self.logits_indices.publish(len(step.sampling_seqs))
+        return self._publish(self.logits_indices, len(step.sampling_seqs))
 
     def publish_sampling(self, step: PreparedStep) -> SamplingTensors:
         """Sampling parameters; all-greedy steps upload nothing."""
@@ -236,9 +208,9 @@ class RunnerSlot:
         generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
         return SamplingTensors(
             all_greedy=False,
-            temperatures=self.temperatures.publish(n),
-            top_k=self.top_k.publish(n) if step.needs_top_k else None,
-            top_p=self.top_p.publish(n) if step.needs_top_p else None,
+            temperatures=self._publish(self.temperatures, n),
+            top_k=self._publish(self.top_k, n) if step.needs_top_k else None,
+            top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
             needs_top_k=step.needs_top_k,
             needs_top_p=step.needs_top_p,
             generators=generators if any(g is not None for g in generators) else None,

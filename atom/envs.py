@@ -1,0 +1,22 @@
+"""Environment variables atom reads, in one place, validated at start-up."""
+
+from __future__ import annotations
+
+import os
+
+H2D_BACKENDS = ("direct", "packed")
+
+
+def h2d_backend() -> str:
+    """`ATOM_H2D_BACKEND`: how a runner slot publishes step metadata (default direct)."""
+    value = os.environ.get("ATOM_H2D_BACKEND", "direct").strip().lower() or "direct"
+    if value not in H2D_BACKENDS:
+        raise ValueError(
+            f"ATOM_H2D_BACKEND={value!r} is not a known backend; valid values: {', '.join(H2D_BACKENDS)}"
+        )
+    return value
+
+
+def h2d_checked() -> bool:
+    """`ATOM_H2D_CHECKED=1`: full per-buffer publication checks (tests and debugging)."""
+    return os.environ.get("ATOM_H2D_CHECKED", "0") not in ("0", "", "false", "False")
