@@ -1,0 +1,112 @@
+"""Per-step metadata publication, direct vs packed, in one run.
+
+    python -m atom.benchmarks.h2d_publication
+
+For B in {1, 64, 256} decode sequences (context ~1000 tokens, block size 16) a RunnerSlot
+prepares the engine's real decode metadata (input ids, positions, slot mapping, context
+lengths, block tables, sampling parameters of non-uniform requests) and publishes it.
+One JSON line per (backend, B): H2D copies, scatter kernels and bytes per step, host issue
+time per step (publish calls + flush), GPU time per step (CUDA events), and the cost of the
+production-mode producer guard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from atom.model_engine.runner_slot import RunnerSlot
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import Sequence
+from atom.sampling_params import SamplingParams
+
+
+def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBatch:
+    seqs = []
+    for i in range(batch_size):
+        seq = Sequence(
+            list(range(context)),
+            SamplingParams(temperature=0.5 + i % 3 * 0.1, top_p=0.9, max_tokens=8),
+        )
+        seq.num_computed_tokens = context - 1
+        seq.block_table = list(range(i * 70, i * 70 + -(-context // block_size)))
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * batch_size, batch_size)
+
+
+def measure(backend: str, batch_size: int, iterations: int) -> dict:
+    device = torch.device("cuda")
+    slot = RunnerSlot(0, 256, 8192, 128, 16, 128256, device, h2d_backend=backend, h2d_checked=False)
+    batch = decode_batch(batch_size, 1000, 16)
+    publisher = slot.publisher
+    host_s = gpu_ms = guard_s = 0.0
+    copies = kernels = nbytes = 0
+    start_event, end_event = (
+        torch.cuda.Event(enable_timing=True),
+        torch.cuda.Event(enable_timing=True),
+    )
+    for i in range(iterations + 10):
+        slot.wait_for_transfers()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with publisher.producer_guard(list(slot.h2d.buffers.values())):
+            pass
+        t1 = time.perf_counter()
+        step = slot.prepare(batch)
+        before = (publisher.copies, publisher.kernels, publisher.bytes)
+        start_event.record()
+        t2 = time.perf_counter()
+        slot.publish_model_inputs(step)
+        slot.publish_sampling(step)
+        slot.flush()
+        t3 = time.perf_counter()
+        end_event.record()
+        end_event.synchronize()
+        if i >= 10:
+            guard_s += t1 - t0
+            host_s += t3 - t2
+            gpu_ms += start_event.elapsed_time(end_event)
+            copies += publisher.copies - before[0]
+            kernels += publisher.kernels - before[1]
+            nbytes += publisher.bytes - before[2]
+    n = iterations
+    return dict(
+        backend=backend,
+        batch=batch_size,
+        copies_per_step=copies / n,
+        kernels_per_step=kernels / n,
+        bytes_per_step=nbytes / n,
+        host_issue_us=round(host_s / n * 1e6, 2),
+        gpu_us=round(gpu_ms / n * 1e3, 2),
+        production_guard_us=round(guard_s / n * 1e6, 3),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    results = {}
+    for batch_size in (1, 64, 256):
+        for backend in ("direct", "packed"):
+            record = measure(backend, batch_size, iterations=200)
+            results[(backend, batch_size)] = record
+            print(json.dumps(record), flush=True)
+    for batch_size in (1, 64, 256):
+        d, p = results[("direct", batch_size)], results[("packed", batch_size)]
+        print(
+            json.dumps(
+                dict(
+                    batch=batch_size,
+                    packed_over_direct_host_issue=round(p["host_issue_us"] / d["host_issue_us"], 3),
+                )
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
