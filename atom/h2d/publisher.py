@@ -30,6 +30,8 @@ class Publisher:
 
     def __init__(self, slot: int, device: torch.device, checked: bool = True, stream=None):
         self.slot = slot
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.checked = checked
         self.stream = (
@@ -79,10 +81,7 @@ class Publisher:
                 f"destination too small: {padded} rows asked, {buffer.capacity} allocated",
                 "raise max_num_seqs / max_num_batched_tokens",
             )
-        if buffer.device.device != self.device and not (
-            buffer.device.device.type == self.device.type == "cuda"
-            and buffer.device.device.index in (None, self.device.index)
-        ):
+        if buffer.device.device != self.device:
             raise PublicationError(
                 buffer.name,
                 self.slot,
