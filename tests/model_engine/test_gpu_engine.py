@@ -24,7 +24,8 @@ def _assert_near_hf_greedy(model_dir, prompt, tokens, tolerance):
     """Each generated token's HF logit is within `tolerance` x |best logit| of HF's best.
 
     bf16 keeps 8 significant bits: one unit in the last place is 2^-7 of the magnitude
-    (0.125 at a logit of 16-32), so near-ties may flip; 1% is about two such units.
+    (0.125 at a logit of 16-32), so near-ties may flip; 2% is 2-5 such units (a qwen2 near-tie
+    measured 2 units, 1.26%, on the H200).
     """
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch.bfloat16
@@ -45,7 +46,7 @@ def test_bf16_greedy_within_tolerance_of_hf(tiny_model_dirs, kind):
     prompts = _prompts(1, [1, 9, 40, 129])
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
-        _assert_near_hf_greedy(tiny_model_dirs[kind], prompt, out.token_ids, tolerance=0.01)
+        _assert_near_hf_greedy(tiny_model_dirs[kind], prompt, out.token_ids, tolerance=0.02)
 
 
 def test_cuda_graph_padded_batches_match_eager(tiny_model_dirs):
