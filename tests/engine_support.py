@@ -127,3 +127,11 @@ def hf_generate(model, prompts, max_new_tokens, stop_at_eos=False):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         outputs.append(out[0, len(ids) :].tolist())
     return outputs
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids inside every tiny model's vocabulary)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]

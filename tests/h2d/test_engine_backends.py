@@ -1,23 +1,16 @@
 """Greedy outputs are bit-identical between direct and packed publication."""
 
-import random
-
 import pytest
 
 from atom.sampling_params import SamplingParams
-from tests.engine_support import build_llm
+from tests.engine_support import build_llm, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _prompts(seed, lengths):
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_direct_and_packed_give_identical_tokens(tiny_model_dirs, device):
-    prompts = _prompts(3, [1, 5, 17, 40, 63, 2])
+    prompts = random_prompts(3, [1, 5, 17, 40, 63, 2])
     sampled = SamplingParams(
         temperature=0.9, top_p=0.8, top_k=40, max_tokens=12, seed=5, ignore_eos=True
     )

@@ -1,21 +1,14 @@
 """Engine behaviour on a tiny random Llama: batching, chunked prefill, preemption,
 prefix caching, sampling options, aborts and bad input. Blocks are checked after each test."""
 
-import random
-
 import pytest
 
 from atom.model_engine.llm_engine import LLMEngine
 from atom.models.loader import ModelLoadError
 from atom.sampling_params import SamplingParams
-from tests.engine_support import build_llm
+from tests.engine_support import build_llm, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def _prompts(seed, lengths):
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +19,13 @@ def llm(tiny_model_dirs):
 @pytest.fixture(scope="module")
 def reference(llm):
     """The probe prompt's greedy tokens when it runs alone."""
-    probe = _prompts(7, [45])[0]
+    probe = random_prompts(7, [45])[0]
     return probe, llm.generate([probe], GREEDY, use_tqdm=False)[0].token_ids
 
 
 def test_same_tokens_inside_a_mixed_batch(llm, reference):
     probe, alone = reference
-    others = _prompts(8, [1, 3, 17, 16, 32, 90, 5, 64, 2, 48, 31, 15, 100, 9, 77])
+    others = random_prompts(8, [1, 3, 17, 16, 32, 90, 5, 64, 2, 48, 31, 15, 100, 9, 77])
     batch = others[:8] + [probe] + others[8:]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert len(batch) == 16
@@ -42,7 +35,7 @@ def test_same_tokens_inside_a_mixed_batch(llm, reference):
 def test_same_tokens_with_forced_chunked_prefill(tiny_model_dirs, reference):
     probe, alone = reference
     chunked = build_llm(tiny_model_dirs["llama"], max_num_batched_tokens=8, max_num_seqs=4)
-    prompts = [probe] + _prompts(9, [30, 12, 50])
+    prompts = [probe] + random_prompts(9, [30, 12, 50])
     outputs = chunked.generate(prompts, GREEDY, use_tqdm=False)
     assert outputs[0].token_ids == alone
     assert chunked.engine.stats.steps > sum(len(p) for p in prompts) // 8  # really chunked
@@ -52,7 +45,7 @@ def test_same_tokens_under_preemption(tiny_model_dirs, reference):
     probe, alone = reference
     # 7 blocks of 16 tokens: two ~45-token prompts fit (3 blocks each) but cannot both grow to 4.
     tight = build_llm(tiny_model_dirs["llama"], num_kvcache_blocks=7, enable_prefix_caching=False)
-    prompts = [probe] + _prompts(10, [40, 44, 38])
+    prompts = [probe] + random_prompts(10, [40, 44, 38])
     outputs = tight.generate(prompts, GREEDY, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert outputs[0].token_ids == alone
@@ -63,7 +56,7 @@ def test_same_tokens_under_preemption(tiny_model_dirs, reference):
 
 
 def test_prefix_cache_hits_and_unchanged_output(llm, tiny_model_dirs):
-    shared = _prompts(11, [100])[0]
+    shared = random_prompts(11, [100])[0]
     first, second = shared + [101, 102, 103], shared + [201, 202]
     engine = llm.engine
     expected = build_llm(tiny_model_dirs["llama"], enable_prefix_caching=False).generate(
@@ -78,7 +71,7 @@ def test_prefix_cache_hits_and_unchanged_output(llm, tiny_model_dirs):
 
 
 def test_whole_prompt_cached_still_computes_last_token(llm):
-    prompt = _prompts(12, [64])[0]  # exactly 4 blocks
+    prompt = random_prompts(12, [64])[0]  # exactly 4 blocks
     a = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     b = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert b.num_cached_tokens == 48  # the last block is recomputed for its logits
@@ -86,7 +79,7 @@ def test_whole_prompt_cached_still_computes_last_token(llm):
 
 
 def test_max_tokens_stop_tokens_and_eos(llm):
-    prompt = _prompts(13, [20])[0]
+    prompt = random_prompts(13, [20])[0]
     free_run = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
     stop = free_run[5]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])
@@ -98,12 +91,12 @@ def test_max_tokens_stop_tokens_and_eos(llm):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
-    prompt = _prompts(14, [12])[0]
+    prompt = random_prompts(14, [12])[0]
     seeded = SamplingParams(
         temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True
     )
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].token_ids
-    others = _prompts(15, [5, 30, 9])
+    others = random_prompts(15, [5, 30, 9])
     noisy = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate(others + [prompt], [noisy] * 3 + [seeded], use_tqdm=False)
     assert outputs[-1].token_ids == alone
@@ -118,7 +111,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
 
 
 def test_top_k_one_is_greedy(llm):
-    prompt = _prompts(16, [10])[0]
+    prompt = random_prompts(16, [10])[0]
     greedy = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
     top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=16, ignore_eos=True)
     assert llm.generate([prompt], top1, use_tqdm=False)[0].token_ids == greedy
@@ -126,7 +119,7 @@ def test_top_k_one_is_greedy(llm):
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    seq_id = engine.add_request(_prompts(17, [40])[0], GREEDY)
+    seq_id = engine.add_request(random_prompts(17, [40])[0], GREEDY)
     engine.step()
     assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
     assert engine.abort(seq_id)
@@ -145,7 +138,7 @@ def test_abort_frees_blocks(llm):
 )
 def test_bad_requests_are_refused_and_others_finish(llm, prompt, params, message):
     engine = llm.engine
-    good = engine.add_request(_prompts(18, [9])[0], GREEDY)
+    good = engine.add_request(random_prompts(18, [9])[0], GREEDY)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     finished = []
@@ -210,7 +203,7 @@ def test_max_model_len_larger_than_the_model_is_refused(tiny_model_dirs):
 def test_async_scheduling_gives_the_same_tokens(tiny_model_dirs, options):
     """Scheduling step N+1 before step N's tokens are read changes nothing, including
     stop tokens found while the next step is already in flight."""
-    prompts = [_prompts(7, [45])[0]] + _prompts(10, [40, 44, 38, 3])
+    prompts = [random_prompts(7, [45])[0]] + random_prompts(10, [40, 44, 38, 3])
     sync = build_llm(tiny_model_dirs["llama"], async_scheduling=False, **options)
     stop = sync.generate(prompts[:1], GREEDY, use_tqdm=False)[0].token_ids[4]
     params = [SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop])]

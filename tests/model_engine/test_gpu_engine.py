@@ -1,23 +1,16 @@
 """The engine on CUDA (bf16): Triton kernels, decode CUDA graphs at padded batch sizes,
 KV cache sized from free memory. Parity with HF transformers within a logits tolerance."""
 
-import random
-
 import pytest
 import torch
 import transformers
 
 from atom.sampling_params import SamplingParams
-from tests.engine_support import build_llm
+from tests.engine_support import build_llm, random_prompts
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def _prompts(seed, lengths):
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
 
 
 def _assert_near_hf_greedy(model_dir, prompt, tokens, tolerance):
@@ -43,7 +36,7 @@ def _assert_near_hf_greedy(model_dir, prompt, tokens, tolerance):
 def test_bf16_greedy_within_tolerance_of_hf(tiny_model_dirs, kind):
     llm = build_llm(tiny_model_dirs[kind], device="cuda", num_kvcache_blocks=4096, max_num_seqs=8)
     assert llm.engine.model_runner.graphs is not None
-    prompts = _prompts(1, [1, 9, 40, 129])
+    prompts = random_prompts(1, [1, 9, 40, 129])
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
         _assert_near_hf_greedy(tiny_model_dirs[kind], prompt, out.token_ids, tolerance=0.02)
@@ -65,7 +58,7 @@ def test_cuda_graph_padded_batches_match_eager(tiny_model_dirs):
         max_num_seqs=16,
         enforce_eager=True,
     )
-    prompts = _prompts(2, [3, 17, 33, 5, 64])  # 5 sequences: replayed at padded size 8
+    prompts = random_prompts(2, [3, 17, 33, 5, 64])  # 5 sequences: replayed at padded size 8
     assert graphs.engine.model_runner.graphs.padded_size(5) == 8
     a = graphs.generate(prompts, GREEDY, use_tqdm=False)
     b = eager.generate(prompts, GREEDY, use_tqdm=False)

@@ -1,23 +1,16 @@
 """Greedy parity with HF transformers on tiny random Llama / Qwen2 / Llama-3 (rope scaling)."""
 
-import random
-
 import pytest
 
 from atom.sampling_params import SamplingParams
-from tests.engine_support import build_llm, hf_greedy
+from tests.engine_support import build_llm, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def _prompts(seed: int, lengths) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama3"])
 def test_greedy_matches_hf(tiny_model_dirs, kind):
-    prompts = _prompts(0, [1, 7, 33, 70])
+    prompts = random_prompts(0, [1, 7, 33, 70])
     expected = hf_greedy(tiny_model_dirs[kind], prompts, GREEDY.max_tokens)
     llm = build_llm(tiny_model_dirs[kind])
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
