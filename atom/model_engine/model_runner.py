@@ -172,10 +172,6 @@ class ModelRunner:
         self._last_sampled = tokens
         return StepHandle.of(tokens)
 
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Synchronous form of `launch` (tests, tools)."""
-        return self.launch(batch).result()
-
 
 class StepHandle:
     """Sampled tokens of a launched step, copied to the host without blocking."""

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels import paged_prefill_attention, paged_prefill_attention_reference
+from tests.kernels.paged_kv import make_paged_kv
 
 # fp32 runs the kernel on CUDA when there is one (tf32 dots there), else under
 # TRITON_INTERPRET=1 (conftest).
@@ -19,40 +20,6 @@ TOLERANCE = {
     torch.bfloat16: 3e-2,
     torch.float16: 5e-3,
 }
-
-
-def make_paged_kv(
-    context_lens, num_kv_heads, head_dim, block_size, dtype, device, capacity, seed=0
-):
-    """Random per-sequence K/V written into shuffled blocks of a cache full of garbage.
-
-    Returns (k_cache, v_cache, block_tables, keys, values); keys[b]/values[b] are the dense
-    [context_len, num_kv_heads, head_dim] fp32 tensors (rounded through ``dtype``).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    blocks_needed = [(n + block_size - 1) // block_size for n in context_lens]
-    num_blocks = sum(blocks_needed) + 4
-    max_blocks = max(blocks_needed) + 1  # a garbage column past every sequence
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    # Garbage (but in-bounds) block ids everywhere a sequence does not own the entry.
-    block_tables = torch.randint(0, num_blocks, (capacity, max_blocks), generator=generator)
-    free = torch.randperm(num_blocks, generator=generator)
-    keys, values = [], []
-    for b, n in enumerate(context_lens):
-        ids, free = free[: blocks_needed[b]], free[blocks_needed[b] :]
-        block_tables[b, : len(ids)] = ids
-        positions = torch.arange(n)
-        slots = ids[positions // block_size] * block_size + positions % block_size
-        k = torch.randn(n, num_kv_heads, head_dim, generator=generator).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=generator).to(dtype)
-        k_cache.flatten(0, 1)[slots] = k
-        v_cache.flatten(0, 1)[slots] = v
-        keys.append(k.float())
-        values.append(v.float())
-    block_tables = block_tables.to(device, torch.int32)
-    return k_cache.to(device), v_cache.to(device), block_tables, keys, values
 
 
 def make_queries(q_lens, num_q_heads, head_dim, dtype, device, fused):
