@@ -64,6 +64,8 @@ class Config:
     h2d_backend: str | None = None
     # Full per-buffer publication checks (None: ATOM_H2D_CHECKED; tests turn it on).
     h2d_checked: bool | None = None
+    # Where profiler traces go (None: ATOM_TORCH_PROFILER_DIR; profiling off if neither).
+    profiler_dir: str | None = None
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (benchmarks)
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
 
@@ -83,6 +85,8 @@ class Config:
             )
         if self.h2d_checked is None:
             self.h2d_checked = envs.h2d_checked()
+        if self.profiler_dir is None:
+            self.profiler_dir = envs.torch_profiler_dir()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:

@@ -6,8 +6,11 @@ For B in {1, 64, 256} decode sequences (context ~1000 tokens, block size 16) a R
 prepares the engine's real decode metadata (input ids, positions, slot mapping, context
 lengths, block tables, sampling parameters of non-uniform requests) and publishes it.
 One JSON line per (backend, B): H2D copies, scatter kernels and bytes per step, host issue
-time per step (publish calls + flush), GPU time per step (CUDA events), and the cost of the
-production-mode producer guard.
+time per step (publish calls + flush), GPU time per step (CUDA events), host time of
+`prepare` (the producers, identical work in both modes), and the cost of the
+production-mode checks (producer guard + per-publication bounds + the stream check).
+`packed_eager_scatter` launches the scatter kernel from Python instead of replaying it
+from its CUDA graph.
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
     return ScheduledBatch(seqs, [1] * batch_size, batch_size)
 
 
-def measure(backend: str, batch_size: int, iterations: int) -> dict:
+def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool = True) -> dict:
     device = torch.device("cuda")
     slot = RunnerSlot(0, 256, 8192, 128, 16, 128256, device, h2d_backend=backend, h2d_checked=False)
+    if backend == "packed" and not scatter_graph:
+        slot.publisher._scatter_graph = None  # launch the Triton kernel every step instead
     batch = decode_batch(batch_size, 1000, 16)
     publisher = slot.publisher
-    host_s = gpu_ms = guard_s = 0.0
+    buffers = slot._buffers
+    host_s = gpu_ms = guard_s = checks_s = prepare_s = 0.0
     copies = kernels = nbytes = 0
     start_event, end_event = (
         torch.cuda.Event(enable_timing=True),
@@ -51,37 +57,56 @@ def measure(backend: str, batch_size: int, iterations: int) -> dict:
     for i in range(iterations + 10):
         slot.wait_for_transfers()
         torch.cuda.synchronize()
+        publisher._last_flush = publisher._events[0]  # a completed flush, as in serving
         t0 = time.perf_counter()
-        with publisher.producer_guard(list(slot.h2d.buffers.values())):
+        with publisher.producer_guard(buffers):
             pass
         t1 = time.perf_counter()
         step = slot.prepare(batch)
+        t2 = time.perf_counter()
         before = (publisher.copies, publisher.kernels, publisher.bytes)
         start_event.record()
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         slot.publish_model_inputs(step)
         slot.publish_sampling(step)
+        group = list(publisher._group)
         slot.flush()
-        t3 = time.perf_counter()
+        t4 = time.perf_counter()
         end_event.record()
+        # The production checks of this step, timed alone: the guard (above), the O(1)
+        # per-publication checks and the once-per-flush stream check.
+        publisher.step -= 1  # replay the checks against this step's staging
+        for b in group:
+            b.staged_step = publisher.step
+        t5 = time.perf_counter()
+        for b in group:
+            publisher._validate(b, b.staged_rows, b.staged_rows)
+        publisher._check_stream(group[0].name)
+        t6 = time.perf_counter()
+        publisher.step += 1
         end_event.synchronize()
         if i >= 10:
             guard_s += t1 - t0
-            host_s += t3 - t2
+            checks_s += (t1 - t0) + (t6 - t5)
+            prepare_s += t2 - t1
+            host_s += t4 - t3
             gpu_ms += start_event.elapsed_time(end_event)
             copies += publisher.copies - before[0]
             kernels += publisher.kernels - before[1]
             nbytes += publisher.bytes - before[2]
     n = iterations
+    name = backend if scatter_graph or backend == "direct" else "packed_eager_scatter"
     return dict(
-        backend=backend,
+        backend=name,
         batch=batch_size,
         copies_per_step=copies / n,
         kernels_per_step=kernels / n,
         bytes_per_step=nbytes / n,
         host_issue_us=round(host_s / n * 1e6, 2),
         gpu_us=round(gpu_ms / n * 1e3, 2),
+        prepare_us=round(prepare_s / n * 1e6, 2),
         production_guard_us=round(guard_s / n * 1e6, 3),
+        production_checks_us=round(checks_s / n * 1e6, 3),
     )
 
 
@@ -91,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = {}
     for batch_size in (1, 64, 256):
-        for backend in ("direct", "packed"):
-            record = measure(backend, batch_size, iterations=200)
-            results[(backend, batch_size)] = record
+        for backend, graph in (("direct", True), ("packed", True), ("packed", False)):
+            record = measure(backend, batch_size, iterations=300, scatter_graph=graph)
+            results[(record["backend"], batch_size)] = record
             print(json.dumps(record), flush=True)
     for batch_size in (1, 64, 256):
         d, p = results[("direct", batch_size)], results[("packed", batch_size)]

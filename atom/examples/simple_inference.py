@@ -87,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="write a torch.profiler trace with ATOM:: stages "
+        "(DIR, else $ATOM_TORCH_PROFILER_DIR, else ./atom_traces)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -98,16 +107,23 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             seed=args.seed if args.temperature > 0 else None,
         )
-        llm = LLM.from_config(config_from_args(args))
+        config = config_from_args(args)
+        if args.profile is not None:
+            config.profiler_dir = args.profile or config.profiler_dir or "atom_traces"
+        llm = LLM.from_config(config)
         prompts = args.prompt or DEFAULT_PROMPTS
         inputs = (
             [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
             if args.chat
             else prompts
         )
+        if args.profile is not None:
+            llm.start_profile()
         start = time.perf_counter()
         outputs = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
+        if args.profile is not None:
+            print(f"profiler trace: {llm.stop_profile()}", file=sys.stderr)
     except (ValueError, ModelLoadError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -26,6 +26,8 @@ class DecodeGraphs:
         self.batch_sizes = sorted(set(batch_sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self.padded_replays = 0  # replays at a size larger than the batch (padded rows)
 
     def padded_size(self, batch_size: int) -> int | None:
         index = bisect.bisect_left(self.batch_sizes, batch_size)
@@ -65,4 +67,6 @@ class DecodeGraphs:
 
     def run(self, padded_size: int, batch_size: int) -> torch.Tensor:
         self.graphs[padded_size].replay()
+        self.replays += 1
+        self.padded_replays += padded_size > batch_size
         return self.logits[padded_size][:batch_size]

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from atom import profiling
 from atom.config import Config
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
@@ -141,34 +142,39 @@ class ModelRunner:
         the next step while this one runs.
         """
         slot = self.slots[0]
-        slot.wait_for_transfers()
-        step = slot.prepare(batch)
         graph_size = (
-            self.graphs.padded_size(step.num_seqs) if (self.graphs and step.is_decode) else None
+            self.graphs.padded_size(len(batch.seqs))
+            if (self.graphs and batch.is_decode_only)
+            else None
         )
-        input_ids, positions, metadata = slot.publish_model_inputs(step, padded_seqs=graph_size)
+        with profiling.stage("prepare"):
+            slot.wait_for_transfers()
+            step = slot.prepare(batch, padded_seqs=graph_size)
+        # Each consumer asks for what it reads (publication at the first consumer); the
+        # flush then sends the step's group before any consumer kernel is queued.
+        input_ids, positions, metadata = slot.publish_model_inputs(step)
         placeholders = slot.publish_placeholders(step)
         sampling = step.sampling_seqs and slot.publish_sampling(step)
-        every_token_samples = len(step.sampling_seqs) == step.num_tokens
-        logits_indices = None
-        if step.sampling_seqs and graph_size is None and not every_token_samples:
-            logits_indices = slot.publish_logits_indices(step)
-        slot.flush()
+        logits_indices = slot.publish_logits_indices(step)
+        with profiling.stage("publish"):
+            slot.flush()
 
-        if placeholders is not None:
-            dst, src = placeholders
-            input_ids[dst] = self._last_sampled[src]
-        if graph_size is not None:
-            logits = self.graphs.run(graph_size, step.num_seqs)
-        else:
-            with forward_context(metadata):
-                hidden = self.model(input_ids, positions)
-            if not step.sampling_seqs:
-                return StepHandle(None, None)
-            if logits_indices is not None:
-                hidden = hidden[logits_indices]
-            logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, sampling)
+        with profiling.stage("forward"):
+            if placeholders is not None:
+                dst, src = placeholders
+                input_ids[dst] = self._last_sampled[src]
+            if graph_size is not None:
+                logits = self.graphs.run(graph_size, step.num_seqs)
+            else:
+                with forward_context(metadata):
+                    hidden = self.model(input_ids, positions)
+                if not step.sampling_seqs:
+                    return StepHandle(None, None)
+                if logits_indices is not None:
+                    hidden = hidden[logits_indices]
+                logits = self.model.compute_logits(hidden)
+        with profiling.stage("sample"):
+            tokens = self.sampler(logits, sampling)
         self._last_sampled = tokens
         return StepHandle.of(tokens)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from atom import profiling
 from atom.forward_context import AttentionMetadata
 from atom.h2d.contract import REPEAT_LAST
 from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
@@ -27,16 +28,19 @@ from atom.model_engine.scheduler import ScheduledBatch
 
 @dataclass
 class PreparedStep:
-    """Host-side facts about the step just written into a slot's staging buffers."""
+    """Host-side facts about the step just staged in a slot."""
 
     num_seqs: int
     num_tokens: int
+    padded_seqs: int | None  # decode CUDA-graph batch size, or None (eager)
     max_seqlen_q: int
     is_decode: bool
     sampling_seqs: list  # sequences that sample this step, in batch order
     all_greedy: bool
+    uniform_temperature: float | None  # every sampling row uses it: nothing to upload
     needs_top_k: bool
     needs_top_p: bool
+    gathers_logits: bool  # only some rows' hidden states reach the LM head
     num_placeholders: int  # input tokens still on the device (filled from the last step)
 
 
@@ -75,6 +79,7 @@ class RunnerSlot:
         ]
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
         self.publisher = self.h2d.publisher
+        self._buffers = list(self.h2d.buffers.values())
         for name, buffer in self.h2d.buffers.items():
             setattr(self, name, buffer)
 
@@ -87,32 +92,39 @@ class RunnerSlot:
         self.publisher.flush()
 
     # -- host side -------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
-        """Write the batch's metadata into the host staging buffers (numpy only)."""
-        with self.publisher.producer_guard(list(self.h2d.buffers.values())):
-            return self._prepare(batch)
+    def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None) -> PreparedStep:
+        """Stage the batch's metadata in host memory (numpy only, under the producer guard).
 
-    def _prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        `padded_seqs` (decode only) is the CUDA-graph batch size the step will replay at;
+        buffers the graph reads are staged at that length so publication can pad them.
+        """
+        with self.publisher.producer_guard(self._buffers):
+            return self._prepare(batch, padded_seqs)
+
+    def _prepare(self, batch: ScheduledBatch, padded_seqs: int | None) -> PreparedStep:
+        stage = self.publisher.stage
         seqs = batch.seqs
         num_seqs = len(seqs)
+        padded = padded_seqs or num_seqs
         bs = self.block_size
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
         ends = starts + num_new
         num_tokens = int(num_new.sum())
+        padded_tokens = padded_seqs or num_tokens
 
-        tables = self.block_tables.array
+        tables = stage(self.block_tables, padded)
         for row, seq in enumerate(seqs):
             tables[row, : len(seq.block_table)] = seq.block_table
 
-        cu = self.cu_seqlens_q.array
-        cu[0] = 0
-        np.cumsum(num_new, out=cu[1 : num_seqs + 1])
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
         if batch.is_decode_only:
             rows = np.arange(num_seqs)
             positions = starts
             ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num_seqs)
         else:
+            stage(self.cu_seqlens_q, num_seqs + 1)[:] = cu
             rows = np.repeat(np.arange(num_seqs), num_new)
             positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
             ids = np.fromiter(
@@ -130,61 +142,79 @@ class RunnerSlot:
         ]
         if placeholders:
             rows_, src = zip(*placeholders, strict=True)
-            last_token_rows = cu[1 : num_seqs + 1] - 1
-            self.placeholder_dst.array[: len(rows_)] = last_token_rows[list(rows_)]
-            self.placeholder_src.array[: len(src)] = src
+            n = len(rows_)
+            stage(self.placeholder_dst, n)[:] = cu[1:][list(rows_)] - 1
+            stage(self.placeholder_src, n)[:] = src
             np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
-        self.input_ids.array[:num_tokens] = ids
-        self.positions.array[:num_tokens] = positions
-        self.slot_mapping.array[:num_tokens] = tables[rows, positions // bs] * bs + positions % bs
-        self.context_lens.array[:num_seqs] = ends
+        stage(self.input_ids, padded_tokens)[:num_tokens] = ids
+        stage(self.positions, padded_tokens)[:num_tokens] = positions
+        stage(self.slot_mapping, padded_tokens)[:num_tokens] = (
+            tables[rows, positions // bs] * bs + positions % bs
+        )
+        stage(self.context_lens, padded)[:num_seqs] = ends
 
         lengths = np.fromiter((len(s) for s in seqs), np.int64, num_seqs)
-        samples = ends == lengths
-        sample_rows = np.flatnonzero(samples)
+        sample_rows = np.flatnonzero(ends == lengths)
         sampling_seqs = [seqs[i] for i in sample_rows.tolist()]
-        self.logits_indices.array[: len(sample_rows)] = cu[sample_rows + 1] - 1
+        # Graph replay computes logits for every row; eager steps gather the sampling rows
+        # unless every token samples (pure decode).
+        gathers_logits = (
+            len(sample_rows) > 0 and padded_seqs is None and len(sample_rows) != num_tokens
+        )
+        if gathers_logits:
+            stage(self.logits_indices, len(sample_rows))[:] = cu[sample_rows + 1] - 1
         params = [s.sampling_params for s in sampling_seqs]
         all_greedy = all(p.temperature == 0.0 for p in params)
         needs_top_k = needs_top_p = False
+        uniform_temperature = None
         if not all_greedy:
             n = len(params)
-            self.temperatures.array[:n] = [p.temperature for p in params]
-            self.top_k.array[:n] = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-            self.top_p.array[:n] = [p.top_p for p in params]
             needs_top_k = any(p.top_k > 0 for p in params)
             needs_top_p = any(p.top_p < 1.0 for p in params)
+            temperatures = {p.temperature for p in params}
+            if len(temperatures) == 1:
+                uniform_temperature = temperatures.pop()
+            else:
+                stage(self.temperatures, n)[:] = [p.temperature for p in params]
+            if needs_top_k:
+                stage(self.top_k, n)[:] = [
+                    p.top_k if p.top_k > 0 else self.vocab_size for p in params
+                ]
+            if needs_top_p:
+                stage(self.top_p, n)[:] = [p.top_p for p in params]
         return PreparedStep(
             num_seqs=num_seqs,
             num_tokens=num_tokens,
+            padded_seqs=padded_seqs,
             max_seqlen_q=int(num_new.max()),
             is_decode=batch.is_decode_only,
             sampling_seqs=sampling_seqs,
             all_greedy=all_greedy,
+            uniform_temperature=uniform_temperature,
             needs_top_k=needs_top_k,
             needs_top_p=needs_top_p,
+            gathers_logits=gathers_logits,
             num_placeholders=len(placeholders),
         )
 
-    # -- publication -----------------------------------------------------------------------
-    def publish_model_inputs(self, step: PreparedStep, padded_seqs: int | None = None):
-        """Send the forward's inputs; returns (input_ids, positions, attention metadata).
-
-        `padded_seqs` (decode only) pads the batch to a captured CUDA-graph size.
-        """
+    # -- publication at the first consumer -------------------------------------------------
+    def publish_model_inputs(self, step: PreparedStep):
+        """Embedding lookup and attention metadata: (input_ids, positions, metadata)."""
         tokens, seqs = step.num_tokens, step.num_seqs
-        padded_tokens = padded_seqs if padded_seqs is not None else tokens
-        padded = padded_seqs if padded_seqs is not None else seqs
-        input_ids = self._publish(self.input_ids, tokens, padded_tokens)
-        positions = self._publish(self.positions, tokens, padded_tokens)
-        metadata = AttentionMetadata(
-            slot_mapping=self._publish(self.slot_mapping, tokens, padded_tokens),
-            context_lens=self._publish(self.context_lens, seqs, padded),
-            block_tables=self._publish(self.block_tables, seqs, padded),
-            cu_seqlens_q=None if step.is_decode else self._publish(self.cu_seqlens_q, seqs + 1),
-            max_seqlen_q=step.max_seqlen_q,
-            is_decode=step.is_decode,
-        )
+        padded_tokens = step.padded_seqs or tokens
+        padded = step.padded_seqs or seqs
+        with profiling.stage("publish.embedding"):
+            input_ids = self._publish(self.input_ids, tokens, padded_tokens)
+        with profiling.stage("publish.attention_metadata"):
+            positions = self._publish(self.positions, tokens, padded_tokens)
+            metadata = AttentionMetadata(
+                slot_mapping=self._publish(self.slot_mapping, tokens, padded_tokens),
+                context_lens=self._publish(self.context_lens, seqs, padded),
+                block_tables=self._publish(self.block_tables, seqs, padded),
+                cu_seqlens_q=None if step.is_decode else self._publish(self.cu_seqlens_q, seqs + 1),
+                max_seqlen_q=step.max_seqlen_q,
+                is_decode=step.is_decode,
+            )
         return input_ids, positions, metadata
 
     def _publish(self, buffer, valid: int, padded: int | None = None) -> torch.Tensor:
@@ -195,26 +225,35 @@ class RunnerSlot:
         if not step.num_placeholders:
             return None
         n = step.num_placeholders
-        return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
+        with profiling.stage("publish.placeholders"):
+            return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
 
-    def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor:
-        return self._publish(self.logits_indices, len(step.sampling_seqs))
+    def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor | None:
+        """Rows of the hidden states the LM head reads, or None when it reads all."""
+        if not step.gathers_logits:
+            return None
+        with profiling.stage("publish.logits_indices"):
+            return self._publish(self.logits_indices, len(step.sampling_seqs))
 
     def publish_sampling(self, step: PreparedStep) -> SamplingTensors:
-        """Sampling parameters; all-greedy steps upload nothing."""
+        """Sampling parameters; uniform all-greedy steps upload nothing."""
         if step.all_greedy:
             return SamplingTensors(all_greedy=True)
         n = len(step.sampling_seqs)
         generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
-        return SamplingTensors(
-            all_greedy=False,
-            temperatures=self._publish(self.temperatures, n),
-            top_k=self._publish(self.top_k, n) if step.needs_top_k else None,
-            top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
-            needs_top_k=step.needs_top_k,
-            needs_top_p=step.needs_top_p,
-            generators=generators if any(g is not None for g in generators) else None,
-        )
+        with profiling.stage("publish.sampler"):
+            return SamplingTensors(
+                all_greedy=False,
+                temperature=step.uniform_temperature,
+                temperatures=None
+                if step.uniform_temperature is not None
+                else self._publish(self.temperatures, n),
+                top_k=self._publish(self.top_k, n) if step.needs_top_k else None,
+                top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
+                needs_top_k=step.needs_top_k,
+                needs_top_p=step.needs_top_p,
+                generators=generators if any(g is not None for g in generators) else None,
+            )
 
 
 def _generator_of(seq, device: torch.device) -> torch.Generator | None:
