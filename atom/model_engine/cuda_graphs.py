@@ -36,9 +36,9 @@ class DecodeGraphs:
     def _metadata(self, size: int) -> AttentionMetadata:
         slot = self.slot
         return AttentionMetadata(
-            slot_mapping=slot.slot_mapping.device[:size],
+            slot_mapping=slot.slot_mapping[:size],
             context_lens=slot.context_lens.device[:size],
-            block_tables=slot.block_tables.device[:size],
+            block_tables=slot.page_table.device_rows[:size],
             cu_seqlens_q=None,
             max_seqlen_q=1,
             is_decode=True,
@@ -48,7 +48,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         slot = self.slot
         # Well-defined padding everywhere: no cache writes, nothing to attend to.
-        slot.slot_mapping.device.fill_(-1)
+        slot.slot_mapping.fill_(-1)
         slot.context_lens.device.fill_(0)
         pool = None
         for size in reversed(self.batch_sizes):

@@ -1,7 +1,8 @@
 """ModelRunner: builds the model and its KV cache, and runs one scheduled step.
 
-It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch; one for
-now) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
+It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch:
+`Config.num_micro_batches` = 1 or 2; each slot has its own buffers, publisher and page
+table) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class ModelRunner:
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
             RunnerSlot(
-                index=0,
+                index=index,
                 max_num_seqs=config.max_num_seqs,
                 max_num_tokens=config.max_num_batched_tokens,
                 max_blocks_per_seq=max_blocks_per_seq,
@@ -47,16 +48,17 @@ class ModelRunner:
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
             )
+            for index in range(config.num_micro_batches)
         ]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: list[DecodeGraphs] | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
-            self.graphs = DecodeGraphs(
-                self.model, self.slots[0], [s for s in sizes if s <= config.max_num_seqs]
-            )
-            self.graphs.capture()
+            sizes = [s for s in sizes if s <= config.max_num_seqs]
+            self.graphs = [DecodeGraphs(self.model, slot, sizes) for slot in self.slots]
+            for graphs in self.graphs:
+                graphs.capture()
 
     # -- set-up ----------------------------------------------------------------------------
     def _build_model(self, weights) -> torch.nn.Module:
@@ -139,13 +141,24 @@ class ModelRunner:
 
         Nothing here waits for the device except the producer check on the slot's staging
         memory (its previous copies ran long ago in practice), so the host can schedule
-        the next step while this one runs.
+        the next step while this one runs. With two micro-batches the batch is split in
+        two halves, each run on its own slot; their tokens are joined in batch order.
         """
-        slot = self.slots[0]
+        previous = self._last_sampled
+        parts = split_batch(batch, len(self.slots))
+        tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        tokens = [t for t in tokens if t is not None]
+        if not tokens:
+            return StepHandle(None, None)
+        sampled = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        self._last_sampled = sampled
+        return StepHandle.of(sampled)
+
+    def _launch_part(self, index: int, batch: ScheduledBatch, previous) -> torch.Tensor | None:
+        slot = self.slots[index]
+        graphs = self.graphs[index] if self.graphs else None
         graph_size = (
-            self.graphs.padded_size(len(batch.seqs))
-            if (self.graphs and batch.is_decode_only)
-            else None
+            graphs.padded_size(len(batch.seqs)) if (graphs and batch.is_decode_only) else None
         )
         with profiling.stage("prepare"):
             slot.wait_for_transfers()
@@ -162,21 +175,45 @@ class ModelRunner:
         with profiling.stage("forward"):
             if placeholders is not None:
                 dst, src = placeholders
-                input_ids[dst] = self._last_sampled[src]
+                input_ids[dst] = previous[src]
             if graph_size is not None:
-                logits = self.graphs.run(graph_size, step.num_seqs)
+                logits = graphs.run(graph_size, step.num_seqs)
             else:
                 with forward_context(metadata):
                     hidden = self.model(input_ids, positions)
                 if not step.sampling_seqs:
-                    return StepHandle(None, None)
+                    return None
                 if logits_indices is not None:
                     hidden = hidden[logits_indices]
                 logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
-            tokens = self.sampler(logits, sampling)
-        self._last_sampled = tokens
-        return StepHandle.of(tokens)
+            return self.sampler(logits, sampling)
+
+
+def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
+    """`batch` cut into `parts` consecutive micro-batches (one per runner slot).
+
+    Each part keeps the page-table facts of the whole batch: its layout key is the
+    batch's plus the cut, and `grown` is shared (a slot ignores sequences it does not hold).
+    """
+    if parts == 1 or len(batch.seqs) < parts:
+        return [batch]
+    n = len(batch.seqs)
+    cuts = [n * k // parts for k in range(parts + 1)]
+    result = []
+    for k in range(parts):
+        a, b = cuts[k], cuts[k + 1]
+        result.append(
+            ScheduledBatch(
+                batch.seqs[a:b],
+                batch.num_new_tokens[a:b],
+                min(max(batch.num_decodes - a, 0), b - a),
+                layout=None if batch.layout is None else (batch.layout, k, a, b),
+                grown=batch.grown,
+                step=batch.step,
+            )
+        )
+    return result
 
 
 class StepHandle:

@@ -1,13 +1,16 @@
 """A RunnerSlot: one step's host staging buffers and their fixed device destinations.
 
-The ModelRunner owns one slot per pipeline stage / two-batch-overlap micro-batch. The
-host side of every buffer is a numpy view of (pinned, on CUDA) memory that `prepare`
-writes without building torch tensors; the device side is allocated once, so CUDA graphs
-captured on it replay with each step's data. On CPU the two sides are the same memory.
+The ModelRunner owns one slot per pipeline stage / two-batch-overlap micro-batch. A slot
+owns its staged buffers, its publisher (atom/h2d) and its page table. `prepare` writes
+numpy views of staged host memory (pinned on CUDA; in packed mode straight into the
+arena) without building torch tensors; the device side is allocated once, so CUDA graphs
+captured on it replay with each step's data. On CPU with the direct backend the two
+sides are the same memory.
 
 Each buffer declares its pad value, so a padded batch (CUDA-graph replay at a larger
-batch size) reads well-defined data: slot mapping -1 (write nothing), context lengths 0
-(attend to nothing), cu_seqlens repeat their last value.
+batch size) reads well-defined data: context lengths 0 (attend to nothing), cu_seqlens
+repeat their last value; the slot mapping, derived on the device from the page table,
+is -1 (write nothing) in padded rows.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import numpy as np
 import torch
 
 from atom import profiling
-from atom.forward_context import AttentionMetadata
+from atom.attention.backend import MHABackend, PagedAttentionBackend
 from atom.h2d.contract import REPEAT_LAST
 from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
+from atom.model_engine.page_table import PageTable
 from atom.model_engine.sampler import SamplingTensors
 from atom.model_engine.scheduler import ScheduledBatch
 
@@ -56,6 +60,7 @@ class RunnerSlot:
         device: torch.device,
         h2d_backend: str = "direct",
         h2d_checked: bool = True,
+        backend: PagedAttentionBackend | None = None,
     ):
         self.index = index
         self.block_size = block_size
@@ -65,10 +70,13 @@ class RunnerSlot:
         specs = [
             BufferSpec("input_ids", (tokens,), torch.int64, 0),
             BufferSpec("positions", (tokens,), torch.int64, 0),
-            BufferSpec("slot_mapping", (tokens,), torch.int64, -1),
             BufferSpec("context_lens", (seqs,), torch.int32, 0),
             BufferSpec("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST),
-            BufferSpec("block_tables", (seqs, max_blocks_per_seq), torch.int32, 0),
+            # Page-table changes (atom/model_engine/page_table.py), only what changed
+            # since the slot's last step: row moves [sources | destinations | lengths],
+            # then (row, start, block ids) deltas [rows | starts | offsets | ids].
+            BufferSpec("page_moves", (3 * seqs,), torch.int32, 0),
+            BufferSpec("page_deltas", (3 * seqs + 1 + seqs * max_blocks_per_seq,), torch.int32, 0),
             BufferSpec("logits_indices", (seqs,), torch.int64, 0),
             BufferSpec("temperatures", (seqs,), torch.float32, 0.0),
             BufferSpec("top_k", (seqs,), torch.int64, vocab_size),
@@ -82,14 +90,26 @@ class RunnerSlot:
         self._buffers = list(self.h2d.buffers.values())
         for name, buffer in self.h2d.buffers.items():
             setattr(self, name, buffer)
+        self.page_table = PageTable(self, seqs, max_blocks_per_seq, device, checked=h2d_checked)
+        self.backend = backend or MHABackend()
+        # Derived on the device from the page table (backend.derive_views), never uploaded;
+        # -1 (write nothing) wherever a padded CUDA-graph batch has no token.
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self._derive: tuple | None = None
 
     def wait_for_transfers(self) -> None:
         """Block until the previous step's host-to-device copies have executed."""
         self.publisher.wait_for_transfers()
 
-    def flush(self) -> None:
-        """Send everything published for this step (packed: one copy + one scatter)."""
-        self.publisher.flush()
+    def flush(self):
+        """Send everything published for this step (packed: one copy + one scatter), then
+        apply the page-table deltas and derive the backend's views on the device."""
+        derive, self._derive = self._derive, None
+        event = self.publisher.flush()
+        self.page_table.on_published()
+        if derive is not None:
+            self.backend.derive_views(self, *derive)
+        return event
 
     # -- host side -------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None) -> PreparedStep:
@@ -106,26 +126,21 @@ class RunnerSlot:
         seqs = batch.seqs
         num_seqs = len(seqs)
         padded = padded_seqs or num_seqs
-        bs = self.block_size
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
         ends = starts + num_new
         num_tokens = int(num_new.sum())
         padded_tokens = padded_seqs or num_tokens
 
-        tables = stage(self.block_tables, padded)
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
+        self.page_table.sync(seqs, batch.layout, batch.grown or (), batch.step)
 
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
         if batch.is_decode_only:
-            rows = np.arange(num_seqs)
             positions = starts
             ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num_seqs)
         else:
             stage(self.cu_seqlens_q, num_seqs + 1)[:] = cu
-            rows = np.repeat(np.arange(num_seqs), num_new)
             positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
             ids = np.fromiter(
                 itertools.chain.from_iterable(
@@ -148,9 +163,6 @@ class RunnerSlot:
             np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
         stage(self.input_ids, padded_tokens)[:num_tokens] = ids
         stage(self.positions, padded_tokens)[:num_tokens] = positions
-        stage(self.slot_mapping, padded_tokens)[:num_tokens] = (
-            tables[rows, positions // bs] * bs + positions % bs
-        )
         stage(self.context_lens, padded)[:num_seqs] = ends
 
         lengths = np.fromiter((len(s) for s in seqs), np.int64, num_seqs)
@@ -200,21 +212,14 @@ class RunnerSlot:
     # -- publication at the first consumer -------------------------------------------------
     def publish_model_inputs(self, step: PreparedStep):
         """Embedding lookup and attention metadata: (input_ids, positions, metadata)."""
-        tokens, seqs = step.num_tokens, step.num_seqs
+        tokens = step.num_tokens
         padded_tokens = step.padded_seqs or tokens
-        padded = step.padded_seqs or seqs
         with profiling.stage("publish.embedding"):
             input_ids = self._publish(self.input_ids, tokens, padded_tokens)
         with profiling.stage("publish.attention_metadata"):
             positions = self._publish(self.positions, tokens, padded_tokens)
-            metadata = AttentionMetadata(
-                slot_mapping=self._publish(self.slot_mapping, tokens, padded_tokens),
-                context_lens=self._publish(self.context_lens, seqs, padded),
-                block_tables=self._publish(self.block_tables, seqs, padded),
-                cu_seqlens_q=None if step.is_decode else self._publish(self.cu_seqlens_q, seqs + 1),
-                max_seqlen_q=step.max_seqlen_q,
-                is_decode=step.is_decode,
-            )
+            metadata = self.backend.build_metadata(self, step, self._publish)
+            self._derive = (step, metadata)
         return input_ids, positions, metadata
 
     def _publish(self, buffer, valid: int, padded: int | None = None) -> torch.Tensor:

@@ -11,14 +11,14 @@ from atom.sampling_params import SamplingParams
 CPU = torch.device("cpu")
 
 
-def _decode_batch(temperatures, context=40, block_size=16):
+def _decode_batch(temperatures, context=40, block_size=16, step=1):
     seqs = []
     for i, temperature in enumerate(temperatures):
         seq = Sequence(list(range(context)), SamplingParams(temperature=temperature))
         seq.num_computed_tokens = context - 1
         seq.block_table = list(range(i * 4, i * 4 + -(-context // block_size)))
         seqs.append(seq)
-    return ScheduledBatch(seqs, [1] * len(seqs), len(seqs))
+    return ScheduledBatch(seqs, [1] * len(seqs), len(seqs), layout=1, grown=[], step=step)
 
 
 def _slot(backend):
@@ -30,18 +30,19 @@ def _step(slot, batch, padded_seqs=None):
     inputs = slot.publish_model_inputs(step)
     sampling = slot.publish_sampling(step)
     logits_indices = slot.publish_logits_indices(step)
-    event = slot.publisher.flush()
+    event = slot.flush()
     return step, inputs, sampling, logits_indices, event
 
 
 @pytest.mark.parametrize("backend", ["direct", "packed"])
 def test_decode_step_publishes_only_what_its_consumers_read(backend):
     slot = _slot(backend)
+    batch = _decode_batch([0.0, 0.0, 0.0])
     step, (ids, positions, metadata), sampling, logits_indices, event = _step(
-        slot, _decode_batch([0.0, 0.0, 0.0]), padded_seqs=4
+        slot, batch, padded_seqs=4
     )
     sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
-    assert sent == {"input_ids", "positions", "slot_mapping", "context_lens", "block_tables"}
+    assert sent == {"input_ids", "positions", "context_lens", "page_deltas"}
     assert metadata.cu_seqlens_q is None and logits_indices is None and sampling.all_greedy
     # the padded row reads its pad values (CUDA-graph replay at batch size 4)
     assert metadata.slot_mapping.tolist() == [39, 103, 167, -1]
@@ -49,6 +50,15 @@ def test_decode_step_publishes_only_what_its_consumers_read(backend):
     assert positions.tolist() == [39, 39, 39, 0]
     if backend == "packed":
         assert (slot.publisher.copies, slot.publisher.kernels) == (1, 1)
+    # the next decode step of the same batch: the page table sends nothing
+    for seq in batch.seqs:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(7)
+    batch.step = 2
+    *_, event = _step(slot, batch, padded_seqs=4)
+    sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
+    assert sent == {"input_ids", "positions", "context_lens"}
+    assert slot.page_table.cpu_revision == slot.page_table.gpu_revision == 1
 
 
 @pytest.mark.parametrize("backend", ["direct", "packed"])
