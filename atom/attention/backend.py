@@ -32,18 +32,22 @@ class PagedAttentionBackend:
             is_decode=step.is_decode,
         )
 
-    def derive_views(self, slot, step, metadata: AttentionMetadata) -> None:
-        """slot_mapping from the page-table rows and positions, on the device."""
+    def derive_views(self, slot, num_tokens: int, num_rows: int, is_decode: bool) -> None:
+        """slot_mapping from the page-table rows and positions, on the device.
+
+        Decode steps replayed from a CUDA graph run this inside the graph (captured at the
+        padded size; padded rows have context length 0 and get -1)."""
         derive = (
             derive_slot_mapping if slot.device.type == "cuda" else derive_slot_mapping_reference
         )
         derive(
             slot.page_table.device_rows,
             slot.positions.device,
-            metadata.cu_seqlens_q,
+            None if is_decode else slot.cu_seqlens_q.device,
+            slot.context_lens.device,
             slot.slot_mapping,
-            step.padded_seqs or step.num_tokens,
-            step.num_seqs,
+            num_tokens,
+            num_rows,
             slot.block_size,
         )
 

@@ -13,8 +13,9 @@ events, publication and the views), `views_us`: launching the consumer-side kern
 apply the page-table deltas and derive the slot mapping (not publication), host time of
 `prepare` (the producers, identical work in both modes), and the cost of the
 production-mode checks (producer guard + per-publication bounds + the stream check).
-`packed_eager_scatter` launches the scatter kernel from Python instead of replaying it
-from its CUDA graph.
+`packed_eager_scatter` issues the copy and launches the scatter kernel from Python instead
+of replaying them from the flush's CUDA graph. As in the engine, the slot waits for its
+previous transfers before the producers run, so the guard's check is a flag test.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool 
     device = torch.device("cuda")
     slot = RunnerSlot(0, 256, 8192, 128, 16, 128256, device, h2d_backend=backend, h2d_checked=False)
     if backend == "packed" and not scatter_graph:
-        slot.publisher._scatter_graph = None  # launch the Triton kernel every step instead
+        slot.publisher._graphs = []  # issue the copy and launch the Triton kernel every step
     batch = decode_batch(batch_size, 1000, 16)
     publisher = slot.publisher
     buffers = slot._buffers
@@ -77,7 +78,6 @@ def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool 
         advance(batch, i, next_block)
         slot.wait_for_transfers()
         torch.cuda.synchronize()
-        publisher._last_flush = publisher._events[0]  # a completed flush, as in serving
         t0 = time.perf_counter()
         with publisher.producer_guard(buffers):
             pass

@@ -98,10 +98,25 @@ class StagedBuffer:
         self.staged: np.ndarray = self.array[:0]
         self.staged_rows = 0
         self.arena_offset = -1  # byte offset in the packed host arena, -1: own memory
+        self._device_views: dict[int, torch.Tensor] = {}
+        self._host_views: dict[int, torch.Tensor] = {}
         if pad != REPEAT_LAST:
             self.array.fill(pad)
             if device.data_ptr() != host.data_ptr():
                 device.fill_(pad)
+
+    def device_view(self, rows: int) -> torch.Tensor:
+        """device[:rows], cached: torch slicing costs microseconds per call."""
+        view = self._device_views.get(rows)
+        if view is None:
+            view = self._device_views[rows] = self.device[:rows]
+        return view
+
+    def host_view(self, rows: int) -> torch.Tensor:
+        view = self._host_views.get(rows)
+        if view is None:
+            view = self._host_views[rows] = self.host[:rows]
+        return view
 
     @property
     def capacity(self) -> int:

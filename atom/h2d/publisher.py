@@ -22,6 +22,8 @@ one event query per step; identity of devices is verified once, when the slot is
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -31,6 +33,8 @@ from atom.kernels.scatter import (
     scatter_segments,
     scatter_segments_reference,
 )
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes; every packed segment starts on a 64-byte boundary
 MAX_SEGMENTS = 32
@@ -137,6 +141,12 @@ class Publisher:
 
     # -- publication -----------------------------------------------------------------------
     def _validate(self, buffer: StagedBuffer, valid: int, padded: int) -> None:
+        if (
+            not self.checked
+            and buffer.staged_step == self.step
+            and 0 <= valid <= padded <= buffer.staged_rows
+        ):
+            return  # production: the O(1) clauses hold (staged rows <= capacity)
         if not 0 <= valid <= padded:
             raise PublicationError(
                 buffer.name, self.slot, f"valid length {valid} outside [0, {padded}]"
@@ -196,7 +206,7 @@ class Publisher:
             self.abort()
             raise
         self._group.append(buffer)
-        return buffer.device[:padded]
+        return buffer.device_view(padded)
 
     def _queue(self, buffer: StagedBuffer, rows: int) -> None:
         raise NotImplementedError
@@ -241,7 +251,7 @@ class DirectPublisher(Publisher):
     def _queue(self, buffer: StagedBuffer, rows: int) -> None:
         if buffer.aliased or rows == 0:
             return
-        buffer.device[:rows].copy_(buffer.host[:rows], non_blocking=True)
+        buffer.device_view(rows).copy_(buffer.host_view(rows), non_blocking=True)
         self.copies += 1
         self.bytes += rows * buffer.row_bytes
 
@@ -251,10 +261,12 @@ class PackedPublisher(DirectPublisher):
 
     Arena layout: a header of int64 words (number of segments, then one
     (src_offset, dst_offset, num_bytes) row per segment), then the staged segments.
-    The flush copies bytes [0, end of the last published segment) with one copy; the
-    scatter kernel reads the header on the device, so its launch never changes and is
-    replayed from a CUDA graph (a few microseconds of host time instead of a Triton
-    launch).
+    The flush sends bytes [0, end of the last published segment) with one copy, and the
+    scatter kernel, which reads the header on the device, writes the segments out. On
+    CUDA the copy and the scatter of each transfer-size bucket (4 KiB, 16 KiB, 64 KiB,
+    256 KiB, the whole arena) are captured together in one CUDA graph: a flush is one
+    graph replay (the copy of a bucket sends the bucket's bytes; the scatter only uses
+    the described segments).
     """
 
     backend = "packed"
@@ -277,29 +289,39 @@ class PackedPublisher(DirectPublisher):
         self.host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
         self.host_bytes = self.host_arena.numpy()
         self.header = self.host_bytes[:HEADER_BYTES].view(np.int64)
-        self.descriptors = self.header[HEADER_WORDS : HEADER_WORDS + 3 * MAX_SEGMENTS].reshape(
-            MAX_SEGMENTS, 3
-        )
         self.staging = torch.zeros(size, dtype=torch.uint8, device=device)  # landing zone
         self.max_packed_bytes = max_packed_bytes
         self.arena_transfer: TransferEvent | None = None  # owner: the last group that used it
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._offset = HEADER_BYTES  # next free staging byte of this step
-        self._segments = 0  # published this step
+        self._descriptors: list[int] = []  # published this step, 3 ints per segment
         self._end = 0  # end of the last published segment
-        self._scatter_graph = None
+        self._graphs: list[tuple[int, torch.cuda.CUDAGraph]] = []  # (bucket bytes, graph)
         if device.type == "cuda" and scatter_graph:
-            self._scatter_graph = self._capture_scatter()
+            self._graphs = self._capture_flushes()
 
-    def _capture_scatter(self):
+    def _capture_flushes(self) -> list[tuple[int, torch.cuda.CUDAGraph]]:
         self.header[0] = 0
         self.staging[:HEADER_BYTES].copy_(self.host_arena[:HEADER_BYTES])
         self._launch_scatter()  # compile outside the capture
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._launch_scatter()
-        return graph
+        size = self.host_bytes.size
+        buckets = sorted({min(b, size) for b in (4 << 10, 16 << 10, 64 << 10, 256 << 10)})
+        if buckets[-1] != size:
+            buckets.append(size)
+        graphs = []
+        try:
+            for bucket in buckets:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.staging[:bucket].copy_(self.host_arena[:bucket], non_blocking=True)
+                    self._launch_scatter()
+                graphs.append((bucket, graph))
+        except RuntimeError as error:  # capture unsupported here: issue them one by one
+            logger.warning("packed h2d: flush graphs unavailable (%s); eager flushes", error)
+            torch.cuda.synchronize(self.device)
+            return []
+        return graphs
 
     def _launch_scatter(self) -> None:
         if self.device.type == "cuda":
@@ -318,7 +340,7 @@ class PackedPublisher(DirectPublisher):
 
     def _begin_step(self) -> None:
         super()._begin_step()
-        self._offset, self._segments, self._end = HEADER_BYTES, 0, 0
+        self._offset, self._descriptors, self._end = HEADER_BYTES, [], 0
 
     def _stage(self, buffer: StagedBuffer, rows: int) -> np.ndarray:
         nbytes = rows * buffer.row_bytes
@@ -343,41 +365,47 @@ class PackedPublisher(DirectPublisher):
     def _queue(self, buffer: StagedBuffer, rows: int) -> None:
         if buffer.arena_offset < 0:
             return super()._queue(buffer, rows)
-        if self._segments == MAX_SEGMENTS:
+        if len(self._descriptors) == 3 * MAX_SEGMENTS:
             raise PublicationError(
                 buffer.name, self.slot, f"more than {MAX_SEGMENTS} packed segments in one step"
             )
         nbytes = rows * buffer.row_bytes
-        self.descriptors[self._segments] = (buffer.arena_offset, buffer.dst_offset, nbytes)
-        self._segments += 1
-        self._end = max(self._end, buffer.arena_offset + nbytes)
+        self._descriptors += (buffer.arena_offset, buffer.dst_offset, nbytes)
+        end = buffer.arena_offset + nbytes
+        if end > self._end:
+            self._end = end
 
     def _send(self) -> bool:
-        if self._segments == 0:
+        descriptors = self._descriptors
+        if not descriptors:
             return False
-        self.header[0] = self._segments
-        end = -(-self._end // ALIGN) * ALIGN
-        views = self._copy_views.get(end)
-        if views is None:  # one pair of views per transfer size: no slicing per step
-            views = self._copy_views[end] = (self.staging[:end], self.host_arena[:end])
-        views[0].copy_(views[1], non_blocking=True)
-        if self._scatter_graph is not None:
-            self._scatter_graph.replay()
-        else:
+        count = len(descriptors) // 3
+        self.header[: 1 + 3 * count] = [count, *descriptors]
+        for bucket, graph in self._graphs:  # one replay: the copy and the scatter
+            if self._end <= bucket:
+                graph.replay()
+                self.bytes += bucket
+                break
+        else:  # CPU, or graphs disabled: the same two operations, issued one by one
+            end = -(-self._end // ALIGN) * ALIGN
+            views = self._copy_views.get(end)
+            if views is None:  # one pair of views per transfer size: no slicing per step
+                views = self._copy_views[end] = (self.staging[:end], self.host_arena[:end])
+            views[0].copy_(views[1], non_blocking=True)
             self._launch_scatter()
+            self.bytes += end
         self.copies += 1
         self.kernels += 1
-        self.bytes += end
         return True
 
     def _after_flush(self, event: TransferEvent, arena_used: bool) -> None:
         if arena_used:
             self.arena_transfer = event
-        self._segments, self._end = 0, 0
+        self._descriptors, self._end = [], 0
 
     def abort(self) -> None:
         super().abort()
-        self._offset, self._segments, self._end = HEADER_BYTES, 0, 0
+        self._offset, self._descriptors, self._end = HEADER_BYTES, [], 0
 
 
 def make_publisher(

@@ -56,14 +56,19 @@ class DecodeGraphs:
             positions = slot.positions.device[:size]
             graph = torch.cuda.CUDAGraph()
             with forward_context(self._metadata(size)):
-                self.model.compute_logits(self.model(input_ids, positions))  # warm-up
+                self._forward(size, input_ids, positions)  # warm-up
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(input_ids, positions))
+                    logits = self._forward(size, input_ids, positions)
             pool = graph.pool()
             self.graphs[size] = graph
             self.logits[size] = logits
         torch.cuda.synchronize()
+
+    def _forward(self, size: int, input_ids, positions) -> torch.Tensor:
+        # the backend's views (slot mapping) are derived inside the graph
+        self.slot.backend.derive_views(self.slot, size, size, is_decode=True)
+        return self.model.compute_logits(self.model(input_ids, positions))
 
     def run(self, padded_size: int, batch_size: int) -> torch.Tensor:
         self.graphs[padded_size].replay()

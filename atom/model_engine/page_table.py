@@ -90,8 +90,29 @@ class PageTable:
         self.layout = None  # scheduler layout of the last synced step
         self.step = None
         self._pending = None  # (revision, #moves, #deltas) staged, applied after the flush
-        self._moves = self._deltas = None  # their device views
         self.last_bytes = 0  # delta + move bytes staged by the last sync (benchmarks)
+        # The device-side launches never change (counts are read on the device): on CUDA
+        # they are replayed from graphs, a few microseconds instead of a Triton launch.
+        self._graphs = self._capture() if device.type == "cuda" else None
+
+    def _apply_moves(self) -> None:
+        mover = move_rows if self.device.type == "cuda" else move_rows_reference
+        mover(self.device_rows, self._scratch, self.slot.page_moves.device, self.max_rows)
+
+    def _apply_deltas(self) -> None:
+        apply = apply_row_deltas if self.device.type == "cuda" else apply_row_deltas_reference
+        apply(self.device_rows, self.slot.page_deltas.device, self.max_rows)
+
+    def _capture(self) -> tuple:
+        graphs = []
+        for launch in (self._apply_moves, self._apply_deltas):
+            launch()  # compile outside the capture (the buffers hold count 0: a no-op)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launch()
+            graphs.append(graph)
+        return tuple(graphs)
 
     # -- host side (under the slot's producer guard) ---------------------------------------
     def sync(self, seqs, layout=None, grown=(), step: int | None = None) -> None:
@@ -171,17 +192,18 @@ class PageTable:
         stage = self.slot.publisher.stage
         if moves:
             n = len(moves)
-            staged = stage(self.slot.page_moves, 3 * n)
-            staged[:] = np.asarray(moves, dtype=np.int32).T.reshape(-1)
-            self.last_bytes += 12 * n
+            staged = stage(self.slot.page_moves, 1 + 3 * n)
+            staged[0] = n
+            staged[1:] = np.asarray(moves, dtype=np.int32).T.reshape(-1)
+            self.last_bytes += 4 * (1 + 3 * n)
         if len(deltas) == 1:  # one row grew or arrived: no array building
             entry, start, ids = deltas[0]
             count = len(ids)
-            staged = stage(self.slot.page_deltas, 4 + count)
-            staged[:4] = (entry.position, start, 0, count)
-            staged[4:] = ids
-            self.rows[entry.host_row, start : start + count] = staged[4:]
-            self.last_bytes += 4 * (4 + count)
+            staged = stage(self.slot.page_deltas, 5 + count)
+            staged[:5] = (1, entry.position, start, 0, count)
+            staged[5:] = ids
+            self.rows[entry.host_row, start : start + count] = staged[5:]
+            self.last_bytes += 4 * (5 + count)
         elif deltas:
             n = len(deltas)
             if all(len(ids) == 1 for _, _, ids in deltas):  # decode appends: vectorized
@@ -194,17 +216,19 @@ class PageTable:
             positions = np.fromiter((d[0].position for d in deltas), np.int32, n)
             starts = np.fromiter((d[1] for d in deltas), np.int32, n)
             host_rows = np.fromiter((d[0].host_row for d in deltas), np.int64, n)
-            staged = stage(self.slot.page_deltas, 3 * n + 1 + total)
-            staged[:n] = positions
-            staged[n : 2 * n] = starts
-            staged[2 * n] = 0
-            np.cumsum(counts, out=staged[2 * n + 1 : 3 * n + 1])
-            staged[3 * n + 1 :] = ids
+            staged = stage(self.slot.page_deltas, 3 * n + 2 + total)
+            staged[0] = n
+            body = staged[1:]
+            body[:n] = positions
+            body[n : 2 * n] = starts
+            body[2 * n] = 0
+            np.cumsum(counts, out=body[2 * n + 1 : 3 * n + 1])
+            body[3 * n + 1 :] = ids
             # the same ids into the host rows, in one fancy-indexed write
-            first = np.repeat(staged[2 * n : 3 * n] - starts, counts)
+            first = np.repeat(body[2 * n : 3 * n] - starts, counts)
             columns = np.arange(total) - first
             self.rows[np.repeat(host_rows, counts), columns] = ids
-            self.last_bytes += 4 * (3 * n + 1 + total)
+            self.last_bytes += 4 * (3 * n + 2 + total)
         self.cpu_revision += 1
         self._pending = (self.cpu_revision, len(moves), len(deltas))
 
@@ -217,10 +241,10 @@ class PageTable:
             publish = self.slot.publisher.publish
             _, num_moves, num_deltas = pending
             if num_moves:
-                self._moves = publish(self.slot.page_moves, 3 * num_moves)
+                publish(self.slot.page_moves, 1 + 3 * num_moves)
             if num_deltas:
                 deltas = self.slot.page_deltas
-                self._deltas = publish(deltas, deltas.staged_rows)
+                publish(deltas, deltas.staged_rows)
         view = self._views.get(padded_rows)
         if view is None:
             view = self._views[padded_rows] = self.device_rows[:padded_rows]
@@ -232,13 +256,11 @@ class PageTable:
         if pending is None:
             return
         revision, num_moves, num_deltas = pending
-        on_gpu = self.device.type == "cuda"
+        graphs = self._graphs
         if num_moves:
-            mover = move_rows if on_gpu else move_rows_reference
-            mover(self.device_rows, self._scratch, self._moves, num_moves)
+            graphs[0].replay() if graphs else self._apply_moves()
         if num_deltas:
-            apply = apply_row_deltas if on_gpu else apply_row_deltas_reference
-            apply(self.device_rows, self._deltas, num_deltas)
+            graphs[1].replay() if graphs else self._apply_deltas()
         self.gpu_revision = revision
         if self.checked:
             self.check_device()

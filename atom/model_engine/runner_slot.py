@@ -73,10 +73,10 @@ class RunnerSlot:
             BufferSpec("context_lens", (seqs,), torch.int32, 0),
             BufferSpec("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST),
             # Page-table changes (atom/model_engine/page_table.py), only what changed
-            # since the slot's last step: row moves [sources | destinations | lengths],
-            # then (row, start, block ids) deltas [rows | starts | offsets | ids].
-            BufferSpec("page_moves", (3 * seqs,), torch.int32, 0),
-            BufferSpec("page_deltas", (3 * seqs + 1 + seqs * max_blocks_per_seq,), torch.int32, 0),
+            # since the slot's last step: row moves [n | sources | destinations | lengths],
+            # then (row, start, block ids) deltas [n | rows | starts | offsets | ids].
+            BufferSpec("page_moves", (1 + 3 * seqs,), torch.int32, 0),
+            BufferSpec("page_deltas", (3 * seqs + 2 + seqs * max_blocks_per_seq,), torch.int32, 0),
             BufferSpec("logits_indices", (seqs,), torch.int64, 0),
             BufferSpec("temperatures", (seqs,), torch.float32, 0.0),
             BufferSpec("top_k", (seqs,), torch.int64, vocab_size),
@@ -107,8 +107,8 @@ class RunnerSlot:
         derive, self._derive = self._derive, None
         event = self.publisher.flush()
         self.page_table.on_published()
-        if derive is not None:
-            self.backend.derive_views(self, *derive)
+        if derive is not None and derive.padded_seqs is None:  # graphs derive their own
+            self.backend.derive_views(self, derive.num_tokens, derive.num_seqs, derive.is_decode)
         return event
 
     # -- host side -------------------------------------------------------------------------
@@ -219,7 +219,7 @@ class RunnerSlot:
         with profiling.stage("publish.attention_metadata"):
             positions = self._publish(self.positions, tokens, padded_tokens)
             metadata = self.backend.build_metadata(self, step, self._publish)
-            self._derive = (step, metadata)
+            self._derive = step
         return input_ids, positions, metadata
 
     def _publish(self, buffer, valid: int, padded: int | None = None) -> torch.Tensor:

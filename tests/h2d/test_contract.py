@@ -230,3 +230,31 @@ def test_unknown_backend_lists_the_valid_ones(monkeypatch):
     monkeypatch.setenv("ATOM_H2D_BACKEND", "packed")
     assert Config(device="cpu").h2d_backend == "packed"
     assert Config(device="cpu", h2d_backend="direct").h2d_backend == "direct"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_packed_flush_of_every_size_bucket_lands_exactly(graphs):
+    """Steps whose arena use falls in each copy bucket (4 KiB ... whole arena)."""
+    specs = [
+        BufferSpec("small", (16,), torch.int64, 0),
+        BufferSpec("medium", (4096,), torch.int32, -1),
+        BufferSpec("large", (16384,), torch.int32, 0),  # 64 KiB: the packing limit
+    ]
+    slot = SlotBuffers(0, torch.device("cuda"), "packed", specs, checked=True)
+    if not graphs:
+        slot.publisher._graphs = []  # the eager path: copy, then launch the scatter
+    assert bool(slot.publisher._graphs) == graphs
+    rng = np.random.default_rng(0)
+    for rows in [(3, 0, 0), (16, 1000, 0), (16, 4096, 9000), (5, 4096, 16384), (1, 7, 2)]:
+        values = {
+            name: rng.integers(0, 1 << 30, n)
+            for name, n in zip(("small", "medium", "large"), rows, strict=True)
+            if n
+        }
+        _stage(slot, values)
+        views = {name: slot.publisher.publish(slot[name], len(v)) for name, v in values.items()}
+        slot.publisher.flush()
+        for name, value in values.items():
+            assert views[name].cpu().tolist() == value.tolist(), name
+        slot.publisher.wait_for_transfers()

@@ -31,6 +31,8 @@ def _step(slot, batch, padded_seqs=None):
     sampling = slot.publish_sampling(step)
     logits_indices = slot.publish_logits_indices(step)
     event = slot.flush()
+    if padded_seqs is not None:  # what the decode CUDA graph runs before the forward
+        slot.backend.derive_views(slot, padded_seqs, padded_seqs, is_decode=True)
     return step, inputs, sampling, logits_indices, event
 
 

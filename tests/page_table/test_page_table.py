@@ -94,8 +94,8 @@ def test_unchanged_mapping_costs_nothing_and_appends_only_the_tail(device):
     # positions 8..15 of 4-token blocks: a block boundary every 4 steps
     assert any(not grew for grew, _ in revisions)
     assert all(nbytes == 0 for grew, nbytes in revisions if not grew)
-    # all 4 rows append one id: (3 ints per delta + 1 offset + 1 id per row) * 4 bytes
-    assert {nbytes for grew, nbytes in revisions if grew} == {(3 * 4 + 1 + 4) * 4}
+    # all 4 rows append one id: (count + 3 ints per delta + 1 offset + 1 id per row) * 4 B
+    assert {nbytes for grew, nbytes in revisions if grew} == {(1 + 3 * 4 + 1 + 4) * 4}
 
 
 def test_a_failed_publication_resends_every_row(monkeypatch):
