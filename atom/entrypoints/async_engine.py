@@ -202,7 +202,9 @@ class AsyncEngine:
 
     def _shut_down_requests(self) -> None:
         """Abort every request and fail its stream (thread exit: shutdown or a crash)."""
-        error = EngineDeadError("the engine stopped" if self.error is None else "the engine failed")
+        error = EngineDeadError(
+            "the server is shutting down" if self.error is None else "the engine failed"
+        )
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for seq_id, stream in list(self._streams.items()):
             try:

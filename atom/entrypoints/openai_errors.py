@@ -70,7 +70,11 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     for e in errors:
         path = _field_path(tuple(e.get("loc", ())))
         message = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{path}: {message}" if path else message)
+        if e.get("type") == "extra_forbidden":
+            message = "unknown parameter (atom does not support it)"
+        elif not path and e.get("type") == "missing":
+            message = "empty; send a JSON object"
+        parts.append(f"{path}: {message}" if path else f"request body: {message}")
         param = param or path or None
     return OpenAIError("; ".join(parts) or "invalid request", param=param)
 

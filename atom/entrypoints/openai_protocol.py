@@ -17,10 +17,17 @@ from atom.sampling_params import SamplingParams
 _MAX_SEED = 2**63 - 1
 
 
-def _number(value: Any, name: str) -> Any:
+def _number(value: Any) -> Any:
     # pydantic's lax float accepts "0.5" and true; OpenAI's API does not.
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise ValueError(f"{name} must be a number")
+        raise ValueError("must be a number")
+    return value
+
+
+def _neutral_only(value: Any, neutral: tuple = (None, 0, {})) -> Any:
+    """For a parameter atom does not implement: accept only its no-op value."""
+    if value not in neutral:
+        raise ValueError("not supported by atom; leave it out")
     return value
 
 
@@ -44,29 +51,37 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     ignore_eos: StrictBool = False  # vLLM's extension: generate past end-of-sequence
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: StrictStr | None = None  # accepted and ignored, as OpenAI's API only logs it
+    # Not implemented; accepted at their no-op value, which some clients send explicitly.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
+    @field_validator("temperature", "top_p", mode="before")
     @classmethod
-    def _strict_number(cls, value: Any, info) -> Any:
-        return _number(value, info.field_name)
+    def _strict_number(cls, value: Any) -> Any:
+        return _number(value)
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", mode="before")
+    @classmethod
+    def _not_implemented(cls, value: Any) -> Any:
+        return _neutral_only(value)
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int | None) -> int | None:
         if value is not None and value < -1:
-            raise ValueError("top_k must be -1 or 0 (disabled) or a positive integer")
+            raise ValueError("must be -1 or 0 (disabled) or a positive integer")
         return value
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+    def _stop(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value
+        if value is not None and (
+            not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
         return value
 
     @field_validator("n")
@@ -74,20 +89,6 @@ class SamplingRequest(BaseModel):
     def _n(cls, value: int) -> int:
         if value != 1:
             raise ValueError("only n=1 is supported (send several requests for more choices)")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None, info) -> float | None:
-        if value:
-            raise ValueError(f"{info.field_name} is not supported (only 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
         return value
 
     @property
@@ -114,9 +115,19 @@ class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # OpenAI's default
     echo: StrictBool = False
-    logprobs: None = None  # not supported: only null is accepted
-    best_of: Literal[1] | None = None
-    suffix: None = None
+    logprobs: Any = None  # not implemented, as below
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("logprobs", "suffix", mode="before")
+    @classmethod
+    def _not_implemented_here(cls, value: Any) -> Any:
+        return _neutral_only(value, (None, 0, ""))
+
+    @field_validator("best_of", mode="before")
+    @classmethod
+    def _one_best(cls, value: Any) -> Any:
+        return _neutral_only(value, (None, 1))
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -134,13 +145,13 @@ class CompletionRequest(SamplingRequest):
         )
         if not valid:
             raise ValueError(
-                "prompt must be a string, a list of strings, a list of token ids "
+                "must be a string, a list of strings, a list of token ids "
                 "or a list of token-id lists"
             )
         if not value or (
             isinstance(value, list) and any(not p for p in value if not isinstance(p, int))
         ):
-            raise ValueError("prompt must not be empty")
+            raise ValueError("must not be empty")
         return value
 
     @property
@@ -166,6 +177,17 @@ class ChatMessage(BaseModel):
     content: StrictStr | list[TextPart]
     name: StrictStr | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's error per member of the union.
+        parts_ok = isinstance(value, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in value
+        )
+        if not isinstance(value, str) and not parts_ok:
+            raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
+        return value
+
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -178,8 +200,13 @@ class ChatCompletionRequest(SamplingRequest):
     # None: up to max_model_len; max_completion_tokens is OpenAI's newer name
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: None = None
+    logprobs: Any = None  # not implemented
+    top_logprobs: Any = None
+
+    @field_validator("logprobs", "top_logprobs", mode="before")
+    @classmethod
+    def _not_implemented_here(cls, value: Any) -> Any:
+        return _neutral_only(value, (None, False))
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as chat templates expect them: plain strings; `developer` is OpenAI's

@@ -13,6 +13,7 @@ batch as they arrive. Listens on loopback only unless --host says otherwise.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import socket
 import sys
@@ -20,6 +21,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -39,6 +41,7 @@ from atom.entrypoints.openai_serving import (
     OpenAIServing,
 )
 from atom.model_engine.llm_engine import LLMEngine
+from atom.models.loader import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,23 @@ def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
     return app
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, ending open streams at once when asked to stop.
+
+    uvicorn waits for open connections before the app's shutdown, so a long stream
+    would hold Ctrl-C for the whole grace period and then be cancelled mid-write.
+    Stopping the engine first ends every stream with an error event and `[DONE]`.
+    """
+
+    def __init__(self, app: FastAPI, **config):
+        super().__init__(uvicorn.Config(app, **config))
+        self.engine: AsyncEngine = app.state.engine
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+        await super().shutdown(sockets)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening socket; port 0 picks a free port (read it back with getsockname)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -124,9 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import uvicorn
-
-    from atom.models.loader import ModelLoadError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -141,12 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     model_name = args.served_model_name or args.model or Path(engine.model_path).stem
     host, port = sock.getsockname()[:2]
     print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(
-        create_app(engine, model_name),
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,  # streams still open at Ctrl-C are cut after 5 s
+    server = Server(
+        create_app(engine, model_name), log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    server.run(sockets=[sock])
     return 0
 
 

@@ -312,7 +312,7 @@ class Usage:
 
 
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _completion_chunk(head: dict, index: int, text: str, finish_reason: str | None) -> dict:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import openai
 import pytest
-import uvicorn
 
+from atom.entrypoints import openai_server
 from atom.entrypoints.async_engine import AsyncEngine
 from atom.entrypoints.openai_server import bind_socket, create_app
 from atom.model_engine.llm_engine import LLM
@@ -63,7 +63,7 @@ def run_server(llm: LLM, model_name: str):
     app = create_app(llm.engine, model_name)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = openai_server.Server(app, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -337,3 +337,208 @@ def test_client_disconnect_while_waiting_for_a_full_response_aborts(server):
     connection.close()
     server.wait_idle()
     assert server.engine.finished_requests["abort"] == aborted + 1
+
+
+# -- errors ------------------------------------------------------------------------------------
+def _completion(**fields):
+    return ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **fields})
+
+
+def _chat(**fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return ("/v1/chat/completions", {**body, **fields})
+
+
+INVALID_REQUESTS = {
+    "malformed JSON": ("/v1/completions", '{"model": "tiny-llama", "prompt": '),
+    "empty body": ("/v1/completions", ""),
+    "body is a list": ("/v1/completions", [1, 2]),
+    "no prompt": ("/v1/completions", {"model": MODEL, "max_tokens": 4}),
+    "prompt is a number": _completion(prompt=5),
+    "empty prompt": _completion(prompt=""),
+    "empty prompt list": _completion(prompt=[]),
+    "prompt mixes text and ids": _completion(prompt=[1, "a"]),
+    "token id outside the vocabulary": _completion(prompt=[10**9]),
+    "negative max_tokens": _completion(max_tokens=-1),
+    "zero max_tokens": _completion(max_tokens=0),
+    "max_tokens as a string": _completion(max_tokens="16"),
+    "huge max_tokens": _completion(max_tokens=10**12),
+    "temperature above 2": _completion(temperature=3.0),
+    "negative temperature": _completion(temperature=-0.5),
+    "temperature as a string": _completion(temperature="hot"),
+    "top_p of 0": _completion(top_p=0),
+    "top_p above 1": _completion(top_p=1.5),
+    "top_k below -1": _completion(top_k=-5),
+    "negative seed": _completion(seed=-1),
+    "stream as a string": _completion(stream="yes"),
+    "stop is a number": _completion(stop=5),
+    "empty stop string": _completion(stop=[""]),
+    "stop list of numbers": _completion(stop=[1, 2]),
+    "n=2": _completion(n=2),
+    "logprobs": _completion(logprobs=5),
+    "presence penalty": _completion(presence_penalty=0.5),
+    "unknown field": _completion(tools=[]),
+    "unknown model": _completion(model="gpt-4"),
+    "oversized token prompt": _completion(prompt=[200] * (MAX_MODEL_LEN + 10)),
+    "oversized text prompt": _completion(prompt="word " * (2 * MAX_MODEL_LEN)),
+    "chat: no messages key": ("/v1/chat/completions", {"model": MODEL}),
+    "chat: empty messages": _chat(messages=[]),
+    "chat: unknown role": _chat(messages=[{"role": "wizard", "content": "Hi"}]),
+    "chat: content is a number": _chat(messages=[{"role": "user", "content": 5}]),
+    "chat: message without content": _chat(messages=[{"role": "user"}]),
+    "chat: negative max_tokens": _chat(max_tokens=-3),
+    "chat: unknown model": _chat(model="gpt-4"),
+    "chat: n=3": _chat(n=3),
+    "chat: oversized prompt": _chat(messages=[{"role": "user", "content": "x " * 1000}]),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID_REQUESTS))
+def test_invalid_request_is_an_openai_error(server, case):
+    path, body = INVALID_REQUESTS[case]
+    status, error = raw_request(server, "POST", path, body)
+    expected = 404 if "unknown model" in case else 400
+    assert status == expected, (status, error)
+    assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
+    message = error["error"]["message"]
+    assert message and "Traceback" not in message and 'File "' not in message
+    if "oversized" in case or "huge" in case:
+        assert "max_model_len" in message
+
+
+def test_openai_client_raises_typed_errors(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="Hi")
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(model=MODEL, prompt="Hi", n=2)
+
+
+def test_unknown_route_and_method_are_openai_errors(server):
+    status, body = raw_request(server, "GET", "/v1/nothing")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    status, body = raw_request(server, "GET", "/v1/completions")
+    assert status == 405 and "message" in body["error"]
+
+
+def test_serves_correct_answers_after_invalid_requests(server, reference):
+    for path, body in list(INVALID_REQUESTS.values())[:10]:
+        raw_request(server, "POST", path, body)
+    expected = greedy(reference, PROMPTS, 6)
+    result = server.client().completions.create(
+        model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0
+    )
+    assert [c.text for c in result.choices] == [o.text for o in expected]
+
+
+def test_unexpected_failure_is_a_generic_500(server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(server.llm.engine.tokenizer, "apply_chat_template", broken)
+    status, body = raw_request(server, "POST", *_chat())
+    assert status == 500
+    assert body["error"]["type"] == "server_error"
+    assert "secret" not in json.dumps(body) and "Traceback" not in json.dumps(body)
+
+
+def test_engine_failure_fails_requests_and_health(model_dir, monkeypatch):
+    llm = build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
+    server, stop = run_server(llm, MODEL)
+    try:
+
+        def broken_launch(batch):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(llm.engine.model_runner, "launch", broken_launch)
+        status, body = raw_request(server, "POST", *_completion())
+        assert status == 503 and "device lost" not in json.dumps(body)
+        assert raw_request(server, "GET", "/health")[0] == 503
+        server.wait_idle()  # the failed request's blocks were freed
+    finally:
+        stop()
+
+
+def test_shutdown_ends_open_streams(model_dir):
+    server, stop = run_server(build_llm(model_dir, max_model_len=MAX_MODEL_LEN), MODEL)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"prompt": "Hi", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    assert response.readline().startswith(b"data: {")
+    stop()  # returns once the server has exited: the stream must not hold it
+    events = [e for e in response.read().decode().split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["message"] == "the server is shutting down"
+    server.wait_idle()
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def parse_metrics(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_in_prometheus_format(server):
+    server.client().completions.create(model=MODEL, prompt="Count", max_tokens=5, temperature=0)
+    server.wait_idle()
+    status, text = raw_request(server, "GET", "/metrics")
+    assert status == 200
+    samples = parse_metrics(text)
+    label = f'{{model_name="{MODEL}"}}'
+    for name in (
+        "atom_requests_total",
+        "atom_prompt_tokens_total",
+        "atom_generation_tokens_total",
+        "atom_step_seconds_sum",
+        "atom_step_seconds_count",
+    ):
+        assert samples[name + label] > 0, name
+    for name in ("atom_requests_running", "atom_requests_waiting", "atom_kv_cache_usage_ratio"):
+        assert samples[name + label] == 0, name
+    for name in ("atom_h2d_copies_total", "atom_h2d_bytes_total", "atom_h2d_copies_last_step"):
+        assert name + label in samples  # 0 on CPU with the direct backend: nothing to copy
+    finished = f'atom_requests_finished_total{{model_name="{MODEL}",finish_reason="length"}}'
+    assert samples[finished] >= 1
+    assert re.search(r"^# TYPE atom_requests_total counter$", text, re.M)
+
+
+# -- the command line --------------------------------------------------------------------------
+def test_command_line_server(model_dir):
+    """`python -m atom.entrypoints.openai_server` with port 0 and the packed h2d backend."""
+    command = [sys.executable, "-m", "atom.entrypoints.openai_server", "--model", model_dir]
+    command += ["--device", "cpu", "--port", "0", "--max-model-len", "64"]
+    command += ["--kv-cache-memory-gb", "0.01", "--h2d-backend", "packed", "--log-level", "warning"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    process = subprocess.Popen(command, cwd=root, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        port = None
+        while port is None:
+            line = process.stderr.readline()
+            assert line, "the server exited: " + "".join(lines)
+            lines.append(line)
+            found = re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line)
+            port = found and int(found.group(1))
+        threading.Thread(target=process.stderr.read, daemon=True).start()  # keep the pipe drained
+        cli = Server(f"http://127.0.0.1:{port}", port, None, None)
+        assert raw_request(cli, "GET", "/health")[0] == 200
+        name = model_dir  # the default served name: --model as given
+        status, body = raw_request(
+            cli, "POST", "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 3}
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] <= 3
+        samples = parse_metrics(raw_request(cli, "GET", "/metrics")[1])
+        label = f'{{model_name="{name}"}}'
+        assert samples["atom_h2d_copies_last_step" + label] >= 1  # packed: one copy a step
+        assert samples["atom_h2d_bytes_total" + label] > 0
+    finally:
+        process.terminate()
+        process.wait(30)
