@@ -14,13 +14,13 @@ into each request's asyncio queue (`RequestStream`).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from atom.model_engine.llm_engine import LLMEngine, StepOutput
 from atom.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ class RequestStream:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.seq_id: int | None = None
-        self.finished = False  # the engine is done with it (finished, aborted or failed)
+        self.finished = False  # no more outputs wanted or coming (finished, aborted, failed)
         self._queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
 
     def _put(self, item: StepOutput | BaseException) -> None:  # on the event loop
@@ -66,7 +66,13 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # (command, future or None); `_accepting` turns False, under the lock, when the
+        # thread exits, so no command can be queued that nobody will ever run.
+        self._commands: queue.SimpleQueue[tuple[Callable[[], None], Future | None]] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._accepting = False
         self._wakeup = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # engine thread only
         self._stop = False
@@ -85,6 +91,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._stop = False
+        self._accepting = True
         self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
         self._thread.start()
 
@@ -105,10 +112,8 @@ class AsyncEngine:
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams):
         """Queue a request; returns its RequestStream. Raises ValueError on bad input
         (the engine's own validation, e.g. a prompt longer than max_model_len)."""
-        if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
         stream = RequestStream(asyncio.get_running_loop())
-        admitted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        admitted: Future[None] = Future()
 
         def add() -> None:
             stream.seq_id = self.engine.add_request(prompt_token_ids, params)
@@ -138,19 +143,14 @@ class AsyncEngine:
 
         self._submit(abort)
 
-    def _submit(self, command: Callable[[], None], done: concurrent.futures.Future | None = None):
-        def run() -> None:
-            try:
-                command()
-            except BaseException as error:  # noqa: BLE001 - handed to the waiting handler
-                if done is None:
-                    raise
-                done.set_exception(error)
-            else:
+    def _submit(self, command: Callable[[], None], done: Future | None = None) -> None:
+        """Queue `command` for the engine thread; `done` receives its result or error."""
+        with self._lock:
+            if not self._accepting:
                 if done is not None:
-                    done.set_result(None)
-
-        self._commands.put(run)
+                    done.set_exception(EngineDeadError("the engine is not running"))
+                return
+            self._commands.put((command, done))
         self._wakeup.set()
 
     # -- the engine thread ------------------------------------------------------------------
@@ -167,26 +167,49 @@ class AsyncEngine:
             logger.exception("the engine thread failed; failing every live request")
             self.error = error
         finally:
+            with self._lock:
+                self._accepting = False
+            self._run_commands(refuse=True)
             self._shut_down_requests()
 
-    def _run_commands(self) -> None:
+    def _run_commands(self, refuse: bool = False) -> None:
+        """Run queued commands in order; `refuse`: fail them instead (thread exit)."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                command, done = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            if refuse:
+                if done is not None:
+                    done.set_exception(EngineDeadError("the engine is not running"))
+                continue
+            try:
+                command()
+            except Exception as error:
+                if done is None:  # an abort failed: the engine's state is in doubt
+                    raise
+                done.set_exception(error)  # e.g. ValueError: the handler answers 400
+            else:
+                if done is not None:
+                    done.set_result(None)
 
     def _step(self) -> None:
         copies, nbytes = self.h2d_totals()
+        steps = self.engine.stats.steps
         start = time.perf_counter()
         outputs = self.engine.step()
-        self.last_step_seconds = time.perf_counter() - start
-        self.step_seconds += self.last_step_seconds
-        self.steps += 1
-        copies_after, bytes_after = self.h2d_totals()
-        self.last_step_h2d_copies = copies_after - copies
-        self.last_step_h2d_bytes = bytes_after - nbytes
+        seconds = time.perf_counter() - start
+        if self.engine.stats.steps != steps:  # a batch ran (not only a read-back)
+            self.steps += 1
+            self.step_seconds += seconds
+            self.last_step_seconds = seconds
+            copies_after, bytes_after = self.h2d_totals()
+            self.last_step_h2d_copies = copies_after - copies
+            self.last_step_h2d_bytes = bytes_after - nbytes
+        elif not outputs:
+            # Requests exist but none could be scheduled: wait for a command (an abort, a
+            # new request) rather than spin.
+            self._wakeup.wait(0.001)
 
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:

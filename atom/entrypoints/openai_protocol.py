@@ -44,7 +44,8 @@ class SamplingRequest(BaseModel):
     model: StrictStr | None = None  # None: the served model
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: StrictInt | None = None  # vLLM's extension: -1 or 0 disables
+    # vLLM's extension: -1 or 0 disables (the bound keeps it an int32 for the sampler)
+    top_k: Annotated[StrictInt, Field(le=2**31 - 1)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, le=_MAX_SEED)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False

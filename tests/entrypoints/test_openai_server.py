@@ -369,6 +369,7 @@ INVALID_REQUESTS = {
     "top_p of 0": _completion(top_p=0),
     "top_p above 1": _completion(top_p=1.5),
     "top_k below -1": _completion(top_k=-5),
+    "top_k beyond int64": _completion(top_k=2**70),
     "negative seed": _completion(seed=-1),
     "stream as a string": _completion(stream="yes"),
     "stop is a number": _completion(stop=5),
