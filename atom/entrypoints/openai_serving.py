@@ -49,9 +49,8 @@ class OpenAIServing:
         stop = self._stop_strings(request)
         prompt_ids = [self._prompt_ids(prompt) for prompt in request.prompts]
         # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
-        requested = request.max_tokens if "max_tokens" in request.model_fields_set else 16
         params = [
-            self._sampling_params(request, len(ids), requested, "max_tokens") for ids in prompt_ids
+            self._sampling_params(request, len(ids), request.max_tokens) for ids in prompt_ids
         ]
         echoes = [
             self._echo_text(p, ids) if request.echo else ""
@@ -98,7 +97,7 @@ class OpenAIServing:
         stop = self._stop_strings(request)
         ids = self._render_chat(request.template_messages())
         params = self._sampling_params(
-            request, len(ids), request.requested_max_tokens, "max_tokens", param="messages"
+            request, len(ids), request.requested_max_tokens, prompt_param="messages"
         )
         usage = Usage(len(ids))
         streams = await self._add_requests([ids], [params])
@@ -181,7 +180,7 @@ class OpenAIServing:
         return list(ids)
 
     def _sampling_params(
-        self, request, prompt_len: int, max_tokens: int | None, name: str, param: str = "prompt"
+        self, request, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt"
     ) -> SamplingParams:
         """Check the prompt and max_tokens against max_model_len; None = all that is left."""
         limit = self.max_model_len
@@ -189,16 +188,17 @@ class OpenAIServing:
             raise OpenAIError(
                 f"the prompt has {prompt_len} tokens, but this model's context is {limit} "
                 f"tokens (max_model_len), which must also leave room to generate",
-                param=param,
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if max_tokens is None:
             max_tokens = limit - prompt_len
         elif prompt_len + max_tokens > limit:
             raise OpenAIError(
-                f"{name}={max_tokens} plus the prompt's {prompt_len} tokens exceeds this model's "
-                f"context of {limit} tokens (max_model_len); ask for at most {limit - prompt_len}",
-                param=name,
+                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's context of {limit} tokens (max_model_len); ask for at most "
+                f"{limit - prompt_len}",
+                param="max_tokens",
                 code="context_length_exceeded",
             )
         try:
@@ -285,6 +285,10 @@ class OpenAIServing:
                     yield event
             except EngineDeadError as error:
                 yield _sse(error_body(str(error), SERVER_ERROR))
+            except Exception:
+                # Headers are sent: report in the stream, the trace only in the log.
+                logger.exception("a stream failed")
+                yield _sse(error_body("internal server error", SERVER_ERROR))
             yield "data: [DONE]\n\n"
 
         def abort_all() -> None:

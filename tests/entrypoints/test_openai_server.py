@@ -96,7 +96,10 @@ def server(model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> LLM:
-    """Offline generation on the same checkpoint (a separate engine: the server's is busy)."""
+    """Offline generation on the same checkpoint (a separate engine: the server's is busy).
+
+    Run it only while the server is idle: the forward context is process-global, so two
+    engines must not run forwards at the same time."""
     return build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
 
 
@@ -303,6 +306,32 @@ def test_32_concurrent_streams_equal_offline_greedy(server, reference):
     assert server.engine.steps - steps_before < sum(max_tokens) / 2
 
 
+def test_new_request_joins_the_running_batch(server, reference):
+    """A short request sent while a long one streams finishes first: it did not wait."""
+    # References first: two engines must not run forwards at once (the forward context
+    # is process-global).
+    [expected] = greedy(reference, PROMPTS[1], 5, ignore_eos=True)
+    [long_expected] = greedy(reference, PROMPTS[0], MAX_MODEL_LEN - 16, ignore_eos=True)
+    client = server.client()
+    long_stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_MODEL_LEN - 16,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    first = next(iter(long_stream))
+    short = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert short.choices[0].text == expected.text
+    assert server.llm.engine.has_unfinished()  # the long request is still generating
+    rest = [c.choices[0] for c in long_stream]
+    assert rest[-1].finish_reason == "length"
+    assert first.choices[0].text + "".join(c.text for c in rest) == long_expected.text
+
+
 # -- disconnects -------------------------------------------------------------------------------
 def test_client_disconnect_mid_stream_aborts(server):
     aborted = server.engine.finished_requests["abort"]
@@ -441,6 +470,21 @@ def test_unexpected_failure_is_a_generic_500(server, monkeypatch):
     assert status == 500
     assert body["error"]["type"] == "server_error"
     assert "secret" not in json.dumps(body) and "Traceback" not in json.dumps(body)
+
+
+def test_failure_mid_stream_is_an_error_event(server, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(server.llm.engine.tokenizer, "decode", broken)
+    body = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    status, text = raw_request(server, "POST", "/v1/completions", body)
+    assert status == 200  # the failure came after the headers
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["message"] == "internal server error"
+    assert "secret" not in text
+    server.wait_idle()  # the request was aborted
 
 
 def test_engine_failure_fails_requests_and_health(model_dir, monkeypatch):
