@@ -144,19 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        sock = bind_socket(args.host, args.port)  # first: a busy port fails before the load
         engine = LLMEngine(config_from_args(args))
-        sock = bind_socket(args.host, args.port)
     except (ValueError, ModelLoadError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model_name = args.served_model_name or args.model or Path(engine.model_path).stem
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # IPv6
     print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
     server = Server(
         create_app(engine, model_name), log_level=args.log_level, timeout_graceful_shutdown=5

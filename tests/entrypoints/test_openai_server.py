@@ -587,3 +587,11 @@ def test_command_line_server(model_dir):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_command_line_errors_are_messages(tmp_path, capsys):
+    code = openai_server.main(
+        ["--model", str(tmp_path / "missing"), "--device", "cpu", "--port", "0"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
