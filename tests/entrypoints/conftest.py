@@ -27,8 +27,7 @@ def server(model_dir):
 def reference(model_dir) -> LLM:
     """Offline generation on the same checkpoint (a separate engine: the server's is busy).
 
-    Run it only while the server is idle: the forward context is process-global, so two
-    engines must not run forwards at the same time."""
+    The forward context is per thread, so it may run while the server generates."""
     return build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
 
 
