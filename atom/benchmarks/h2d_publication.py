@@ -93,9 +93,9 @@ def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool 
         publisher.flush()
         t4 = time.perf_counter()
         # consumer side, not publication: page-table deltas applied, slot mapping derived
-        derive, slot._derive = slot._derive, None
+        slot._derive = None
         slot.page_table.on_published()
-        slot.backend.derive_views(slot, *derive)
+        slot.backend.derive_views(slot, step.num_tokens, step.num_seqs, step.is_decode)
         t4b = time.perf_counter()
         end_event.record()
         # The production checks of this step, timed alone: the guard (above), the O(1)
