@@ -123,8 +123,9 @@ def _store_kvcache_kernel(
     QUANTIZE: tl.constexpr,  # fp8 cache + scales; else a plain copy
     SOFTWARE_FP8: tl.constexpr,  # the interpreter: cast to e4m3 with integer arithmetic
 ):
-    # Row r of the input is (token r // NUM_KV_HEADS, head r % NUM_KV_HEADS); int64 offsets.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # Row r of the input is (token r // NUM_KV_HEADS, head r % NUM_KV_HEADS). Row numbers fit
+    # int32 (num_tokens * heads < 2^31); every element offset is int64.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     token = rows // NUM_KV_HEADS
     head = rows % NUM_KV_HEADS
     offs_d = tl.arange(0, BLOCK_D)
@@ -133,6 +134,7 @@ def _store_kvcache_kernel(
     row_mask = slot >= 0  # padding tokens (-1) and rows past the end write nothing
     mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
 
+    token = token.to(tl.int64)
     key_rows = key_ptr + token * stride_key_token + head * stride_key_head
     value_rows = value_ptr + token * stride_value_token + head * stride_value_head
     # Both tiles are loaded before anything is stored, so both are in flight at once.
@@ -164,11 +166,10 @@ def _store_kvcache_kernel(
         tl.store(v_cache_ptr + cache_offs, value, mask=mask)
 
 
-def store_config(num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps) of the store kernel: geometry only, never the length."""
-    block_d = triton.next_power_of_2(head_dim)
-    block_r = max(1, 4096 // block_d)  # ~4K elements of K and of V per program
-    return block_r, block_d, 4
+def store_config(num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_R, num_warps) of the store kernel: geometry only, never the length."""
+    block_r = max(1, 4096 // triton.next_power_of_2(head_dim))  # ~4K elements of K and of V
+    return block_r, 4
 
 
 def store_kvcache(
@@ -192,11 +193,22 @@ def store_kvcache(
             key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
         )
         return
+    _check_cache(key, value, k_cache, v_cache, k_scale, v_scale)
+    block_r, num_warps = store_config(key.shape[1], key.shape[2])
+    launch_store_kernel(
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, block_r, num_warps
+    )
+
+
+def launch_store_kernel(
+    key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, block_r: int, num_warps: int
+) -> None:
+    """One launch of the store kernel with an explicit tile (the benchmark tunes it)."""
     num_tokens, num_kv_heads, head_dim = key.shape
-    quantize = _check_cache(key, value, k_cache, v_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
-    block_r, block_d, num_warps = store_config(num_kv_heads, head_dim)
+    assert num_tokens * num_kv_heads < 2**31, "row numbers are int32"
+    quantize = is_quantized(k_cache)
     software_fp8 = quantize and not key.is_cuda
     if software_fp8:  # the interpreter writes e4m3 bit patterns (see _e4m3_bits)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
@@ -219,7 +231,7 @@ def store_kvcache(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
-        BLOCK_D=block_d,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         QUANTIZE=quantize,
         SOFTWARE_FP8=software_fp8,
         num_warps=num_warps,
