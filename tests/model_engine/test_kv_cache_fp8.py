@@ -2,20 +2,32 @@
 
 Each prompt is generated greedily by an engine with the model-dtype cache and by one with
 the fp8 cache; every step's logits are recorded (eager, one prompt at a time) and compared
-while the two token streams agree. The error is relative to the step's largest logit
-magnitude. Measured (docs/architecture.md, "fp8 KV cache"): CPU fp32 at most 1.0%
-(llama 0.97%, qwen2 0.88%, llama3 0.74%); the H200 figures are in the same place.
+while the two token streams agree. The error of a step is max |logit_fp8 - logit| over the
+vocabulary, relative to the step's largest |logit|; where the streams first differ, the
+"regret" is how much lower (same units) the fp8 engine's token scores under the
+unquantized logits than the unquantized engine's token.
+
+The tiny parity models (initializer_range 0.3, peaked attention) amplify KV rounding about
+tenfold: rounding their fp32 cache to bf16 alone moves the logits by 2.4-3.9%. e4m3 keeps 3
+mantissa bits against bf16's 8, so the tolerances are wide; what they guard is a wrong
+scale or slot, which moves the logits by 100% or more. Measured (docs/architecture.md, "fp8
+KV cache"): CPU fp32 max error 16.9% (llama), 36.4% (qwen2), 35.0% (llama3), regrets at
+most 15.3%; the H200 (bf16) figures are printed by the GPU test. The exactness of the fp8
+path itself is checked separately: it must equal an unquantized engine whose cache holds
+the dequantized rows.
 """
 
 import pytest
 import torch
 
+import atom.attention.mha
+from atom.kernels.kv_cache import dequantize_fp8_reference, quantize_fp8_reference
 from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-# max |logit_fp8 - logit| / max |logit| over every compared step
-LOGIT_TOLERANCE = 0.03
+LOGIT_TOLERANCE = 0.6  # max relative logit error over the compared steps
+REGRET_TOLERANCE = 0.3  # at the first differing token
 KINDS = ["llama", "qwen2", "llama3"]
 
 
@@ -34,19 +46,19 @@ def _record_logits(llm) -> list[torch.Tensor]:
     return recorded
 
 
-def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[float, int, int]:
-    """(max relative logit error, compared steps, steps where the greedy tokens differ).
+def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[float, int, float]:
+    """(max relative logit error, compared steps, max regret) over four prompts.
 
     Where the tokens first differ, the fp8 engine's token must be a near-tie under the
-    unquantized logits (within the same tolerance); later steps are not compared, their
-    contexts differ.
+    unquantized logits (regret within REGRET_TOLERANCE); later steps are not compared,
+    their contexts differ.
     """
     common = dict(device=device, dtype=dtype, enforce_eager=True, async_scheduling=False)
     reference = build_llm(model_dir, kv_cache_dtype="auto", **common)
     quantized = build_llm(model_dir, kv_cache_dtype="fp8", **common)
     assert quantized.engine.model_runner.kv_cache.data.dtype == torch.float8_e4m3fn
     reference_logits, quantized_logits = _record_logits(reference), _record_logits(quantized)
-    worst, compared, diverged = 0.0, 0, 0
+    worst, compared, regret = 0.0, 0, 0.0
     for prompt in random_prompts(0, [1, 7, 33, 70]):
         reference_logits.clear()
         quantized_logits.clear()
@@ -59,25 +71,57 @@ def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[fl
             compared += 1
             if got[step] != expected[step]:
                 gap = (ref[0, expected[step]] - ref[0, got[step]]).item() / magnitude
-                assert gap <= LOGIT_TOLERANCE, f"step {step}: fp8 chose a token {gap:.2%} worse"
-                diverged += 1
+                regret = max(regret, gap)
                 break
-    return worst, compared, diverged
+    return worst, compared, regret
+
+
+def _check_and_report(kind, device, dtype, tiny_model_dirs):
+    error, compared, regret = measure_fp8_logit_error(tiny_model_dirs[kind], device, dtype)
+    print(
+        f"fp8 KV cache, {kind} on {device} {dtype}: max relative logit error {error:.2%} "
+        f"over {compared} steps, max regret {regret:.2%}"
+    )
+    assert compared >= 4, "every prompt compares at least its first token"
+    assert 0 < error <= LOGIT_TOLERANCE
+    assert regret <= REGRET_TOLERANCE
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp8_kv_cache_logits_close_to_fp32_on_cpu(tiny_model_dirs, kind):
-    error, compared, _ = measure_fp8_logit_error(tiny_model_dirs[kind], "cpu", "float32")
-    print(f"{kind} cpu fp32: max relative logit error of the fp8 KV cache {error:.4%}")
-    assert compared >= 4 * 2 and 0 < error <= LOGIT_TOLERANCE
+    _check_and_report(kind, "cpu", "float32", tiny_model_dirs)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp8_kv_cache_logits_close_to_bf16_on_gpu(tiny_model_dirs, kind):
-    error, compared, _ = measure_fp8_logit_error(tiny_model_dirs[kind], "cuda", "bfloat16")
-    print(f"{kind} cuda bf16: max relative logit error of the fp8 KV cache {error:.4%}")
-    assert compared >= 4 * 2 and 0 < error <= LOGIT_TOLERANCE
+    _check_and_report(kind, "cuda", "bfloat16", tiny_model_dirs)
+
+
+def test_fp8_engine_equals_attention_over_dequantized_cache(tiny_model_dirs, monkeypatch):
+    """CPU, fp32: the fp8 engine's logits equal, to rounding, those of an unquantized engine
+    whose store writes quantize-then-dequantize rows: scales follow their rows through
+    prefill, decode and every layer."""
+    model_dir = tiny_model_dirs["llama3"]
+    common = dict(device="cpu", dtype="float32", enforce_eager=True, async_scheduling=False)
+    quantized = build_llm(model_dir, kv_cache_dtype="fp8", **common)
+    simulated = build_llm(model_dir, kv_cache_dtype="auto", **common)
+    store = atom.attention.mha.store_kvcache_reference
+
+    def store_dequantized(key, value, *args, **kwargs):
+        key = dequantize_fp8_reference(*quantize_fp8_reference(key))
+        value = dequantize_fp8_reference(*quantize_fp8_reference(value))
+        store(key, value, *args, **kwargs)
+
+    quantized_logits, simulated_logits = _record_logits(quantized), _record_logits(simulated)
+    prompts = random_prompts(3, [5, 40])
+    expected = [o.token_ids for o in quantized.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setattr(atom.attention.mha, "store_kvcache_reference", store_dequantized)
+    got = [o.token_ids for o in simulated.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    assert len(quantized_logits) == len(simulated_logits) > 0
+    for a, b in zip(quantized_logits, simulated_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 @pytest.mark.gpu
