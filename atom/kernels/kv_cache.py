@@ -31,8 +31,10 @@ dequantize = q * scale. The two divisions are once per row and IEEE-rounded on b
 (``tl.math.div_rn`` in the kernel; tensor-by-tensor division in torch, which CUDA and CPU
 round correctly), so the kernel and ``store_kvcache_reference`` agree bit for bit on every
 device. (A power-of-two scale would make everything exact without IEEE division, but leaves
-the row maximum anywhere in (224, 448]: measured 1.9x the RMS error on rows dominated by an
-outlier channel.) amax is clamped to 2^-100, so an all-zero row gets zeros and a tiny scale.
+the row maximum anywhere in (224, 448]: on random rows 3% more RMS error when Gaussian, 1.9x
+when two outlier channels dominate.) amax is clamped to 2^-100, so an all-zero row gets
+zeros and a tiny scale. Under TRITON_INTERPRET the cast to e4m3 is done in integer
+arithmetic (``_e4m3_bits``): the interpreter's own cast drops carries.
 
 Kernel design: the input is viewed as num_tokens * num_kv_heads rows of head_dim values. A
 program takes BLOCK_R whole rows (about 4K elements: 32 rows at head_dim 128, so 4,096
@@ -90,7 +92,7 @@ def _e4m3_bits(y):
 @triton.jit
 def _quantize_rows(x, cache_ptrs, scale_ptrs, mask, row_mask, SOFTWARE_FP8: tl.constexpr):
     """Quantize a [rows, BLOCK_D] fp32 tile to e4m3 with one scale (amax / 448) per row."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 2.0**-100)  # MIN_AMAX
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # MIN_AMAX = 2^-100
     fp8_max = tl.full(amax.shape, 448.0, tl.float32)  # FP8_MAX
     inverse = tl.math.div_rn(fp8_max, amax)
     scale = tl.math.div_rn(amax, fp8_max)

@@ -209,7 +209,8 @@ def test_store_kvcache_past_2_31_elements_on_gpu(kv_cache_dtype):
     if kv_cache_dtype == "fp8":
         last = dequantize_fp8_reference(last, scales["k_scale"].view(-1, num_kv_heads)[-1])
     error = (last.float() - key[0].float()).abs()
-    assert (error <= key[0].float().abs().amax(dim=-1, keepdim=True) * (16 / FP8_MAX)).all()
+    bound = key[0].float().abs().amax(dim=-1, keepdim=True) * (16 / FP8_MAX) * (1 + 1e-5)
+    assert (error <= bound).all()
 
 
 def test_store_kvcache_reference_writes_slots_and_skips_padding():
