@@ -53,7 +53,14 @@ def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[fl
     unquantized logits (regret within REGRET_TOLERANCE); later steps are not compared,
     their contexts differ.
     """
-    common = dict(device=device, dtype=dtype, enforce_eager=True, async_scheduling=False)
+    # Fixed cache sizes: on CUDA two engines must fit beside each other.
+    common = dict(
+        device=device,
+        dtype=dtype,
+        enforce_eager=True,
+        async_scheduling=False,
+        num_kvcache_blocks=1024,
+    )
     reference = build_llm(model_dir, kv_cache_dtype="auto", **common)
     quantized = build_llm(model_dir, kv_cache_dtype="fp8", **common)
     assert quantized.engine.model_runner.kv_cache.data.dtype == torch.float8_e4m3fn
@@ -151,3 +158,17 @@ def test_kv_cache_dtype_is_validated():
 
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Config(device="cpu", kv_cache_dtype="int4")
+
+
+def test_kv_cache_dtype_flag_reaches_the_config():
+    import argparse
+
+    from atom.examples.simple_inference import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(["--device", "cpu"])).kv_cache_dtype == "auto"
+    args = parser.parse_args(["--device", "cpu", "--kv-cache-dtype", "fp8"])
+    assert config_from_args(args).kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
