@@ -9,12 +9,12 @@ unquantized logits than the unquantized engine's token.
 
 The tiny parity models (initializer_range 0.3, peaked attention) amplify KV rounding about
 tenfold: rounding their fp32 cache to bf16 alone moves the logits by 2.4-3.9%. e4m3 keeps 3
-mantissa bits against bf16's 8, so the tolerances are wide; what they guard is a wrong
-scale or slot, which moves the logits by 100% or more. Measured (docs/architecture.md, "fp8
-KV cache"): CPU fp32 max error 16.9% (llama), 36.4% (qwen2), 35.0% (llama3), regrets at
-most 15.3%; the H200 (bf16) figures are printed by the GPU test. The exactness of the fp8
-path itself is checked separately: it must equal an unquantized engine whose cache holds
-the dequantized rows.
+mantissa bits against bf16's 7, so these tolerances are wide (about twice the measured
+values) and only catch gross errors. Measured (docs/architecture.md, "fp8 KV cache"): CPU
+fp32 max error 16.9% (llama), 36.4% (qwen2), 35.0% (llama3), regrets at most 15.3%; the
+H200 (bf16) figures are printed by the GPU test (-s). The fp8 path itself is checked
+tightly by the simulation test: it must equal an unquantized engine whose cache holds the
+dequantized rows (to fp32 rounding on CPU, to tf32 noise on CUDA).
 """
 
 import pytest
@@ -26,8 +26,11 @@ from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-LOGIT_TOLERANCE = 0.6  # max relative logit error over the compared steps
-REGRET_TOLERANCE = 0.3  # at the first differing token
+LOGIT_TOLERANCE = 0.75  # fp8 vs unquantized: max relative logit error over compared steps
+REGRET_TOLERANCE = 0.4  # at the first differing token
+# fp8 engine vs an unquantized engine over the dequantized rows: fp32 rounding on CPU; on
+# CUDA the attention dots run in tf32 (2^-11), which the tiny models amplify to ~1%.
+SIMULATION_TOLERANCE = {"cpu": 1e-5, "cuda": 0.05}
 KINDS = ["llama", "qwen2", "llama3"]
 
 
@@ -46,14 +49,9 @@ def _record_logits(llm) -> list[torch.Tensor]:
     return recorded
 
 
-def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[float, int, float]:
-    """(max relative logit error, compared steps, max regret) over four prompts.
-
-    Where the tokens first differ, the fp8 engine's token must be a near-tie under the
-    unquantized logits (regret within REGRET_TOLERANCE); later steps are not compared,
-    their contexts differ.
-    """
-    # Fixed cache sizes: on CUDA two engines must fit beside each other.
+def _engines(model_dir: str, device: str, dtype: str, *kv_cache_dtypes: str):
+    # Eager, synchronous, one logits row per step; fixed cache sizes so that on CUDA two
+    # engines fit beside each other.
     common = dict(
         device=device,
         dtype=dtype,
@@ -61,26 +59,44 @@ def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[fl
         async_scheduling=False,
         num_kvcache_blocks=1024,
     )
-    reference = build_llm(model_dir, kv_cache_dtype="auto", **common)
-    quantized = build_llm(model_dir, kv_cache_dtype="fp8", **common)
-    assert quantized.engine.model_runner.kv_cache.data.dtype == torch.float8_e4m3fn
-    reference_logits, quantized_logits = _record_logits(reference), _record_logits(quantized)
+    return [build_llm(model_dir, kv_cache_dtype=kind, **common) for kind in kv_cache_dtypes]
+
+
+def compare_greedy_logits(reference, other, prompts, before_reference=None, before_other=None):
+    """(max relative logit error, compared steps, max regret) of ``other`` against
+    ``reference``, prompt by prompt, up to the first differing token of each.
+
+    ``before_reference`` / ``before_other`` run before each generation (e.g. to patch the
+    store of one engine only).
+    """
+    reference_logits, other_logits = _record_logits(reference), _record_logits(other)
     worst, compared, regret = 0.0, 0, 0.0
-    for prompt in random_prompts(0, [1, 7, 33, 70]):
+    for prompt in prompts:
         reference_logits.clear()
-        quantized_logits.clear()
+        other_logits.clear()
+        if before_reference is not None:
+            before_reference()
         expected = reference.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
-        got = quantized.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
-        assert len(reference_logits) == len(quantized_logits) == len(expected)
-        for step, (ref, fp8) in enumerate(zip(reference_logits, quantized_logits, strict=True)):
+        if before_other is not None:
+            before_other()
+        got = other.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+        assert len(reference_logits) == len(other_logits) == len(expected)
+        for step, (ref, logits) in enumerate(zip(reference_logits, other_logits, strict=True)):
             magnitude = ref.abs().max().item()
-            worst = max(worst, (fp8 - ref).abs().max().item() / magnitude)
+            worst = max(worst, (logits - ref).abs().max().item() / magnitude)
             compared += 1
             if got[step] != expected[step]:
                 gap = (ref[0, expected[step]] - ref[0, got[step]]).item() / magnitude
                 regret = max(regret, gap)
                 break
     return worst, compared, regret
+
+
+def measure_fp8_logit_error(model_dir: str, device: str, dtype: str) -> tuple[float, int, float]:
+    """fp8 cache against the model-dtype cache on four prompts (see compare_greedy_logits)."""
+    reference, quantized = _engines(model_dir, device, dtype, "auto", "fp8")
+    assert quantized.engine.model_runner.kv_cache.data.dtype == torch.float8_e4m3fn
+    return compare_greedy_logits(reference, quantized, random_prompts(0, [1, 7, 33, 70]))
 
 
 def _check_and_report(kind, device, dtype, tiny_model_dirs):
@@ -105,30 +121,35 @@ def test_fp8_kv_cache_logits_close_to_bf16_on_gpu(tiny_model_dirs, kind):
     _check_and_report(kind, "cuda", "bfloat16", tiny_model_dirs)
 
 
-def test_fp8_engine_equals_attention_over_dequantized_cache(tiny_model_dirs, monkeypatch):
-    """CPU, fp32: the fp8 engine's logits equal, to rounding, those of an unquantized engine
-    whose store writes quantize-then-dequantize rows: scales follow their rows through
-    prefill, decode and every layer."""
-    model_dir = tiny_model_dirs["llama3"]
-    common = dict(device="cpu", dtype="float32", enforce_eager=True, async_scheduling=False)
-    quantized = build_llm(model_dir, kv_cache_dtype="fp8", **common)
-    simulated = build_llm(model_dir, kv_cache_dtype="auto", **common)
-    store = atom.attention.mha.store_kvcache_reference
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_engine_equals_attention_over_dequantized_cache(tiny_model_dirs, monkeypatch, device):
+    """fp32: the fp8 engine's logits equal, to rounding, those of an unquantized engine
+    whose store writes quantize-then-dequantize rows, so scales follow their rows through
+    prefill, decode and every layer, on the torch references (CPU) and the Triton kernels."""
+    quantized, simulated = _engines(tiny_model_dirs["llama3"], device, "float32", "fp8", "auto")
+    name = "store_kvcache" if device == "cuda" else "store_kvcache_reference"
+    store = getattr(atom.attention.mha, name)
 
     def store_dequantized(key, value, *args, **kwargs):
         key = dequantize_fp8_reference(*quantize_fp8_reference(key))
         value = dequantize_fp8_reference(*quantize_fp8_reference(value))
         store(key, value, *args, **kwargs)
 
-    quantized_logits, simulated_logits = _record_logits(quantized), _record_logits(simulated)
-    prompts = random_prompts(3, [5, 40])
-    expected = [o.token_ids for o in quantized.generate(prompts, GREEDY, use_tqdm=False)]
-    monkeypatch.setattr(atom.attention.mha, "store_kvcache_reference", store_dequantized)
-    got = [o.token_ids for o in simulated.generate(prompts, GREEDY, use_tqdm=False)]
-    assert got == expected
-    assert len(quantized_logits) == len(simulated_logits) > 0
-    for a, b in zip(quantized_logits, simulated_logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+    def patch():
+        monkeypatch.setattr(atom.attention.mha, name, store_dequantized)
+
+    def unpatch():
+        monkeypatch.setattr(atom.attention.mha, name, store)
+
+    prompts = random_prompts(3, [5, 40, 70])
+    error, compared, regret = compare_greedy_logits(
+        quantized, simulated, prompts, before_reference=unpatch, before_other=patch
+    )
+    print(f"fp8 engine vs simulated fp8 on {device}: {error:.2e} over {compared} steps")
+    assert compared >= len(prompts)
+    assert error <= SIMULATION_TOLERANCE[device] and regret <= SIMULATION_TOLERANCE[device]
+    if device == "cpu":
+        assert compared == len(prompts) * GREEDY.max_tokens  # identical token streams
 
 
 @pytest.mark.gpu
