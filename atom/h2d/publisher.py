@@ -68,6 +68,7 @@ class Publisher:
             else (torch.cuda.current_stream(device) if device.type == "cuda" else None)
         )
         self._current_stream_id = _stream_id_reader(device) if self.stream is not None else None
+        self._stream_id = self.stream.stream_id if self.stream is not None else None
         self._events = [TransferEvent.for_device(device) for _ in range(EVENT_RING)]
         self._next_event = 0
         self._group: list[StagedBuffer] = []
@@ -86,6 +87,12 @@ class Publisher:
         Use as `with publisher.producer_guard(buffers): ...`; an exception inside drops
         the half-staged step.
         """
+        self.check_producer(buffers)
+        self._begin_step()
+        return self
+
+    def check_producer(self, buffers: list[StagedBuffer]) -> None:
+        """The guard's check (see producer_guard); raises PublicationError."""
         if self.checked:
             for buffer in buffers:
                 buffer.check_writable()
@@ -99,8 +106,6 @@ class Publisher:
                     "call wait_for_transfers() first",
                 )
             self._last_flush = None
-        self._begin_step()
-        return self
 
     def __enter__(self) -> Publisher:
         return self
@@ -141,6 +146,11 @@ class Publisher:
             self._last_flush = None
 
     # -- publication -----------------------------------------------------------------------
+    def in_bounds(self, buffer: StagedBuffer, valid: int, padded: int) -> bool:
+        """The production check of one publication: staged in this step, and
+        0 <= valid <= padded <= the rows staged (which `stage` bounded by the capacity)."""
+        return buffer.staged_step == self.step and 0 <= valid <= padded <= buffer.staged_rows
+
     def _validate(self, buffer: StagedBuffer, valid: int, padded: int) -> None:
         """Every clause, naming the first one broken. Production mode runs only the O(1)
         clauses inline in `publish` (staged rows <= capacity holds by `stage`) and comes
@@ -172,7 +182,7 @@ class Publisher:
                 self.slot,
                 f"destination lives on {buffer.device.device}, this publisher on {self.device}",
             )
-        self._check_stream(buffer.name)
+        self.check_stream(buffer.name)
         if (
             buffer.host.dtype != buffer.device.dtype
             or buffer.host.shape[1:] != buffer.device.shape[1:]
@@ -181,8 +191,8 @@ class Publisher:
                 buffer.name, self.slot, "host and destination shape or dtype differ"
             )
 
-    def _check_stream(self, name: str) -> None:
-        if self.stream is not None and self._current_stream_id() != self.stream.stream_id:
+    def check_stream(self, name: str = "*") -> None:
+        if self._stream_id is not None and self._current_stream_id() != self._stream_id:
             raise PublicationError(
                 name,
                 self.slot,
@@ -198,11 +208,7 @@ class Publisher:
         if padded is None:
             padded = valid
         try:
-            if (
-                self.checked
-                or buffer.staged_step != self.step
-                or not 0 <= valid <= padded <= buffer.staged_rows
-            ):
+            if self.checked or not self.in_bounds(buffer, valid, padded):
                 self._validate(buffer, valid, padded)
             if padded > valid:
                 buffer.write_padding(valid, padded)
@@ -211,7 +217,8 @@ class Publisher:
             self.abort()
             raise
         self._group.append(buffer)
-        return buffer.device_view(padded)
+        view = buffer._device_views.get(padded)
+        return view if view is not None else buffer.device_view(padded)
 
     def _queue(self, buffer: StagedBuffer, rows: int) -> None:
         raise NotImplementedError
@@ -222,7 +229,7 @@ class Publisher:
             return None
         if not self.checked:
             try:
-                self._check_stream(self._group[0].name)
+                self.check_stream(self._group[0].name)
             except PublicationError:
                 self.abort()
                 raise
@@ -305,6 +312,7 @@ class PackedPublisher(DirectPublisher):
         self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._offset = HEADER_BYTES  # next free staging byte of this step
         self._descriptors: list[int] = []  # published this step, 3 ints per segment
+        self._header_descriptors: list[int] | None = None  # what the host header holds
         self._end = 0  # end of the last published segment
         # (bucket bytes, graph, the event its replay records)
         self._graphs: list[tuple[int, torch.cuda.CUDAGraph, TransferEvent]] = []
@@ -357,6 +365,29 @@ class PackedPublisher(DirectPublisher):
         super()._begin_step()
         self._offset, self._descriptors, self._end = HEADER_BYTES, [], 0
 
+    def publish(self, buffer: StagedBuffer, valid: int, padded: int | None = None) -> torch.Tensor:
+        """The common case inline (production checks passed, staged in the arena); anything
+        else (checked mode, direct buffers, a failed check) takes the general path."""
+        if padded is None:
+            padded = valid
+        offset = buffer.arena_offset
+        if (
+            self.checked
+            or offset < 0
+            or len(self._descriptors) == 3 * MAX_SEGMENTS
+            or not self.in_bounds(buffer, valid, padded)
+        ):
+            return super().publish(buffer, valid, padded)
+        if padded > valid:
+            buffer.write_padding(valid, padded)
+        nbytes = padded * buffer.row_bytes
+        self._descriptors += (offset, buffer.dst_offset, nbytes)
+        if offset + nbytes > self._end:
+            self._end = offset + nbytes
+        self._group.append(buffer)
+        view = buffer._device_views.get(padded)
+        return view if view is not None else buffer.device_view(padded)
+
     def _stage(self, buffer: StagedBuffer, rows: int) -> np.ndarray:
         nbytes = rows * buffer.row_bytes
         if not buffer.packable or nbytes > self.max_packed_bytes:
@@ -394,8 +425,10 @@ class PackedPublisher(DirectPublisher):
         descriptors = self._descriptors
         if not descriptors:
             return False, None
-        count = len(descriptors) // 3
-        self.header[: 1 + 3 * count] = [count, *descriptors]
+        if descriptors != self._header_descriptors:  # steady decode: the same layout
+            count = len(descriptors) // 3
+            self.header[: 1 + 3 * count] = [count, *descriptors]
+            self._header_descriptors = descriptors
         self.copies += 1
         self.kernels += 1
         end = self._end

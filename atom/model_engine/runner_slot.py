@@ -97,7 +97,8 @@ class RunnerSlot:
         # Derived on the device from the page table (backend.derive_views), never uploaded;
         # -1 (write nothing) wherever a padded CUDA-graph batch has no token.
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        self._derive: tuple | None = None
+        self._derive: PreparedStep | None = None
+        self._sampling: dict[tuple, SamplingTensors] = {}
 
     def wait_for_transfers(self) -> None:
         """Block until the previous step's host-to-device copies have executed."""
@@ -245,22 +246,27 @@ class RunnerSlot:
         if step.all_greedy:
             return SamplingTensors(all_greedy=True)
         n = len(step.sampling_seqs)
-        generators = None
+        uniform = step.uniform_temperature
+        with profiling.stage("publish.sampler"):
+            temperatures = None if uniform is not None else self._publish(self.temperatures, n)
+            top_k = self._publish(self.top_k, n) if step.needs_top_k else None
+            top_p = self._publish(self.top_p, n) if step.needs_top_p else None
         if step.seeded:
             generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
-        with profiling.stage("publish.sampler"):
             return SamplingTensors(
-                all_greedy=False,
-                temperature=step.uniform_temperature,
-                temperatures=None
-                if step.uniform_temperature is not None
-                else self._publish(self.temperatures, n),
-                top_k=self._publish(self.top_k, n) if step.needs_top_k else None,
-                top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
-                needs_top_k=step.needs_top_k,
-                needs_top_p=step.needs_top_p,
-                generators=generators,
+                False, uniform, temperatures, top_k, top_p, step.needs_top_k, step.needs_top_p,
+                generators,
+            )  # fmt: skip
+        # Without seeds the same views come back at a given size: reuse the object.
+        key = (n, uniform, step.needs_top_k, step.needs_top_p)
+        tensors = self._sampling.get(key)
+        if tensors is None:
+            if len(self._sampling) > 1024:
+                self._sampling.clear()
+            tensors = self._sampling[key] = SamplingTensors(
+                False, uniform, temperatures, top_k, top_p, step.needs_top_k, step.needs_top_p
             )
+        return tensors
 
 
 def _generator_of(seq, device: torch.device) -> torch.Generator | None:
