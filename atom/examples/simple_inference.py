@@ -12,7 +12,11 @@ import sys
 import time
 
 from atom.config import Config, default_device
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.distributed_runner import serve_node
+from atom.model_engine.llm_engine import LLM, resolve_max_model_len
+from atom.model_engine.rendezvous import RendezvousError
+from atom.model_engine.workers import WorkerFailedError
+from atom.models.default_model import default_model_path
 from atom.models.loader import ModelLoadError
 from atom.sampling_params import SamplingParams
 
@@ -54,6 +58,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how step metadata reaches the GPU (default: $ATOM_H2D_BACKEND or direct)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (spawned processes; one GPU each on CUDA)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="multi-node: address of node-rank 0, which hosts the rendezvous store",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=0,
+        help="rendezvous port; 0 (default) = any free port, single node only",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index; node 0 runs the engine, the others only host ranks",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -71,7 +100,20 @@ def config_from_args(args: argparse.Namespace) -> Config:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         h2d_backend=args.h2d_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
     )
+
+
+def serve_this_node(config: Config) -> None:
+    """Node-rank > 0: host this node's tensor-parallel ranks until node 0 stops."""
+    from atom.models.loader import read_config
+
+    hf_config = read_config(config.model or default_model_path())
+    serve_node(config, resolve_max_model_len(config, hf_config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     args = parser.parse_args(argv)
 
+    llm = None
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -98,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             ignore_eos=args.ignore_eos,
             seed=args.seed if args.temperature > 0 else None,
         )
-        llm = LLM.from_config(config_from_args(args))
+        config = config_from_args(args)
+        if config.node_rank > 0:
+            serve_this_node(config)
+            return 0
+        llm = LLM.from_config(config)
         prompts = args.prompt or DEFAULT_PROMPTS
         inputs = (
             [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
@@ -108,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         outputs = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
-    except (ValueError, ModelLoadError) as error:
+    except (ValueError, ModelLoadError, RendezvousError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.shutdown()
 
     for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:

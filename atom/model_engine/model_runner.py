@@ -2,6 +2,11 @@
 
 It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch; one for
 now) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
+
+Under tensor parallelism every rank runs the same ModelRunner step on its shard of the
+model (built with the rank's TensorParallelGroup); rank 0 alone samples. Without a group
+(a caller building a ModelRunner directly) it is a single process: no store, no
+process group.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import torch
 
 from atom.config import Config
+from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.runner_slot import RunnerSlot
@@ -22,8 +28,16 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: Config, hf_config, weights, max_model_len: int):
+    def __init__(
+        self,
+        config: Config,
+        hf_config,
+        weights,
+        max_model_len: int,
+        tp: TensorParallelGroup | None = None,
+    ):
         self.config = config
+        self.tp = tp or TensorParallelGroup.single(config.device)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -63,7 +77,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+                model = model_class(self.hf_config)(self.hf_config, self.max_model_len, self.tp)
         finally:
             torch.set_default_dtype(previous)
         with torch.no_grad():
@@ -86,6 +100,7 @@ class ModelRunner:
             num_blocks = self._blocks_from_free_memory(block_bytes)
         else:
             num_blocks = self.config.kv_cache_memory_bytes // block_bytes
+        num_blocks = self.tp.min_across(num_blocks)  # every rank must hold the same blocks
         if num_blocks < 1:
             raise RuntimeError(
                 f"no room for a single KV block ({block_bytes} bytes); raise "
@@ -168,9 +183,23 @@ class ModelRunner:
             if logits_indices is not None:
                 hidden = hidden[logits_indices]
             logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, sampling)
+        tokens = self.sampler(logits, sampling) if logits is not None else None
+        tokens = self._share_sampled(tokens, len(step.sampling_seqs))
         self._last_sampled = tokens
         return StepHandle.of(tokens)
+
+    def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor | None:
+        """Rank 0's sampled tokens on every rank, when the next step may need them.
+
+        Only asynchronous scheduling fills input ids on the device from the last sampled
+        tokens (placeholders); otherwise they reach the other ranks as plain token ids in
+        the next step's message, and rank 0 keeps them to itself.
+        """
+        if self.tp.world_size == 1 or not self.config.async_scheduling:
+            return tokens
+        if tokens is None:
+            tokens = torch.empty(count, dtype=torch.int64, device=self.device)
+        return self.tp.broadcast_from_first(tokens)
 
 
 class StepHandle:
@@ -181,8 +210,8 @@ class StepHandle:
         self._done = done
 
     @classmethod
-    def of(cls, tokens: torch.Tensor) -> StepHandle:
-        if not tokens.is_cuda:
+    def of(cls, tokens: torch.Tensor | None) -> StepHandle:
+        if tokens is None or not tokens.is_cuda:
             return cls(tokens, None)
         host = tokens.to("cpu", non_blocking=True)
         done = torch.cuda.Event()
