@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from atom.sampling_params import SamplingParams
@@ -46,14 +44,13 @@ class StepMessage:
     finished: list[int] = field(default_factory=list)  # ids gone for good
     preempted: list[int] = field(default_factory=list)  # ids that will be re-added later
     appended_blocks: list[tuple[int, list[int]]] = field(default_factory=list)
-    # Sampled token values now known to the engine: parallel arrays.
-    filled_ids: np.ndarray | None = None
-    filled_positions: np.ndarray | None = None
-    filled_tokens: np.ndarray | None = None
-    # The step, in batch order.
-    seq_ids: np.ndarray | None = None
-    num_new_tokens: np.ndarray | None = None
-    lengths: np.ndarray | None = None  # len(seq) at launch, to check the mirror
+    # Sampled token values now known to the engine: (seq id, position, token) flattened.
+    filled: list[int] = field(default_factory=list)
+    # The step, in batch order. Plain int lists: they pickle smaller than numpy arrays
+    # at these sizes (an array costs ~150 bytes of header).
+    seq_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # len(seq) at launch, checks the mirror
     num_decodes: int = 0
 
 
@@ -71,12 +68,12 @@ class StepEncoder:
 
     def __init__(self):
         self._known: dict[int, _Known] = {}
-        self._filled: list[tuple[int, int, int]] = []  # (seq id, position, token)
+        self._filled: list[int] = []  # (seq id, position, token) flattened
 
     def record_sampled(self, batch: ScheduledBatch, tokens: list[int]) -> None:
         """The tokens of a completed step (in sampling order), for the next message."""
         for (seq, position), token in zip(batch.sampled or [], tokens, strict=True):
-            self._filled.append((seq.seq_id, position, token))
+            self._filled += (seq.seq_id, position, token)
 
     def encode(self, batch: ScheduledBatch) -> StepMessage:
         message = StepMessage(num_decodes=batch.num_decodes)
@@ -108,13 +105,10 @@ class StepEncoder:
             elif len(seq.block_table) > known.num_blocks:
                 message.appended_blocks.append((seq.seq_id, seq.block_table[known.num_blocks :]))
                 known.num_blocks = len(seq.block_table)
-        if self._filled:
-            filled = np.asarray(self._filled, dtype=np.int64)
-            message.filled_ids, message.filled_positions, message.filled_tokens = filled.T
-            self._filled = []
-        message.seq_ids = np.fromiter((s.seq_id for s in batch.seqs), np.int64, len(batch.seqs))
-        message.num_new_tokens = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        message.lengths = np.fromiter((len(s) for s in batch.seqs), np.int64, len(batch.seqs))
+        message.filled, self._filled = self._filled, []
+        message.seq_ids = [s.seq_id for s in batch.seqs]
+        message.num_new_tokens = list(batch.num_new_tokens)
+        message.lengths = [len(s) for s in batch.seqs]
         return message
 
 
@@ -167,27 +161,22 @@ class SequenceMirror:
             seq.generator = self._parked_generators.pop(new.seq_id, None)
         for seq_id, blocks in message.appended_blocks:
             self.seqs[seq_id].block_table.extend(blocks)
-        if message.filled_ids is not None:
-            self._fill(message)
+        self._fill(message.filled)
         try:
-            seqs = [self.seqs[i] for i in message.seq_ids.tolist()]
+            seqs = [self.seqs[i] for i in message.seq_ids]
         except KeyError as missing:
             raise MirrorError(f"step names sequence {missing} that this rank never saw") from None
-        lengths = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
-        if not np.array_equal(lengths, message.lengths):
+        lengths = [len(s) for s in seqs]
+        if lengths != message.lengths:
             raise MirrorError(
-                f"sequence lengths differ from the engine's: {lengths.tolist()} here, "
-                f"{message.lengths.tolist()} there (seq ids {message.seq_ids.tolist()})"
+                f"sequence lengths differ from the engine's: {lengths} here, "
+                f"{message.lengths} there (seq ids {message.seq_ids})"
             )
-        return ScheduledBatch(seqs, message.num_new_tokens.tolist(), message.num_decodes)
+        return ScheduledBatch(seqs, message.num_new_tokens, message.num_decodes)
 
-    def _fill(self, message: StepMessage) -> None:
-        for seq_id, position, token in zip(
-            message.filled_ids.tolist(),
-            message.filled_positions.tolist(),
-            message.filled_tokens.tolist(),
-            strict=True,
-        ):
+    def _fill(self, filled: list[int]) -> None:
+        for index in range(0, len(filled), 3):
+            seq_id, position, token = filled[index : index + 3]
             seq = self.seqs.get(seq_id)
             if seq is None or position >= len(seq.token_ids):
                 continue  # it left, or stopped (the engine cut its tail)

@@ -20,6 +20,7 @@ ranks, and writes any failure of its ranks to the store, where node 0 finds it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -84,36 +85,53 @@ def _looks_secondary(reason: str) -> bool:
 def _worker_entry(target, local_rank: int, spec: RendezvousSpec, conn, args) -> None:
     # Ctrl-C reaches the whole process group; the parent decides how to stop the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = 0
     try:
         target(local_rank, spec, conn, *args)
     except (EOFError, BrokenPipeError):
         pass  # the parent is gone: nobody to report to, just stop
     except BaseException as error:
+        code = 1
         text = f"raised {type(error).__name__}: {error}"
         try:
             conn.send(("error", text, traceback.format_exc()))
         except (OSError, ValueError):
             pass
-        sys.exit(1)
+    # The target has cleaned up (process group destroyed). Skip the interpreter's
+    # teardown of torch, which takes over a second per rank, and leave at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class WorkerGroup:
     """This node's ranks of one rendezvous. Owns the processes, their pipes and the
     Rendezvous (closed with them, which frees the store's port on node 0)."""
 
-    def __init__(self, target, rendezvous: Rendezvous, args: tuple = (), name: str = "atom-tp"):
+    def __init__(
+        self,
+        target,
+        rendezvous: Rendezvous,
+        args: tuple = (),
+        name: str = "atom-tp",
+        start_method: str = "spawn",
+    ):
+        """`start_method`: spawn (the engine's: safe with CUDA and threads); tests that
+        only exercise the rendezvous may fork from a fresh process to start faster."""
         self.rendezvous = rendezvous
         self.spec = spec = rendezvous.spec
         self.ranks = [spec.global_rank(i) for i in range(spec.ranks_per_node)]
         self.processes: list[mp.Process] = []
         self.conns: list[connection.Connection] = []
         self._failures: list[tuple[int, str, bool]] = []  # (rank, reason, secondary)
+        self._tracebacks: dict[int, str] = {}  # rank -> traceback of its exception
         self._exited: set[int] = set()  # local ranks whose exit was seen
         self._stopping = False  # SHUTDOWN was sent: a clean exit is no failure
         self._inbox: list[deque] = []  # per local rank: answers read while awaiting another
         self.failure: WorkerFailedError | None = None
         self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, rendezvous, 5.0)
-        context = mp.get_context("spawn")
+        context = mp.get_context(start_method)
         try:
             for local_rank, rank in enumerate(self.ranks):
                 parent, child = context.Pipe(duplex=True)
@@ -205,7 +223,7 @@ class WorkerGroup:
                 continue
             if message[0] == "error":
                 self._record(self.ranks[local_rank], message[1])
-                logger.error("rank %d failed:\n%s", self.ranks[local_rank], message[2])
+                self._tracebacks[self.ranks[local_rank]] = message[2]
             else:
                 self._inbox[local_rank].append(message)
         for item in ready:
@@ -255,6 +273,8 @@ class WorkerGroup:
         ordered = sorted(self._failures, key=lambda f: f[2])
         (rank, reason, _), others = ordered[0], [(r, why) for r, why, _ in ordered[1:]]
         self.failure = WorkerFailedError(rank, reason, others)
+        if rank in self._tracebacks:
+            logger.error("tensor-parallel rank %d failed:\n%s", rank, self._tracebacks[rank])
         self.shutdown(timeout_s=1.0)
         raise self.failure
 
