@@ -231,8 +231,16 @@ class WorkerGroup:
                 self._record_exit(sentinels[item])
 
     def _record(self, rank: int, reason: str) -> None:
-        if all(r != rank for r, _, _ in self._failures):
-            self._failures.append((rank, reason, _looks_secondary(reason)))
+        if any(r == rank for r, _, _ in self._failures):
+            return
+        self._failures.append((rank, reason, _looks_secondary(reason)))
+        store = self.rendezvous.store
+        if not self.rendezvous.is_master and store is not None:
+            # A remote node publishes each failure at once; node 0 names it in its error.
+            try:
+                store.set(FAILED_KEY.format(rank), reason)
+            except (RuntimeError, dist.DistError):
+                pass  # node 0 is gone already
 
     def _record_exit(self, local_rank: int) -> None:
         self._exited.add(local_rank)
@@ -261,14 +269,17 @@ class WorkerGroup:
         """Collect the other ranks' reports for a moment, stop everything, raise."""
         deadline = time.monotonic() + FAILURE_GRACE_S
         while time.monotonic() < deadline:
+            self._check_remote_failures()
             failed = {r for r, _, _ in self._failures}
-            if all(
+            local_done = all(
                 r in failed or not p.is_alive()
                 for r, p in zip(self.ranks, self.processes, strict=True)
-            ):
+            )
+            # Across nodes the root cause may be a remote rank: wait for its report.
+            root_known = self.spec.nnodes == 1 or any(not f[2] for f in self._failures)
+            if local_done and root_known:
                 break
-            self._wait_once(max(0.0, deadline - time.monotonic()))
-        self._check_remote_failures()
+            self._wait_once(min(0.1, max(0.0, deadline - time.monotonic())))
         # The root cause first: a rank not failing because a peer vanished, earliest first.
         ordered = sorted(self._failures, key=lambda f: f[2])
         (rank, reason, _), others = ordered[0], [(r, why) for r, why, _ in ordered[1:]]
@@ -324,6 +335,7 @@ def serve_remote_node(target, rendezvous: Rendezvous, args: tuple = ()) -> None:
     spec = rendezvous.spec
     group = WorkerGroup(target, rendezvous, args)
     inbox = connect(spec)  # its own client: the forwarding thread blocks on it
+    waker = connect(spec)  # wakes that thread when this node stops first
 
     def forward() -> None:
         # Writes the pipes only; failures are the main thread's business (wait_for_exit).
@@ -333,7 +345,8 @@ def serve_remote_node(target, rendezvous: Rendezvous, args: tuple = ()) -> None:
             except dist.DistStoreError:
                 continue  # nothing queued for a while: an idle engine
             except (RuntimeError, dist.DistError):
-                payload = SHUTDOWN  # node 0 is gone
+                logger.warning("node 0 is gone (its store closed): stopping this node's ranks")
+                payload = SHUTDOWN
             if payload == SHUTDOWN:
                 group._stopping = True
             for conn in group.conns:
@@ -344,16 +357,17 @@ def serve_remote_node(target, rendezvous: Rendezvous, args: tuple = ()) -> None:
             if payload == SHUTDOWN:
                 return
 
-    threading.Thread(target=forward, name="atom-step-forwarder", daemon=True).start()
+    forwarder = threading.Thread(target=forward, name="atom-step-forwarder", daemon=True)
+    forwarder.start()
     try:
-        group.wait_for_exit()
-    except WorkerFailedError as error:
-        store = rendezvous.store
-        if store is not None:
-            try:
-                store.set(FAILED_KEY.format(error.rank), error.reason)
-            except (RuntimeError, dist.DistError):
-                pass
-        raise
+        group.wait_for_exit()  # failures reach node 0 through the store (_record)
     finally:
+        # A thread still blocked in the store's C++ client at interpreter exit aborts the
+        # process: wake it with a SHUTDOWN of our own and let it finish first.
+        if forwarder.is_alive():
+            try:
+                waker.queue_push(step_queue(spec.node_rank), SHUTDOWN)
+            except (RuntimeError, dist.DistError):
+                pass  # node 0 is gone: the thread has stopped or is about to
+            forwarder.join(timeout=10.0)
         group.shutdown()

@@ -21,7 +21,7 @@ import torch
 
 from atom.distributed import ShardingError
 from atom.model_engine.llm_engine import LLM
-from atom.model_engine.rendezvous import Rendezvous
+from atom.model_engine.rendezvous import PortInUseError, Rendezvous
 from atom.model_engine.step_messages import SequenceMirror, StepEncoder
 from atom.model_engine.workers import WorkerFailedError
 from atom.sampling_params import SamplingParams
@@ -39,6 +39,21 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def all_gone(pids, timeout_s: float = 5.0) -> bool:
+    """Every pid has exited within `timeout_s` (helpers such as a node's multiprocessing
+    resource tracker leave a moment after their parent)."""
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def runner_pids(llm) -> list[int]:
+    return llm.engine.model_runner.workers.pids
+
+
 def token_ids(llm, prompts, params=GREEDY):
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -54,7 +69,7 @@ def test_greedy_tp2_equals_tp1(tiny_model_dirs, kind):
         assert token_ids(llm, prompts) == expected
     finally:
         llm.shutdown()
-    assert not any(pid_alive(pid) for pid in llm.engine.model_runner.workers.pids)
+    assert not any(pid_alive(pid) for pid in runner_pids(llm))
 
 
 def test_chunked_prefill_preemption_prefix_cache_async(tiny_model_dirs):
@@ -156,6 +171,19 @@ def test_model_that_does_not_split_fails_before_spawning(tiny_model_dirs):
     assert set(multiprocessing.active_children()) == before
 
 
+def test_taken_fixed_port_fails_before_spawning(tiny_model_dirs):
+    """The engine binds its store before any rank exists: a taken --master-port is a
+    PortInUseError naming the port within 5 s, with no process started."""
+    before = set(multiprocessing.active_children())
+    with Rendezvous.start(world_size=2) as other_engine:
+        port = other_engine.spec.port
+        start = time.monotonic()
+        with pytest.raises(PortInUseError, match=f"port {port}.*--master-port"):
+            LLM(tiny_model_dirs["llama"], device="cpu", tensor_parallel_size=2, master_port=port)
+        assert time.monotonic() - start < 5.0
+    assert set(multiprocessing.active_children()) == before
+
+
 def test_killed_rank_is_reported_and_everything_stops(tiny_model_dirs):
     """SIGKILL one rank mid-generation: the engine names rank 1 and SIGKILL, stops rank 0
     too, leaves no process behind, frees the rendezvous port, and does not hang."""
@@ -189,19 +217,11 @@ def test_killed_rank_is_reported_and_everything_stops(tiny_model_dirs):
         assert again.spec.port == port
 
 
-def test_two_nodes_over_loopback_serve_one_engine(tiny_model_dirs):
-    """Node 1 (a separate process, the offline script with --node-rank 1) hosts rank 1 and
-    receives the step messages through the store; node 0 runs the engine and rank 0."""
-    model = tiny_model_dirs["llama"]
-    prompts = random_prompts(9, [3, 21])
-    expected = token_ids(build_llm(model), prompts)
-    with socket.socket() as scout:
-        scout.bind(("127.0.0.1", 0))
-        port = scout.getsockname()[1]
-    common = ["--device", "cpu", "-tp", "2", "--nnodes", "2", "--master-port", str(port)]
-    node1 = subprocess.Popen(
+def start_node1(model: str, port: int) -> subprocess.Popen:
+    """Node-rank 1 of a 2-node, 2-rank run: the offline script with --node-rank 1."""
+    return subprocess.Popen(
         [sys.executable, "-m", "atom.examples.simple_inference", "--model", model]
-        + common
+        + ["--device", "cpu", "-tp", "2", "--nnodes", "2", "--master-port", str(port)]
         + ["--node-rank", "1"],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=REPO),
@@ -209,16 +229,75 @@ def test_two_nodes_over_loopback_serve_one_engine(tiny_model_dirs):
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as scout:
+        scout.bind(("127.0.0.1", 0))
+        return scout.getsockname()[1]
+
+
+def node0_llm(model: str, port: int):
+    return LLM(
+        model,
+        device="cpu",
+        tensor_parallel_size=2,
+        nnodes=2,
+        master_port=port,
+        distributed_timeout_s=120,
+        kv_cache_memory_bytes=16 << 20,
+        skip_tokenizer_init=True,
+    )
+
+
+def test_two_nodes_over_loopback_serve_one_engine(tiny_model_dirs):
+    """Node 1 (a separate process) hosts rank 1 and receives the step messages through the
+    store; node 0 runs the engine and rank 0. Node 1 stops when node 0 shuts down."""
+    model = tiny_model_dirs["llama"]
+    prompts = random_prompts(9, [3, 21])
+    expected = token_ids(build_llm(model), prompts)
+    port = free_port()
+    node1 = start_node1(model, port)
     try:
-        llm = build_llm(
-            model, tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout_s=120
-        )
+        llm = node0_llm(model, port)
         try:
             assert token_ids(llm, prompts) == expected
         finally:
             llm.shutdown()
         out, err = node1.communicate(timeout=60)
         assert node1.returncode == 0, err[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_killed_remote_rank_is_named_on_both_nodes(tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    port = free_port()
+    node1 = start_node1(model, port)
+    try:
+        llm = node0_llm(model, port)
+        engine = llm.engine
+        engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=500))
+        for _ in range(3):
+            engine.step()
+        with open(f"/proc/{node1.pid}/task/{node1.pid}/children") as children:
+            pids = [int(pid) for pid in children.read().split()]
+        ranks = [
+            pid
+            for pid in pids
+            if b"resource_tracker" not in open(f"/proc/{pid}/cmdline", "rb").read()
+        ]
+        assert len(ranks) == 1
+        os.kill(ranks[0], signal.SIGKILL)
+        with pytest.raises(WorkerFailedError) as caught:
+            for _ in range(100):
+                engine.step()
+        assert caught.value.rank == 1 and "SIGKILL" in caught.value.reason, str(caught.value)
+        out, err = node1.communicate(timeout=30)
+        assert node1.returncode == 2 and "rank 1" in err and "SIGKILL" in err, err[-3000:]
+        assert all_gone(pids + runner_pids(llm))
     finally:
         if node1.poll() is None:
             node1.kill()
