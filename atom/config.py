@@ -64,6 +64,10 @@ class Config:
     h2d_backend: str | None = None
     # Full per-buffer publication checks (None: ATOM_H2D_CHECKED; tests turn it on).
     h2d_checked: bool | None = None
+    # Run each batch as this many micro-batches, each on its own runner slot (1 or 2).
+    num_micro_batches: int = 1
+    # Where profiler traces go (None: ATOM_TORCH_PROFILER_DIR; profiling off if neither).
+    profiler_dir: str | None = None
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (benchmarks)
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
     # Tensor parallelism: N spawned ranks, each holding 1/N of the heads, MLP and vocabulary.
@@ -93,6 +97,8 @@ class Config:
             )
         if self.h2d_checked is None:
             self.h2d_checked = envs.h2d_checked()
+        if self.profiler_dir is None:
+            self.profiler_dir = envs.torch_profiler_dir()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:
@@ -101,6 +107,8 @@ class Config:
             pass
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_micro_batches not in (1, 2):
+            raise ValueError(f"num_micro_batches must be 1 or 2, got {self.num_micro_batches}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -20,3 +20,8 @@ def h2d_backend() -> str:
 def h2d_checked() -> bool:
     """`ATOM_H2D_CHECKED=1`: full per-buffer publication checks (tests and debugging)."""
     return os.environ.get("ATOM_H2D_CHECKED", "0") not in ("0", "", "false", "False")
+
+
+def torch_profiler_dir() -> str | None:
+    """`ATOM_TORCH_PROFILER_DIR`: where `LLM.start_profile`/`--profile` write traces."""
+    return os.environ.get("ATOM_TORCH_PROFILER_DIR") or None

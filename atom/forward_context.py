@@ -1,12 +1,14 @@
 """The one ambient object of a forward pass: attention metadata for this step.
 
 The ModelRunner sets it around each forward (and each CUDA-graph capture) with
-`forward_context(...)`; attention layers read it with `get_forward_context()`. Nothing
-else is global.
+`forward_context(...)`; attention layers read it with `get_forward_context()`. It is
+per thread, so two engines stepping on two threads of one process (a server and an
+offline reference, say) never see each other's metadata. Nothing else is ambient.
 """
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,20 +41,21 @@ class ForwardContext:
     attention: AttentionMetadata
 
 
-_current: ForwardContext | None = None
+_local = threading.local()
 
 
 @contextmanager
 def forward_context(attention: AttentionMetadata):
-    global _current
-    previous, _current = _current, ForwardContext(attention)
+    previous = getattr(_local, "current", None)
+    _local.current = context = ForwardContext(attention)
     try:
-        yield _current
+        yield context
     finally:
-        _current = previous
+        _local.current = previous
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    current = getattr(_local, "current", None)
+    if current is None:
         raise RuntimeError("attention was called outside a forward_context(...)")
-    return _current
+    return current

@@ -44,8 +44,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer (-1 disables), got {self.top_k!r}")
         if self.top_k == 0:
             self.top_k = -1
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k < -1 or self.top_k > 2**31 - 1:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, 2**31 - 1], got {self.top_k}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not 0.0 < float(self.top_p) <= 1.0:

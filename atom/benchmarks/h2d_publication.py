@@ -3,16 +3,25 @@
     python -m atom.benchmarks.h2d_publication
 
 For B in {1, 64, 256} decode sequences (context ~1000 tokens, block size 16) a RunnerSlot
-prepares the engine's real decode metadata (input ids, positions, slot mapping, context
-lengths, block tables, sampling parameters of non-uniform requests) and publishes it.
+prepares the engine's real decode metadata (input ids, positions, context lengths, the
+page table's appended block ids (every 16th row crosses a block boundary each step),
+sampling parameters of non-uniform requests) and publishes it; the slot mapping is
+derived on the device from the page table.
 One JSON line per (backend, B): H2D copies, scatter kernels and bytes per step, host issue
-time per step (publish calls + flush), GPU time per step (CUDA events), and the cost of the
-production-mode producer guard.
+time per step (publish calls + the publisher's flush; medians), GPU time per step (CUDA
+events, publication and the views), `views_us`: launching the consumer-side kernels that
+apply the page-table deltas and derive the slot mapping (not publication), host time of
+`prepare` (the producers, identical work in both modes), and the cost of the
+production-mode checks (producer guard + per-publication bounds + the stream check).
+`packed_eager_scatter` issues the copy and launches the scatter kernel from Python instead
+of replaying them from the flush's CUDA graph. As in the engine, the slot waits for its
+previous transfers before the producers run, so the guard's check is a flag test.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 
@@ -34,54 +43,101 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
         seq.num_computed_tokens = context - 1
         seq.block_table = list(range(i * 70, i * 70 + -(-context // block_size)))
         seqs.append(seq)
-    return ScheduledBatch(seqs, [1] * batch_size, batch_size)
+    return ScheduledBatch(seqs, [1] * batch_size, batch_size, layout=1, grown=[], step=0)
 
 
-def measure(backend: str, batch_size: int, iterations: int) -> dict:
+def advance(batch: ScheduledBatch, iteration: int, next_block: list[int]) -> None:
+    """The next decode step of the same batch: every 16th sequence crosses a block boundary
+    (block size 16), so the page table stages one appended id for each of those rows."""
+    batch.step += 1
+    batch.grown = batch.seqs[iteration % 16 :: 16]
+    for seq in batch.grown:
+        if len(seq.block_table) >= 120:  # stay inside the 128-block rows
+            del seq.block_table[63:]
+            seq.block_version += 1
+        seq.block_table.append(next_block[0])
+        next_block[0] += 1
+
+
+def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool = True) -> dict:
     device = torch.device("cuda")
     slot = RunnerSlot(0, 256, 8192, 128, 16, 128256, device, h2d_backend=backend, h2d_checked=False)
+    if backend == "packed" and not scatter_graph:
+        slot.publisher._graphs = []  # issue the copy and launch the Triton kernel every step
     batch = decode_batch(batch_size, 1000, 16)
     publisher = slot.publisher
-    host_s = gpu_ms = guard_s = 0.0
+    buffers = slot._buffers
+    samples = {key: [] for key in ("host", "gpu", "guard", "checks", "prepare", "views")}
     copies = kernels = nbytes = 0
     start_event, end_event = (
         torch.cuda.Event(enable_timing=True),
         torch.cuda.Event(enable_timing=True),
     )
+    next_block = [batch_size * 70]
     for i in range(iterations + 10):
+        advance(batch, i, next_block)
         slot.wait_for_transfers()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with publisher.producer_guard(list(slot.h2d.buffers.values())):
+        with publisher.producer_guard(buffers):
             pass
         t1 = time.perf_counter()
         step = slot.prepare(batch)
+        t2 = time.perf_counter()
         before = (publisher.copies, publisher.kernels, publisher.bytes)
         start_event.record()
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         slot.publish_model_inputs(step)
         slot.publish_sampling(step)
-        slot.flush()
-        t3 = time.perf_counter()
+        group = list(publisher._group)
+        publisher.flush()
+        t4 = time.perf_counter()
+        # consumer side, not publication: page-table deltas applied, slot mapping derived
+        derive, slot._derive = slot._derive, None
+        slot.page_table.on_published()
+        slot.backend.derive_views(slot, *derive)
+        t4b = time.perf_counter()
         end_event.record()
+        # The production checks of this step, timed alone: the guard (above), the O(1)
+        # per-publication checks and the once-per-flush stream check.
+        publisher.step -= 1  # replay the checks against this step's staging
+        for b in group:
+            b.staged_step = publisher.step
+        t5 = time.perf_counter()
+        for b in group:
+            publisher._validate(b, b.staged_rows, b.staged_rows)
+        publisher._check_stream(group[0].name)
+        t6 = time.perf_counter()
+        publisher.step += 1
         end_event.synchronize()
         if i >= 10:
-            guard_s += t1 - t0
-            host_s += t3 - t2
-            gpu_ms += start_event.elapsed_time(end_event)
+            samples["guard"].append(t1 - t0)
+            samples["checks"].append((t1 - t0) + (t6 - t5))
+            samples["prepare"].append(t2 - t1)
+            samples["host"].append(t4 - t3)
+            samples["views"].append(t4b - t4)
+            samples["gpu"].append(start_event.elapsed_time(end_event) / 1e3)
             copies += publisher.copies - before[0]
             kernels += publisher.kernels - before[1]
             nbytes += publisher.bytes - before[2]
     n = iterations
+    name = backend if scatter_graph or backend == "direct" else "packed_eager_scatter"
+
+    def median_us(key: str, digits: int = 2) -> float:
+        return round(statistics.median(samples[key]) * 1e6, digits)
+
     return dict(
-        backend=backend,
+        backend=name,
         batch=batch_size,
         copies_per_step=copies / n,
         kernels_per_step=kernels / n,
         bytes_per_step=nbytes / n,
-        host_issue_us=round(host_s / n * 1e6, 2),
-        gpu_us=round(gpu_ms / n * 1e3, 2),
-        production_guard_us=round(guard_s / n * 1e6, 3),
+        host_issue_us=median_us("host"),
+        gpu_us=median_us("gpu"),
+        prepare_us=median_us("prepare"),
+        views_us=median_us("views"),
+        production_guard_us=median_us("guard", 3),
+        production_checks_us=median_us("checks", 3),
     )
 
 
@@ -91,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = {}
     for batch_size in (1, 64, 256):
-        for backend in ("direct", "packed"):
-            record = measure(backend, batch_size, iterations=200)
-            results[(backend, batch_size)] = record
+        for backend, graph in (("direct", True), ("packed", True), ("packed", False)):
+            record = measure(backend, batch_size, iterations=300, scatter_graph=graph)
+            results[(record["backend"], batch_size)] = record
             print(json.dumps(record), flush=True)
     for batch_size in (1, 64, 256):
         d, p = results[("direct", batch_size)], results[("packed", batch_size)]

@@ -11,13 +11,14 @@ import json
 import sys
 import time
 
-from atom.config import Config, default_device
+from atom.config import Config
+from atom.entrypoints.engine_args import add_engine_args, config_from_args
 from atom.model_engine.distributed_runner import serve_node
 from atom.model_engine.llm_engine import LLM, resolve_max_model_len
 from atom.model_engine.rendezvous import RendezvousError
 from atom.model_engine.workers import WorkerFailedError
 from atom.models.default_model import default_model_path
-from atom.models.loader import ModelLoadError
+from atom.models.loader import ModelLoadError, read_config
 from atom.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = [
@@ -28,90 +29,8 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by the offline script and the server."""
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument(
-        "--kv-cache-memory-gb", type=float, default=1.0, help="KV-cache budget on CPU"
-    )
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--h2d-backend",
-        choices=["direct", "packed"],
-        default=None,
-        help="how step metadata reaches the GPU (default: $ATOM_H2D_BACKEND or direct)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split the model over N ranks (spawned processes; one GPU each on CUDA)",
-    )
-    parser.add_argument(
-        "--master-addr",
-        default="127.0.0.1",
-        help="multi-node: address of node-rank 0, which hosts the rendezvous store",
-    )
-    parser.add_argument(
-        "--master-port",
-        type=int,
-        default=0,
-        help="rendezvous port; 0 (default) = any free port, single node only",
-    )
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
-    parser.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        help="this node's index; node 0 runs the engine, the others only host ranks",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    return Config(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * 2**30),
-        enforce_eager=args.enforce_eager,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        h2d_backend=args.h2d_backend,
-        tensor_parallel_size=args.tensor_parallel_size,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-    )
-
-
 def serve_this_node(config: Config) -> None:
     """Node-rank > 0: host this node's tensor-parallel ranks until node 0 stops."""
-    from atom.models.loader import read_config
-
     hf_config = read_config(config.model or default_model_path())
     serve_node(config, resolve_max_model_len(config, hf_config))
 
@@ -129,6 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="write a torch.profiler trace with ATOM:: stages "
+        "(DIR, else $ATOM_TORCH_PROFILER_DIR, else ./atom_traces)",
+    )
     args = parser.parse_args(argv)
 
     llm = None
@@ -142,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed if args.temperature > 0 else None,
         )
         config = config_from_args(args)
+        if args.profile is not None:
+            config.profiler_dir = args.profile or config.profiler_dir or "atom_traces"
         if config.node_rank > 0:
             serve_this_node(config)
             return 0
@@ -152,9 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.chat
             else prompts
         )
+        if args.profile is not None:
+            llm.start_profile()
         start = time.perf_counter()
         outputs = llm.generate(inputs, params)
         elapsed = time.perf_counter() - start
+        if args.profile is not None:
+            print(f"profiler trace: {llm.stop_profile()}", file=sys.stderr)
     except (ValueError, ModelLoadError, RendezvousError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

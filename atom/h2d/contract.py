@@ -1,9 +1,11 @@
 """The publication contract: errors, transfer events, and a named staged buffer.
 
 See docs/publication_contract.md. A StagedBuffer is one piece of step metadata: host
-staging memory (pinned on CUDA, written through a numpy view) and a fixed device
-destination (CUDA-graph safe). Its host memory may be rewritten only once the transfer
-that last read it has completed; the producer guard checks that before any write.
+staging memory (pinned on CUDA, written through numpy views) and a fixed device
+destination (CUDA-graph safe). Each step a producer asks the publisher for a writable
+view of the rows it fills (`Publisher.stage`): the buffer's own host memory (direct) or a
+slice of the slot's packed arena (packed). That memory may be rewritten only once the
+transfer that last read it has completed; the producer guard checks that before any write.
 """
 
 from __future__ import annotations
@@ -24,18 +26,24 @@ class PublicationError(RuntimeError):
 
 
 class TransferEvent:
-    """Completion of a group of transfers. CUDA: a recorded event; CPU: already done."""
+    """Completion of a group of transfers. CUDA: a recorded event; CPU: already done.
+
+    Publishers keep a small ring of these and re-record them: a buffer that still points
+    at a re-recorded event then waits for a later point of the same stream, which is
+    stricter, never looser, than its own transfer.
+    """
 
     def __init__(self, event: torch.cuda.Event | None = None):
         self._event = event
 
     @classmethod
-    def record(cls, device: torch.device, stream=None) -> TransferEvent:
-        if device.type != "cuda":
-            return cls(None)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return cls(event)
+    def for_device(cls, device: torch.device) -> TransferEvent:
+        return cls(torch.cuda.Event() if device.type == "cuda" else None)
+
+    def record(self, stream=None) -> TransferEvent:
+        if self._event is not None:
+            self._event.record(stream)
+        return self
 
     def query(self) -> bool:
         return self._event is None or self._event.query()
@@ -77,18 +85,38 @@ class StagedBuffer:
         self.name = name
         self.slot = slot
         self.host = host
-        self.array: np.ndarray = host.numpy()
+        self.array: np.ndarray = host.numpy()  # the buffer's own host memory
         self.device = device
         self.pad = pad
         self.packable = packable
-        self.row_bytes = (
-            host[0].numel() * host.element_size() if host.dim() else host.element_size()
-        )
+        self.row_shape = tuple(host.shape[1:])
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * host.element_size()
         self.last_transfer: TransferEvent | None = None
+        self.dst_offset = 0  # byte offset of `device` in the slot's device arena
+        # This step's staging (set by Publisher.stage): where the producer wrote.
+        self.staged_step = -1
+        self.staged: np.ndarray = self.array[:0]
+        self.staged_rows = 0
+        self.arena_offset = -1  # byte offset in the packed host arena, -1: own memory
+        self._device_views: dict[int, torch.Tensor] = {}
+        self._host_views: dict[int, torch.Tensor] = {}
         if pad != REPEAT_LAST:
             self.array.fill(pad)
             if device.data_ptr() != host.data_ptr():
                 device.fill_(pad)
+
+    def device_view(self, rows: int) -> torch.Tensor:
+        """device[:rows], cached: torch slicing costs microseconds per call."""
+        view = self._device_views.get(rows)
+        if view is None:
+            view = self._device_views[rows] = self.device[:rows]
+        return view
+
+    def host_view(self, rows: int) -> torch.Tensor:
+        view = self._host_views.get(rows)
+        if view is None:
+            view = self._host_views[rows] = self.host[:rows]
+        return view
 
     @property
     def capacity(self) -> int:
@@ -110,7 +138,8 @@ class StagedBuffer:
 
     def write_padding(self, valid: int, padded: int) -> None:
         if padded > valid:
+            staged = self.staged
             if self.pad == REPEAT_LAST:
-                self.array[valid:padded] = self.array[valid - 1]
+                staged[valid:padded] = staged[valid - 1]
             else:
-                self.array[valid:padded] = self.pad
+                staged[valid:padded] = self.pad

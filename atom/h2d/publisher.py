@@ -1,28 +1,55 @@
 """Publishers: how a runner slot's staged buffers reach their device destinations.
 
-direct: one non_blocking copy per buffer.
-packed: eligible buffers' valid bytes are packed (numpy, no torch copies) into one pinned
-        arena, sent with ONE host-to-device copy, and scattered into their fixed
-        destinations by ONE Triton kernel; ineligible buffers go direct in the same step.
+One step, seen from the publisher (docs/publication_contract.md):
 
-A step publishes a group of buffers (`publish` each, then `flush`); the flush records one
-TransferEvent that becomes the `last_transfer` of every buffer it carried, and of the
-packed arena only when the group really used it.
+    with publisher.producer_guard(buffers):   # refuses if host memory is still in flight
+        publisher.stage(buffer, rows)[:n] = ...   # producers write numpy views
+    publisher.publish(buffer, valid, padded)  # at the buffer's first consumer
+    publisher.flush()                         # send the group; one event covers it
+
+direct: `stage` hands out the buffer's own pinned memory; one non_blocking copy per
+        published buffer.
+packed: `stage` hands out a slice of one pinned arena (bump allocation, 64-byte aligned),
+        so producers write straight into it; the flush sends the arena with ONE copy and
+        ONE Triton kernel scatters the segments into their fixed destinations. Buffers
+        that are not packable (or too large) stage in their own memory and go direct in
+        the same step; the arena's `arena_transfer` is set only by a flush that used it.
+
+Checked mode verifies every clause at every call. Production mode keeps the O(1) checks
+(bounds, staged this step), checks the stream once per flush and the producer guard with
+one event query per step; identity of devices is verified once, when the slot is built.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import logging
 
 import numpy as np
 import torch
 
 from atom.h2d.contract import PublicationError, StagedBuffer, TransferEvent
-from atom.kernels.scatter import scatter_segments, scatter_segments_reference
+from atom.kernels.scatter import (
+    HEADER_WORDS,
+    scatter_segments,
+    scatter_segments_reference,
+)
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes; every packed segment starts on a 64-byte boundary
-MAX_SEGMENTS = 64
-HEADER_BYTES = MAX_SEGMENTS * 3 * 8  # int64 (src_offset, dst_offset, num_bytes) rows
+MAX_SEGMENTS = 32
+HEADER_BYTES = -(-(HEADER_WORDS + 3 * MAX_SEGMENTS) * 8 // ALIGN) * ALIGN
+EVENT_RING = 4
+
+
+def _stream_id_reader(device: torch.device):
+    """A cheap `() -> current stream id` for `device` (torch.cuda.current_stream builds a
+    Python Stream object per call, which alone would eat the production check budget)."""
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    index = device.index
+    if get is not None:
+        return lambda: get(index)[0]
+    return lambda: torch.cuda.current_stream(device).stream_id
 
 
 class Publisher:
@@ -39,37 +66,87 @@ class Publisher:
             if stream is not None
             else (torch.cuda.current_stream(device) if device.type == "cuda" else None)
         )
+        self._current_stream_id = _stream_id_reader(device) if self.stream is not None else None
+        self._events = [TransferEvent.for_device(device) for _ in range(EVENT_RING)]
+        self._next_event = 0
         self._group: list[StagedBuffer] = []
-        self._last_flush: TransferEvent | None = None
+        self._last_flush: TransferEvent | None = None  # None once known complete
+        self.step = 0  # producer steps begun; a buffer staged in an older step is stale
         self.copies = 0  # host-to-device copies issued (cumulative)
         self.kernels = 0  # scatter kernels launched (cumulative)
         self.bytes = 0  # bytes sent host-to-device (cumulative)
 
     # -- producer side ---------------------------------------------------------------------
-    @contextmanager
-    def producer_guard(self, buffers: list[StagedBuffer]):
-        """Refuse to let a producer write host memory whose transfer is still in flight.
+    def producer_guard(self, buffers: list[StagedBuffer]) -> Publisher:
+        """Begin a step; refuse (raise) before any write if host memory is still in flight.
 
-        checked: every buffer's own last transfer; production: the slot's last flush only
-        (one query per step)."""
+        checked: every buffer's own last transfer (and the packed arena's); production:
+        the slot's last flush only, one event query per step (none once it is known done).
+        Use as `with publisher.producer_guard(buffers): ...`; an exception inside drops
+        the half-staged step.
+        """
         if self.checked:
             for buffer in buffers:
                 buffer.check_writable()
-        elif self._last_flush is not None and not self._last_flush.query():
+            self._check_arena_writable()
+        elif self._last_flush is not None:
+            if not self._last_flush.query():
+                raise PublicationError(
+                    "*",
+                    self.slot,
+                    "producer started while the slot's last publication is in flight",
+                    "call wait_for_transfers() first",
+                )
+            self._last_flush = None
+        self._begin_step()
+        return self
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is not None:
+            self.abort()
+
+    def _check_arena_writable(self, name: str = "*") -> None:
+        pass
+
+    def _begin_step(self) -> None:
+        self.step += 1
+        self._group = []
+
+    def stage(self, buffer: StagedBuffer, rows: int) -> np.ndarray:
+        """A writable numpy view of `rows` rows of `buffer` for this step's producer.
+
+        `rows` must cover the padded length the buffer will be published with."""
+        if rows > buffer.capacity:
             raise PublicationError(
-                "*",
+                buffer.name,
                 self.slot,
-                "producer started while the slot's last publication is in flight",
-                "call wait_for_transfers() first",
+                f"destination too small: {rows} rows asked, {buffer.capacity} allocated",
+                "raise max_num_seqs / max_num_batched_tokens",
             )
-        yield
+        view = self._stage(buffer, rows)
+        buffer.staged, buffer.staged_rows, buffer.staged_step = view, rows, self.step
+        return view
+
+    def _stage(self, buffer: StagedBuffer, rows: int) -> np.ndarray:
+        buffer.arena_offset = -1
+        return buffer.array[:rows]
 
     def wait_for_transfers(self) -> None:
         if self._last_flush is not None:
             self._last_flush.synchronize()
+            self._last_flush = None
 
     # -- publication -----------------------------------------------------------------------
     def _validate(self, buffer: StagedBuffer, valid: int, padded: int) -> None:
+        if (
+            not self.checked
+            and buffer.staged_step == self.step
+            and 0 <= valid <= padded <= buffer.staged_rows
+        ):
+            return  # production: the O(1) clauses hold (staged rows <= capacity)
         if not 0 <= valid <= padded:
             raise PublicationError(
                 buffer.name, self.slot, f"valid length {valid} outside [0, {padded}]"
@@ -81,25 +158,38 @@ class Publisher:
                 f"destination too small: {padded} rows asked, {buffer.capacity} allocated",
                 "raise max_num_seqs / max_num_batched_tokens",
             )
+        if buffer.staged_step != self.step or padded > buffer.staged_rows:
+            staged = buffer.staged_rows if buffer.staged_step == self.step else 0
+            raise PublicationError(
+                buffer.name,
+                self.slot,
+                f"{padded} rows published but {staged} staged in this step",
+                "write the rows through publisher.stage(buffer, padded_rows) first",
+            )
+        if not self.checked:
+            return
         if buffer.device.device != self.device:
             raise PublicationError(
                 buffer.name,
                 self.slot,
                 f"destination lives on {buffer.device.device}, this publisher on {self.device}",
             )
-        if self.stream is not None and torch.cuda.current_stream(self.device) != self.stream:
-            raise PublicationError(
-                buffer.name,
-                self.slot,
-                "published from a stream the consumers do not wait on",
-                "publish on the slot's stream",
-            )
+        self._check_stream(buffer.name)
         if (
             buffer.host.dtype != buffer.device.dtype
             or buffer.host.shape[1:] != buffer.device.shape[1:]
         ):
             raise PublicationError(
                 buffer.name, self.slot, "host and destination shape or dtype differ"
+            )
+
+    def _check_stream(self, name: str) -> None:
+        if self.stream is not None and self._current_stream_id() != self.stream.stream_id:
+            raise PublicationError(
+                name,
+                self.slot,
+                "published from a stream the consumers do not wait on",
+                "publish on the slot's stream",
             )
 
     def publish(self, buffer: StagedBuffer, valid: int, padded: int | None = None) -> torch.Tensor:
@@ -116,7 +206,7 @@ class Publisher:
             self.abort()
             raise
         self._group.append(buffer)
-        return buffer.device[:padded]
+        return buffer.device_view(padded)
 
     def _queue(self, buffer: StagedBuffer, rows: int) -> None:
         raise NotImplementedError
@@ -125,8 +215,15 @@ class Publisher:
         """Send what `publish` queued; one event covers the group."""
         if not self._group:
             return None
+        if not self.checked:
+            try:
+                self._check_stream(self._group[0].name)
+            except PublicationError:
+                self.abort()
+                raise
         arena_used = self._send()
-        event = TransferEvent.record(self.device, self.stream)
+        event = self._events[self._next_event].record(self.stream)
+        self._next_event = (self._next_event + 1) % EVENT_RING
         for buffer in self._group:
             buffer.last_transfer = event
         self._group = []
@@ -141,8 +238,11 @@ class Publisher:
         pass
 
     def abort(self) -> None:
-        """Drop a half-built group: nothing of it reaches the device; the slot stays usable."""
+        """Drop a half-built group: nothing of it reaches the device; the slot stays usable.
+
+        Everything staged in this step becomes stale: the next step stages afresh."""
         self._group = []
+        self.step += 1
 
 
 class DirectPublisher(Publisher):
@@ -151,13 +251,23 @@ class DirectPublisher(Publisher):
     def _queue(self, buffer: StagedBuffer, rows: int) -> None:
         if buffer.aliased or rows == 0:
             return
-        buffer.device[:rows].copy_(buffer.host[:rows], non_blocking=True)
+        buffer.device_view(rows).copy_(buffer.host_view(rows), non_blocking=True)
         self.copies += 1
         self.bytes += rows * buffer.row_bytes
 
 
 class PackedPublisher(DirectPublisher):
-    """Packs small buffers into one pinned arena; large or unpackable ones go direct."""
+    """Stages small buffers in one pinned arena; large or unpackable ones go direct.
+
+    Arena layout: a header of int64 words (number of segments, then one
+    (src_offset, dst_offset, num_bytes) row per segment), then the staged segments.
+    The flush sends bytes [0, end of the last published segment) with one copy, and the
+    scatter kernel, which reads the header on the device, writes the segments out. On
+    CUDA the copy and the scatter of each transfer-size bucket (4 KiB, 16 KiB, 64 KiB,
+    256 KiB, the whole arena) are captured together in one CUDA graph: a flush is one
+    graph replay (the copy of a bucket sends the bucket's bytes; the scatter only uses
+    the described segments).
+    """
 
     backend = "packed"
 
@@ -170,72 +280,132 @@ class PackedPublisher(DirectPublisher):
         max_packed_bytes: int = 64 << 10,
         checked: bool = True,
         stream=None,
+        scatter_graph: bool = True,
     ):
         super().__init__(slot, device, checked, stream)
         self.device_arena = device_arena  # uint8: every destination is a view into it
         pin = device.type == "cuda"
-        self.host_arena = torch.zeros(HEADER_BYTES + arena_bytes, dtype=torch.uint8, pin_memory=pin)
+        size = HEADER_BYTES + arena_bytes
+        self.host_arena = torch.zeros(size, dtype=torch.uint8, pin_memory=pin)
         self.host_bytes = self.host_arena.numpy()
-        self.descriptors = self.host_bytes[:HEADER_BYTES].view(np.int64).reshape(MAX_SEGMENTS, 3)
-        self.staging = torch.empty_like(self.host_arena, device=device)  # device landing zone
+        self.header = self.host_bytes[:HEADER_BYTES].view(np.int64)
+        self.staging = torch.zeros(size, dtype=torch.uint8, device=device)  # landing zone
         self.max_packed_bytes = max_packed_bytes
         self.arena_transfer: TransferEvent | None = None  # owner: the last group that used it
-        self._offset = HEADER_BYTES
-        self._segments = 0
-        self._max_segment = 0
+        self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._offset = HEADER_BYTES  # next free staging byte of this step
+        self._descriptors: list[int] = []  # published this step, 3 ints per segment
+        self._end = 0  # end of the last published segment
+        self._graphs: list[tuple[int, torch.cuda.CUDAGraph]] = []  # (bucket bytes, graph)
+        if device.type == "cuda" and scatter_graph:
+            self._graphs = self._capture_flushes()
 
-    def _fits(self, buffer: StagedBuffer, nbytes: int) -> bool:
-        return buffer.packable and nbytes <= self.max_packed_bytes and self._segments < MAX_SEGMENTS
+    def _capture_flushes(self) -> list[tuple[int, torch.cuda.CUDAGraph]]:
+        self.header[0] = 0
+        self.staging[:HEADER_BYTES].copy_(self.host_arena[:HEADER_BYTES])
+        self._launch_scatter()  # compile outside the capture
+        torch.cuda.synchronize(self.device)
+        size = self.host_bytes.size
+        buckets = sorted({min(b, size) for b in (4 << 10, 16 << 10, 64 << 10, 256 << 10)})
+        if buckets[-1] != size:
+            buckets.append(size)
+        graphs = []
+        try:
+            for bucket in buckets:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.staging[:bucket].copy_(self.host_arena[:bucket], non_blocking=True)
+                    self._launch_scatter()
+                graphs.append((bucket, graph))
+        except RuntimeError as error:  # capture unsupported here: issue them one by one
+            logger.warning("packed h2d: flush graphs unavailable (%s); eager flushes", error)
+            torch.cuda.synchronize(self.device)
+            return []
+        return graphs
 
-    def _queue(self, buffer: StagedBuffer, rows: int) -> None:
-        nbytes = rows * buffer.row_bytes
-        if not self._fits(buffer, nbytes):
-            return super()._queue(buffer, rows)
-        if (
-            self._segments == 0
-            and self.arena_transfer is not None
-            and not self.arena_transfer.query()
-        ):
+    def _launch_scatter(self) -> None:
+        if self.device.type == "cuda":
+            scatter_segments(self.staging, self.device_arena, MAX_SEGMENTS)
+        else:
+            scatter_segments_reference(self.staging, self.device_arena)
+
+    def _check_arena_writable(self, name: str = "*") -> None:
+        if self.arena_transfer is not None and not self.arena_transfer.query():
             raise PublicationError(
-                buffer.name, self.slot, "packed arena reused while its transfer is in flight"
+                name,
+                self.slot,
+                "packed arena reused while its transfer is in flight",
+                "wait for the slot's transfers before staging",
             )
+
+    def _begin_step(self) -> None:
+        super()._begin_step()
+        self._offset, self._descriptors, self._end = HEADER_BYTES, [], 0
+
+    def _stage(self, buffer: StagedBuffer, rows: int) -> np.ndarray:
+        nbytes = rows * buffer.row_bytes
+        if not buffer.packable or nbytes > self.max_packed_bytes:
+            return super()._stage(buffer, rows)
         start = self._offset
-        if start + nbytes > self.host_arena.numel():
+        if start == HEADER_BYTES and self.checked:
+            self._check_arena_writable(buffer.name)
+        if start + nbytes > self.host_bytes.size:
+            self.abort()
             raise PublicationError(
                 buffer.name,
                 self.slot,
-                f"packed arena overflow ({start + nbytes} > {self.host_arena.numel()} bytes)",
+                f"packed arena overflow ({start + nbytes} > {self.host_bytes.size} bytes)",
                 "raise arena_bytes or mark the buffer unpackable",
             )
-        source = buffer.array[:rows].reshape(-1).view(np.uint8)
-        self.host_bytes[start : start + nbytes] = source
-        dst_offset = buffer.device.data_ptr() - self.device_arena.data_ptr()
-        self.descriptors[self._segments] = (start, dst_offset, nbytes)
-        self._segments += 1
-        self._max_segment = max(self._max_segment, nbytes)
         self._offset = start + -(-nbytes // ALIGN) * ALIGN
+        buffer.arena_offset = start
+        view = self.host_bytes[start : start + nbytes].view(buffer.array.dtype)
+        return view.reshape((rows, *buffer.row_shape)) if buffer.row_shape else view
+
+    def _queue(self, buffer: StagedBuffer, rows: int) -> None:
+        if buffer.arena_offset < 0:
+            return super()._queue(buffer, rows)
+        if len(self._descriptors) == 3 * MAX_SEGMENTS:
+            raise PublicationError(
+                buffer.name, self.slot, f"more than {MAX_SEGMENTS} packed segments in one step"
+            )
+        nbytes = rows * buffer.row_bytes
+        self._descriptors += (buffer.arena_offset, buffer.dst_offset, nbytes)
+        end = buffer.arena_offset + nbytes
+        if end > self._end:
+            self._end = end
 
     def _send(self) -> bool:
-        if self._segments == 0:
+        descriptors = self._descriptors
+        if not descriptors:
             return False
-        used = self._offset
-        self.staging[:used].copy_(self.host_arena[:used], non_blocking=True)
-        descriptors = self.staging[:HEADER_BYTES].view(torch.int64).view(MAX_SEGMENTS, 3)
-        scatter = scatter_segments if self.device.type == "cuda" else scatter_segments_reference
-        scatter(self.staging, self.device_arena, descriptors, self._segments, self._max_segment)
+        count = len(descriptors) // 3
+        self.header[: 1 + 3 * count] = [count, *descriptors]
+        for bucket, graph in self._graphs:  # one replay: the copy and the scatter
+            if self._end <= bucket:
+                graph.replay()
+                self.bytes += bucket
+                break
+        else:  # CPU, or graphs disabled: the same two operations, issued one by one
+            end = -(-self._end // ALIGN) * ALIGN
+            views = self._copy_views.get(end)
+            if views is None:  # one pair of views per transfer size: no slicing per step
+                views = self._copy_views[end] = (self.staging[:end], self.host_arena[:end])
+            views[0].copy_(views[1], non_blocking=True)
+            self._launch_scatter()
+            self.bytes += end
         self.copies += 1
         self.kernels += 1
-        self.bytes += used
         return True
 
     def _after_flush(self, event: TransferEvent, arena_used: bool) -> None:
         if arena_used:
             self.arena_transfer = event
-        self._offset, self._segments, self._max_segment = HEADER_BYTES, 0, 0
+        self._descriptors, self._end = [], 0
 
     def abort(self) -> None:
         super().abort()
-        self._offset, self._segments, self._max_segment = HEADER_BYTES, 0, 0
+        self._offset, self._descriptors, self._end = HEADER_BYTES, [], 0
 
 
 def make_publisher(

@@ -52,12 +52,17 @@ class SlotBuffers:
                 nbytes = host.numel() * host.element_size()
                 start = offsets[spec.name]
                 dest = self.device_arena[start : start + nbytes].view(spec.dtype).view(spec.shape)
-            self.buffers[spec.name] = StagedBuffer(
-                spec.name, slot, host, dest, spec.pad, spec.packable
-            )
+            buffer = StagedBuffer(spec.name, slot, host, dest, spec.pad, spec.packable)
+            if not alias:
+                buffer.dst_offset = offsets[spec.name]
+            self.buffers[spec.name] = buffer
         self.publisher: Publisher = make_publisher(
             backend, slot, device, self.device_arena, checked
         )
 
     def __getitem__(self, name: str) -> StagedBuffer:
         return self.buffers[name]
+
+    def stage(self, name: str, rows: int):
+        """This step's writable numpy view of `rows` rows of buffer `name`."""
+        return self.publisher.stage(self.buffers[name], rows)

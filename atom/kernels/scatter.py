@@ -4,8 +4,15 @@ The packed publisher sends every small metadata buffer of a step with one host-t
 copy into `src`; this kernel then writes each segment to its fixed place in `dst` (the
 slot's device arena, where every buffer's CUDA-graph-safe destination lives).
 
-descriptors: int64 [num_segments, 3] rows of (src_offset, dst_offset, num_bytes), in bytes.
-Runtime lengths (not constexpr, in do_not_specialize): num_segments, max_chunks.
+`src` starts with a header of int64 words: word 0 is the number of segments, then
+HEADER_WORDS onwards one (src_offset, dst_offset, num_bytes) row per segment, in bytes.
+Offsets and sizes are multiples of 4 (every metadata dtype is 4 or 8 bytes wide), so the
+kernel moves 32-bit words. Every runtime length is read from the header on the device:
+the launch (grid and arguments) never changes, which makes it capture-safe (the publisher
+replays it from a CUDA graph) and leaves nothing to specialize on.
+
+Grid: (max_segments, CHUNK_PROGRAMS); program (s, c) copies words c, c + CHUNK_PROGRAMS,
+... (in BLOCK-word chunks) of segment s, or nothing when s >= the segment count.
 """
 
 from __future__ import annotations
@@ -18,49 +25,41 @@ try:
 except ImportError:  # pragma: no cover - references still work without Triton
     triton = None
 
-BLOCK_BYTES = 2048
+HEADER_WORDS = 1  # int64 words before the descriptor rows
+BLOCK_WORDS = 512
+CHUNK_PROGRAMS = 4
 
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_segments", "max_chunks"])
-    def _scatter_segments_kernel(
-        src, dst, descriptors, num_segments, max_chunks, BLOCK: tl.constexpr
-    ):
+    @triton.jit
+    def _scatter_segments_kernel(src, dst, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         segment = tl.program_id(0)
-        chunk = tl.program_id(1)
-        src_offset = tl.load(descriptors + segment * 3).to(tl.int64)
-        dst_offset = tl.load(descriptors + segment * 3 + 1).to(tl.int64)
-        num_bytes = tl.load(descriptors + segment * 3 + 2).to(tl.int64)
-        offsets = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < num_bytes
-        data = tl.load(src + src_offset + offsets, mask=mask)
-        tl.store(dst + dst_offset + offsets, data, mask=mask)
+        lane = tl.program_id(1)
+        header = src.to(tl.pointer_type(tl.int64))
+        num_segments = tl.load(header)
+        row = header + 1 + segment * 3
+        src_word = tl.load(row) // 4
+        dst_word = tl.load(row + 1) // 4
+        num_words = tl.load(row + 2) // 4
+        num_words = tl.where(segment < num_segments, num_words, 0)
+        src_words = src.to(tl.pointer_type(tl.int32)) + src_word
+        dst_words = dst.to(tl.pointer_type(tl.int32)) + dst_word
+        for start in range(lane * BLOCK, num_words, CHUNK * BLOCK):
+            offsets = start + tl.arange(0, BLOCK).to(tl.int64)
+            mask = offsets < num_words
+            tl.store(dst_words + offsets, tl.load(src_words + offsets, mask=mask), mask=mask)
 
 
-def scatter_segments(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    descriptors: torch.Tensor,
-    num_segments: int,
-    max_bytes: int,
-) -> None:
-    """One kernel launch copying every segment (uint8 arenas, int64 descriptors)."""
-    if num_segments == 0:
-        return
-    max_chunks = triton.cdiv(max_bytes, BLOCK_BYTES)
-    grid = (num_segments, max_chunks)
-    _scatter_segments_kernel[grid](
-        src, dst, descriptors, num_segments, max_chunks, BLOCK=BLOCK_BYTES
-    )
+def scatter_segments(src: torch.Tensor, dst: torch.Tensor, max_segments: int) -> None:
+    """One launch copying every segment described in `src`'s header (uint8 arenas)."""
+    grid = (max_segments, CHUNK_PROGRAMS)
+    _scatter_segments_kernel[grid](src, dst, CHUNK=CHUNK_PROGRAMS, BLOCK=BLOCK_WORDS)
 
 
-def scatter_segments_reference(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    descriptors: torch.Tensor,
-    num_segments: int,
-    max_bytes: int,
-) -> None:
-    for src_offset, dst_offset, num_bytes in descriptors[:num_segments].tolist():
+def scatter_segments_reference(src: torch.Tensor, dst: torch.Tensor) -> None:
+    header = src[: 8 * HEADER_WORDS].view(torch.int64)
+    num_segments = int(header[0])
+    rows = src[8 * HEADER_WORDS : 8 * (HEADER_WORDS + 3 * num_segments)].view(torch.int64)
+    for src_offset, dst_offset, num_bytes in rows.view(-1, 3).tolist():
         dst[dst_offset : dst_offset + num_bytes] = src[src_offset : src_offset + num_bytes]

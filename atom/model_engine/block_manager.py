@@ -105,8 +105,9 @@ class BlockManager:
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return needed <= self.num_free_blocks
 
-    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give `seq` enough blocks to hold its computed tokens plus `num_new_tokens`."""
+    def grow(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Give `seq` enough blocks to hold its computed tokens plus `num_new_tokens`;
+        returns how many blocks it received."""
         needed = self.blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if needed > self.num_free_blocks:
             raise RuntimeError(
@@ -121,6 +122,7 @@ class BlockManager:
                 block.hash, block.token_ids = None, ()
             block.ref_count = 1
             seq.block_table.append(block_id)
+        return max(needed, 0)
 
     def register_computed(self, seq: Sequence) -> None:
         """Publish hashes of blocks that became full of computed tokens."""
@@ -148,3 +150,4 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
+        seq.block_version += 1

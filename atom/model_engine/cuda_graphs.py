@@ -26,6 +26,8 @@ class DecodeGraphs:
         self.batch_sizes = sorted(set(batch_sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self.padded_replays = 0  # replays at a size larger than the batch (padded rows)
 
     def padded_size(self, batch_size: int) -> int | None:
         index = bisect.bisect_left(self.batch_sizes, batch_size)
@@ -34,9 +36,9 @@ class DecodeGraphs:
     def _metadata(self, size: int) -> AttentionMetadata:
         slot = self.slot
         return AttentionMetadata(
-            slot_mapping=slot.slot_mapping.device[:size],
+            slot_mapping=slot.slot_mapping[:size],
             context_lens=slot.context_lens.device[:size],
-            block_tables=slot.block_tables.device[:size],
+            block_tables=slot.page_table.device_rows[:size],
             cu_seqlens_q=None,
             max_seqlen_q=1,
             is_decode=True,
@@ -46,7 +48,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         slot = self.slot
         # Well-defined padding everywhere: no cache writes, nothing to attend to.
-        slot.slot_mapping.device.fill_(-1)
+        slot.slot_mapping.fill_(-1)
         slot.context_lens.device.fill_(0)
         pool = None
         for size in reversed(self.batch_sizes):
@@ -54,15 +56,22 @@ class DecodeGraphs:
             positions = slot.positions.device[:size]
             graph = torch.cuda.CUDAGraph()
             with forward_context(self._metadata(size)):
-                self.model.compute_logits(self.model(input_ids, positions))  # warm-up
+                self._forward(size, input_ids, positions)  # warm-up
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(input_ids, positions))
+                    logits = self._forward(size, input_ids, positions)
             pool = graph.pool()
             self.graphs[size] = graph
             self.logits[size] = logits
         torch.cuda.synchronize()
 
+    def _forward(self, size: int, input_ids, positions) -> torch.Tensor:
+        # the backend's views (slot mapping) are derived inside the graph
+        self.slot.backend.derive_views(self.slot, size, size, is_decode=True)
+        return self.model.compute_logits(self.model(input_ids, positions))
+
     def run(self, padded_size: int, batch_size: int) -> torch.Tensor:
         self.graphs[padded_size].replay()
+        self.replays += 1
+        self.padded_replays += padded_size > batch_size
         return self.logits[padded_size][:batch_size]

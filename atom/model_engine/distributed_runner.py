@@ -118,31 +118,31 @@ def run_model_rank(local_rank, spec: RendezvousSpec, conn, config, model_path, m
     if device == "cpu":  # share the cores instead of each rank taking them all
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
     tp = init_process_group(spec, local_rank, device)
-    try:
-        if config.load_format == "dummy":
-            hf_config, weights = read_config(model_path), None
-        else:
-            source = open_model(model_path)
-            hf_config, weights = source.hf_config, source.weights()
-        # Validated by the engine already: copy without re-validating the per-rank device.
-        rank_config = copy.copy(config)
-        rank_config.device = device
-        rank_config.enforce_eager = True  # no CUDA graphs across ranks yet
-        runner = ModelRunner(rank_config, hf_config, weights, max_model_len, tp)
-        conn.send(("ready", {"num_kvcache_blocks": runner.num_kvcache_blocks}))
-        mirror = SequenceMirror()
-        while True:
-            payload = conn.recv_bytes()
-            if payload == SHUTDOWN:
-                return
-            batch = mirror.apply(pickle.loads(payload))
-            handle = runner.launch(batch)
-            mirror.on_launch(batch)
-            tokens = handle.result()
-            if tp.is_first:
-                conn.send(("result", tokens))
-    finally:
-        destroy_process_group()
+    # No try/finally around the process group: on an exception the error must reach the
+    # engine first (a teardown after a peer died may block); the process exits right after.
+    if config.load_format == "dummy":
+        hf_config, weights = read_config(model_path), None
+    else:
+        source = open_model(model_path)
+        hf_config, weights = source.hf_config, source.weights()
+    # Validated by the engine already: copy without re-validating the per-rank device.
+    rank_config = copy.copy(config)
+    rank_config.device = device
+    rank_config.enforce_eager = True  # no CUDA graphs across ranks yet
+    runner = ModelRunner(rank_config, hf_config, weights, max_model_len, tp)
+    conn.send(("ready", {"num_kvcache_blocks": runner.num_kvcache_blocks}))
+    mirror = SequenceMirror()
+    while True:
+        payload = conn.recv_bytes()
+        if payload == SHUTDOWN:
+            break
+        batch = mirror.apply(pickle.loads(payload))
+        handle = runner.launch(batch)
+        mirror.on_launch(batch)
+        tokens = handle.result()
+        if tp.is_first:
+            conn.send(("result", tokens))
+    destroy_process_group()
 
 
 def serve_node(config: Config, max_model_len: int) -> None:

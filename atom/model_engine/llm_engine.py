@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from atom import profiling
 from atom.config import Config
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
@@ -171,7 +172,8 @@ class LLMEngine:
         otherwise each step completes before `step` returns.
         """
         start = time.perf_counter()
-        batch = self.scheduler.schedule()
+        with profiling.stage("schedule"):
+            batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
             launched = (batch, self.model_runner.launch(batch))
@@ -243,6 +245,7 @@ class LLM:
         config = kwargs.pop("config", None) or Config(model=model, **kwargs)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        self._profiler: profiling.TraceRecorder | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> LLM:
@@ -256,6 +259,24 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def start_profile(self) -> None:
+        """Record a torch.profiler trace (with `ATOM::<stage>` annotations) from now on."""
+        directory = self.engine.config.profiler_dir
+        if not directory:
+            raise ValueError(
+                "profiling needs a trace directory: set ATOM_TORCH_PROFILER_DIR or "
+                "Config.profiler_dir (the offline script: --profile DIR)"
+            )
+        if self._profiler is None:
+            self._profiler = profiling.TraceRecorder(directory)
+        self._profiler.start()
+
+    def stop_profile(self):
+        """Stop recording; returns the path of the Chrome trace written."""
+        if self._profiler is None:
+            raise RuntimeError("profiling is not running; call start_profile() first")
+        return self._profiler.stop()
 
     def generate(
         self,

@@ -1,7 +1,8 @@
 """ModelRunner: builds the model and its KV cache, and runs one scheduled step.
 
-It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch; one for
-now) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
+It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch:
+`Config.num_micro_batches` = 1 or 2; each slot has its own buffers, publisher and page
+table) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
 
 Under tensor parallelism every rank runs the same ModelRunner step on its shard of the
 model (built with the rank's TensorParallelGroup); rank 0 alone samples. Without a group
@@ -15,6 +16,7 @@ import logging
 
 import torch
 
+from atom import profiling
 from atom.config import Config
 from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
@@ -50,7 +52,7 @@ class ModelRunner:
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
             RunnerSlot(
-                index=0,
+                index=index,
                 max_num_seqs=config.max_num_seqs,
                 max_num_tokens=config.max_num_batched_tokens,
                 max_blocks_per_seq=max_blocks_per_seq,
@@ -60,16 +62,17 @@ class ModelRunner:
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
             )
+            for index in range(config.num_micro_batches)
         ]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: list[DecodeGraphs] | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
-            self.graphs = DecodeGraphs(
-                self.model, self.slots[0], [s for s in sizes if s <= config.max_num_seqs]
-            )
-            self.graphs.capture()
+            sizes = [s for s in sizes if s <= config.max_num_seqs]
+            self.graphs = [DecodeGraphs(self.model, slot, sizes) for slot in self.slots]
+            for graphs in self.graphs:
+                graphs.capture()
 
     # -- set-up ----------------------------------------------------------------------------
     def _build_model(self, weights) -> torch.nn.Module:
@@ -153,53 +156,96 @@ class ModelRunner:
 
         Nothing here waits for the device except the producer check on the slot's staging
         memory (its previous copies ran long ago in practice), so the host can schedule
-        the next step while this one runs.
+        the next step while this one runs. With two micro-batches the batch is split in
+        two halves, each run on its own slot; their tokens are joined in batch order.
         """
-        slot = self.slots[0]
-        slot.wait_for_transfers()
-        step = slot.prepare(batch)
+        previous = self._last_sampled
+        parts = split_batch(batch, len(self.slots))
+        tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        tokens = [t for t in tokens if t is not None]
+        if not tokens:
+            return StepHandle(None, None)
+        sampled = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        if self.tp.world_size > 1:
+            if not self.config.async_scheduling and not self.tp.is_first:
+                return StepHandle(None, None)  # rank 0 alone answers the engine
+            sampled = self._share_sampled(sampled)
+        self._last_sampled = sampled
+        return StepHandle.of(sampled)
+
+    def _share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled tokens on every rank (tensor parallelism, asynchronous
+        scheduling: the next step may fill input ids from them on the device).
+
+        Without asynchronous scheduling sampled tokens reach the other ranks as plain
+        token ids in the next step's message, and rank 0 keeps them to itself.
+        """
+        if not self.config.async_scheduling:
+            return tokens
+        return self.tp.broadcast_from_first(tokens)
+
+    def _launch_part(self, index: int, batch: ScheduledBatch, previous) -> torch.Tensor | None:
+        slot = self.slots[index]
+        graphs = self.graphs[index] if self.graphs else None
         graph_size = (
-            self.graphs.padded_size(step.num_seqs) if (self.graphs and step.is_decode) else None
+            graphs.padded_size(len(batch.seqs)) if (graphs and batch.is_decode_only) else None
         )
-        input_ids, positions, metadata = slot.publish_model_inputs(step, padded_seqs=graph_size)
+        with profiling.stage("prepare"):
+            slot.wait_for_transfers()
+            step = slot.prepare(batch, padded_seqs=graph_size)
+        # Each consumer asks for what it reads (publication at the first consumer); the
+        # flush then sends the step's group before any consumer kernel is queued.
+        input_ids, positions, metadata = slot.publish_model_inputs(step)
         placeholders = slot.publish_placeholders(step)
         sampling = step.sampling_seqs and slot.publish_sampling(step)
-        every_token_samples = len(step.sampling_seqs) == step.num_tokens
-        logits_indices = None
-        if step.sampling_seqs and graph_size is None and not every_token_samples:
-            logits_indices = slot.publish_logits_indices(step)
-        slot.flush()
+        logits_indices = slot.publish_logits_indices(step)
+        with profiling.stage("publish"):
+            slot.flush()
 
-        if placeholders is not None:
-            dst, src = placeholders
-            input_ids[dst] = self._last_sampled[src]
-        if graph_size is not None:
-            logits = self.graphs.run(graph_size, step.num_seqs)
-        else:
-            with forward_context(metadata):
-                hidden = self.model(input_ids, positions)
-            if not step.sampling_seqs:
-                return StepHandle(None, None)
-            if logits_indices is not None:
-                hidden = hidden[logits_indices]
-            logits = self.model.compute_logits(hidden)
-        tokens = self.sampler(logits, sampling) if logits is not None else None
-        tokens = self._share_sampled(tokens, len(step.sampling_seqs))
-        self._last_sampled = tokens
-        return StepHandle.of(tokens)
+        with profiling.stage("forward"):
+            if placeholders is not None:
+                dst, src = placeholders
+                input_ids[dst] = previous[src]
+            if graph_size is not None:
+                logits = graphs.run(graph_size, step.num_seqs)
+            else:
+                with forward_context(metadata):
+                    hidden = self.model(input_ids, positions)
+                if not step.sampling_seqs:
+                    return None
+                if logits_indices is not None:
+                    hidden = hidden[logits_indices]
+                logits = self.model.compute_logits(hidden)
+        with profiling.stage("sample"):
+            if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
+                return torch.empty(len(step.sampling_seqs), dtype=torch.int64, device=self.device)
+            return self.sampler(logits, sampling)
 
-    def _share_sampled(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor | None:
-        """Rank 0's sampled tokens on every rank, when the next step may need them.
 
-        Only asynchronous scheduling fills input ids on the device from the last sampled
-        tokens (placeholders); otherwise they reach the other ranks as plain token ids in
-        the next step's message, and rank 0 keeps them to itself.
-        """
-        if self.tp.world_size == 1 or not self.config.async_scheduling:
-            return tokens
-        if tokens is None:
-            tokens = torch.empty(count, dtype=torch.int64, device=self.device)
-        return self.tp.broadcast_from_first(tokens)
+def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
+    """`batch` cut into `parts` consecutive micro-batches (one per runner slot).
+
+    Each part keeps the page-table facts of the whole batch: its layout key is the
+    batch's plus the cut, and `grown` is shared (a slot ignores sequences it does not hold).
+    """
+    if parts == 1 or len(batch.seqs) < parts:
+        return [batch]
+    n = len(batch.seqs)
+    cuts = [n * k // parts for k in range(parts + 1)]
+    result = []
+    for k in range(parts):
+        a, b = cuts[k], cuts[k + 1]
+        result.append(
+            ScheduledBatch(
+                batch.seqs[a:b],
+                batch.num_new_tokens[a:b],
+                min(max(batch.num_decodes - a, 0), b - a),
+                layout=None if batch.layout is None else (batch.layout, k, a, b),
+                grown=batch.grown,
+                step=batch.step,
+            )
+        )
+    return result
 
 
 class StepHandle:
@@ -210,8 +256,8 @@ class StepHandle:
         self._done = done
 
     @classmethod
-    def of(cls, tokens: torch.Tensor | None) -> StepHandle:
-        if tokens is None or not tokens.is_cuda:
+    def of(cls, tokens: torch.Tensor) -> StepHandle:
+        if not tokens.is_cuda:
             return cls(tokens, None)
         host = tokens.to("cpu", non_blocking=True)
         done = torch.cuda.Event()

@@ -1,13 +1,16 @@
 """A RunnerSlot: one step's host staging buffers and their fixed device destinations.
 
-The ModelRunner owns one slot per pipeline stage / two-batch-overlap micro-batch. The
-host side of every buffer is a numpy view of (pinned, on CUDA) memory that `prepare`
-writes without building torch tensors; the device side is allocated once, so CUDA graphs
-captured on it replay with each step's data. On CPU the two sides are the same memory.
+The ModelRunner owns one slot per pipeline stage / two-batch-overlap micro-batch. A slot
+owns its staged buffers, its publisher (atom/h2d) and its page table. `prepare` writes
+numpy views of staged host memory (pinned on CUDA; in packed mode straight into the
+arena) without building torch tensors; the device side is allocated once, so CUDA graphs
+captured on it replay with each step's data. On CPU with the direct backend the two
+sides are the same memory.
 
 Each buffer declares its pad value, so a padded batch (CUDA-graph replay at a larger
-batch size) reads well-defined data: slot mapping -1 (write nothing), context lengths 0
-(attend to nothing), cu_seqlens repeat their last value.
+batch size) reads well-defined data: context lengths 0 (attend to nothing), cu_seqlens
+repeat their last value; the slot mapping, derived on the device from the page table,
+is -1 (write nothing) in padded rows.
 """
 
 from __future__ import annotations
@@ -18,25 +21,30 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atom.forward_context import AttentionMetadata
+from atom import profiling
+from atom.attention.backend import MHABackend, PagedAttentionBackend
 from atom.h2d.contract import REPEAT_LAST
 from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
+from atom.model_engine.page_table import PageTable
 from atom.model_engine.sampler import SamplingTensors
 from atom.model_engine.scheduler import ScheduledBatch
 
 
 @dataclass
 class PreparedStep:
-    """Host-side facts about the step just written into a slot's staging buffers."""
+    """Host-side facts about the step just staged in a slot."""
 
     num_seqs: int
     num_tokens: int
+    padded_seqs: int | None  # decode CUDA-graph batch size, or None (eager)
     max_seqlen_q: int
     is_decode: bool
     sampling_seqs: list  # sequences that sample this step, in batch order
     all_greedy: bool
+    uniform_temperature: float | None  # every sampling row uses it: nothing to upload
     needs_top_k: bool
     needs_top_p: bool
+    gathers_logits: bool  # only some rows' hidden states reach the LM head
     num_placeholders: int  # input tokens still on the device (filled from the last step)
 
 
@@ -52,6 +60,7 @@ class RunnerSlot:
         device: torch.device,
         h2d_backend: str = "direct",
         h2d_checked: bool = True,
+        backend: PagedAttentionBackend | None = None,
     ):
         self.index = index
         self.block_size = block_size
@@ -61,10 +70,13 @@ class RunnerSlot:
         specs = [
             BufferSpec("input_ids", (tokens,), torch.int64, 0),
             BufferSpec("positions", (tokens,), torch.int64, 0),
-            BufferSpec("slot_mapping", (tokens,), torch.int64, -1),
             BufferSpec("context_lens", (seqs,), torch.int32, 0),
             BufferSpec("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST),
-            BufferSpec("block_tables", (seqs, max_blocks_per_seq), torch.int32, 0),
+            # Page-table changes (atom/model_engine/page_table.py), only what changed
+            # since the slot's last step: row moves [n | sources | destinations | lengths],
+            # then (row, start, block ids) deltas [n | rows | starts | offsets | ids].
+            BufferSpec("page_moves", (1 + 3 * seqs,), torch.int32, 0),
+            BufferSpec("page_deltas", (3 * seqs + 2 + seqs * max_blocks_per_seq,), torch.int32, 0),
             BufferSpec("logits_indices", (seqs,), torch.int64, 0),
             BufferSpec("temperatures", (seqs,), torch.float32, 0.0),
             BufferSpec("top_k", (seqs,), torch.int64, vocab_size),
@@ -75,45 +87,60 @@ class RunnerSlot:
         ]
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
         self.publisher = self.h2d.publisher
+        self._buffers = list(self.h2d.buffers.values())
         for name, buffer in self.h2d.buffers.items():
             setattr(self, name, buffer)
+        self.page_table = PageTable(self, seqs, max_blocks_per_seq, device, checked=h2d_checked)
+        self.backend = backend or MHABackend()
+        # Derived on the device from the page table (backend.derive_views), never uploaded;
+        # -1 (write nothing) wherever a padded CUDA-graph batch has no token.
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self._derive: tuple | None = None
 
     def wait_for_transfers(self) -> None:
         """Block until the previous step's host-to-device copies have executed."""
         self.publisher.wait_for_transfers()
 
-    def flush(self) -> None:
-        """Send everything published for this step (packed: one copy + one scatter)."""
-        self.publisher.flush()
+    def flush(self):
+        """Send everything published for this step (packed: one copy + one scatter), then
+        apply the page-table deltas and derive the backend's views on the device."""
+        derive, self._derive = self._derive, None
+        event = self.publisher.flush()
+        self.page_table.on_published()
+        if derive is not None and derive.padded_seqs is None:  # graphs derive their own
+            self.backend.derive_views(self, derive.num_tokens, derive.num_seqs, derive.is_decode)
+        return event
 
     # -- host side -------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
-        """Write the batch's metadata into the host staging buffers (numpy only)."""
-        with self.publisher.producer_guard(list(self.h2d.buffers.values())):
-            return self._prepare(batch)
+    def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None) -> PreparedStep:
+        """Stage the batch's metadata in host memory (numpy only, under the producer guard).
 
-    def _prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        `padded_seqs` (decode only) is the CUDA-graph batch size the step will replay at;
+        buffers the graph reads are staged at that length so publication can pad them.
+        """
+        with self.publisher.producer_guard(self._buffers):
+            return self._prepare(batch, padded_seqs)
+
+    def _prepare(self, batch: ScheduledBatch, padded_seqs: int | None) -> PreparedStep:
+        stage = self.publisher.stage
         seqs = batch.seqs
         num_seqs = len(seqs)
-        bs = self.block_size
+        padded = padded_seqs or num_seqs
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
         ends = starts + num_new
         num_tokens = int(num_new.sum())
+        padded_tokens = padded_seqs or num_tokens
 
-        tables = self.block_tables.array
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
+        self.page_table.sync(seqs, batch.layout, batch.grown or (), batch.step)
 
-        cu = self.cu_seqlens_q.array
-        cu[0] = 0
-        np.cumsum(num_new, out=cu[1 : num_seqs + 1])
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
         if batch.is_decode_only:
-            rows = np.arange(num_seqs)
             positions = starts
             ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num_seqs)
         else:
-            rows = np.repeat(np.arange(num_seqs), num_new)
+            stage(self.cu_seqlens_q, num_seqs + 1)[:] = cu
             positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
             ids = np.fromiter(
                 itertools.chain.from_iterable(
@@ -130,61 +157,69 @@ class RunnerSlot:
         ]
         if placeholders:
             rows_, src = zip(*placeholders, strict=True)
-            last_token_rows = cu[1 : num_seqs + 1] - 1
-            self.placeholder_dst.array[: len(rows_)] = last_token_rows[list(rows_)]
-            self.placeholder_src.array[: len(src)] = src
+            n = len(rows_)
+            stage(self.placeholder_dst, n)[:] = cu[1:][list(rows_)] - 1
+            stage(self.placeholder_src, n)[:] = src
             np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
-        self.input_ids.array[:num_tokens] = ids
-        self.positions.array[:num_tokens] = positions
-        self.slot_mapping.array[:num_tokens] = tables[rows, positions // bs] * bs + positions % bs
-        self.context_lens.array[:num_seqs] = ends
+        stage(self.input_ids, padded_tokens)[:num_tokens] = ids
+        stage(self.positions, padded_tokens)[:num_tokens] = positions
+        stage(self.context_lens, padded)[:num_seqs] = ends
 
         lengths = np.fromiter((len(s) for s in seqs), np.int64, num_seqs)
-        samples = ends == lengths
-        sample_rows = np.flatnonzero(samples)
+        sample_rows = np.flatnonzero(ends == lengths)
         sampling_seqs = [seqs[i] for i in sample_rows.tolist()]
-        self.logits_indices.array[: len(sample_rows)] = cu[sample_rows + 1] - 1
+        # Graph replay computes logits for every row; eager steps gather the sampling rows
+        # unless every token samples (pure decode).
+        gathers_logits = (
+            len(sample_rows) > 0 and padded_seqs is None and len(sample_rows) != num_tokens
+        )
+        if gathers_logits:
+            stage(self.logits_indices, len(sample_rows))[:] = cu[sample_rows + 1] - 1
         params = [s.sampling_params for s in sampling_seqs]
         all_greedy = all(p.temperature == 0.0 for p in params)
         needs_top_k = needs_top_p = False
+        uniform_temperature = None
         if not all_greedy:
             n = len(params)
-            self.temperatures.array[:n] = [p.temperature for p in params]
-            self.top_k.array[:n] = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-            self.top_p.array[:n] = [p.top_p for p in params]
             needs_top_k = any(p.top_k > 0 for p in params)
             needs_top_p = any(p.top_p < 1.0 for p in params)
+            temperatures = {p.temperature for p in params}
+            if len(temperatures) == 1:
+                uniform_temperature = temperatures.pop()
+            else:
+                stage(self.temperatures, n)[:] = [p.temperature for p in params]
+            if needs_top_k:
+                stage(self.top_k, n)[:] = [
+                    p.top_k if p.top_k > 0 else self.vocab_size for p in params
+                ]
+            if needs_top_p:
+                stage(self.top_p, n)[:] = [p.top_p for p in params]
         return PreparedStep(
             num_seqs=num_seqs,
             num_tokens=num_tokens,
+            padded_seqs=padded_seqs,
             max_seqlen_q=int(num_new.max()),
             is_decode=batch.is_decode_only,
             sampling_seqs=sampling_seqs,
             all_greedy=all_greedy,
+            uniform_temperature=uniform_temperature,
             needs_top_k=needs_top_k,
             needs_top_p=needs_top_p,
+            gathers_logits=gathers_logits,
             num_placeholders=len(placeholders),
         )
 
-    # -- publication -----------------------------------------------------------------------
-    def publish_model_inputs(self, step: PreparedStep, padded_seqs: int | None = None):
-        """Send the forward's inputs; returns (input_ids, positions, attention metadata).
-
-        `padded_seqs` (decode only) pads the batch to a captured CUDA-graph size.
-        """
-        tokens, seqs = step.num_tokens, step.num_seqs
-        padded_tokens = padded_seqs if padded_seqs is not None else tokens
-        padded = padded_seqs if padded_seqs is not None else seqs
-        input_ids = self._publish(self.input_ids, tokens, padded_tokens)
-        positions = self._publish(self.positions, tokens, padded_tokens)
-        metadata = AttentionMetadata(
-            slot_mapping=self._publish(self.slot_mapping, tokens, padded_tokens),
-            context_lens=self._publish(self.context_lens, seqs, padded),
-            block_tables=self._publish(self.block_tables, seqs, padded),
-            cu_seqlens_q=None if step.is_decode else self._publish(self.cu_seqlens_q, seqs + 1),
-            max_seqlen_q=step.max_seqlen_q,
-            is_decode=step.is_decode,
-        )
+    # -- publication at the first consumer -------------------------------------------------
+    def publish_model_inputs(self, step: PreparedStep):
+        """Embedding lookup and attention metadata: (input_ids, positions, metadata)."""
+        tokens = step.num_tokens
+        padded_tokens = step.padded_seqs or tokens
+        with profiling.stage("publish.embedding"):
+            input_ids = self._publish(self.input_ids, tokens, padded_tokens)
+        with profiling.stage("publish.attention_metadata"):
+            positions = self._publish(self.positions, tokens, padded_tokens)
+            metadata = self.backend.build_metadata(self, step, self._publish)
+            self._derive = step
         return input_ids, positions, metadata
 
     def _publish(self, buffer, valid: int, padded: int | None = None) -> torch.Tensor:
@@ -195,26 +230,35 @@ class RunnerSlot:
         if not step.num_placeholders:
             return None
         n = step.num_placeholders
-        return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
+        with profiling.stage("publish.placeholders"):
+            return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
 
-    def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor:
-        return self._publish(self.logits_indices, len(step.sampling_seqs))
+    def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor | None:
+        """Rows of the hidden states the LM head reads, or None when it reads all."""
+        if not step.gathers_logits:
+            return None
+        with profiling.stage("publish.logits_indices"):
+            return self._publish(self.logits_indices, len(step.sampling_seqs))
 
     def publish_sampling(self, step: PreparedStep) -> SamplingTensors:
-        """Sampling parameters; all-greedy steps upload nothing."""
+        """Sampling parameters; uniform all-greedy steps upload nothing."""
         if step.all_greedy:
             return SamplingTensors(all_greedy=True)
         n = len(step.sampling_seqs)
         generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
-        return SamplingTensors(
-            all_greedy=False,
-            temperatures=self._publish(self.temperatures, n),
-            top_k=self._publish(self.top_k, n) if step.needs_top_k else None,
-            top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
-            needs_top_k=step.needs_top_k,
-            needs_top_p=step.needs_top_p,
-            generators=generators if any(g is not None for g in generators) else None,
-        )
+        with profiling.stage("publish.sampler"):
+            return SamplingTensors(
+                all_greedy=False,
+                temperature=step.uniform_temperature,
+                temperatures=None
+                if step.uniform_temperature is not None
+                else self._publish(self.temperatures, n),
+                top_k=self._publish(self.top_k, n) if step.needs_top_k else None,
+                top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
+                needs_top_k=step.needs_top_k,
+                needs_top_p=step.needs_top_p,
+                generators=generators if any(g is not None for g in generators) else None,
+            )
 
 
 def _generator_of(seq, device: torch.device) -> torch.Generator | None:

@@ -21,6 +21,7 @@ class SamplingTensors:
     """
 
     all_greedy: bool
+    temperature: float | None = None  # one temperature for every row: stays on the host
     temperatures: torch.Tensor | None = None  # [S] float32, 0 = greedy row
     top_k: torch.Tensor | None = None  # [S] int64, vocab size = disabled
     top_p: torch.Tensor | None = None  # [S] float32
@@ -35,9 +36,11 @@ class Sampler:
         if params.all_greedy:
             return logits.argmax(dim=-1)
         logits = logits.float()
-        greedy_tokens = logits.argmax(dim=-1)
         temps = params.temperatures
-        scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+        if temps is None:  # uniform temperature > 0: no greedy rows
+            scaled = logits / params.temperature
+        else:
+            scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
         if params.needs_top_k or params.needs_top_p:
             scaled = apply_top_k_top_p(
                 scaled,
@@ -51,7 +54,9 @@ class Sampler:
                 if generator is not None:
                     noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(temps > 0, sampled, greedy_tokens)
+        if temps is None:
+            return sampled
+        return torch.where(temps > 0, sampled, logits.argmax(dim=-1))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):

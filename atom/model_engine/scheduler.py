@@ -27,6 +27,12 @@ class ScheduledBatch:
     num_decodes: int  # the first num_decodes entries are single-token decodes
     # Set by Scheduler.on_launch: (sequence, placeholder position) of each sampling row.
     sampled: list[tuple[Sequence, int]] | None = None
+    # For the page table: batches with equal `layout` hold the same sequences in the same
+    # order; `grown` received KV blocks while this batch was scheduled; `step` numbers
+    # batches (a slot that skipped one cannot trust `grown`). None: unknown.
+    layout: int | None = None
+    grown: list[Sequence] | None = None
+    step: int | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -59,6 +65,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.num_preemptions = 0
+        self._steps = 0
+        self._layout = 0
+        self._last_seqs: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,6 +82,7 @@ class Scheduler:
         bm = self.block_manager
         preemptions_before = self.num_preemptions
 
+        grown: list[Sequence] = []
         decodes, prefills = [], []
         for seq in self.running:
             if not seq.finishing:
@@ -91,7 +101,8 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            bm.grow(seq, num_new)
+            if bm.grow(seq, num_new):
+                grown.append(seq)
             chosen[seq] = num_new
             budget -= num_new
 
@@ -108,6 +119,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.admit(seq, prefix)
             bm.grow(seq, num_new)
+            grown.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq] = num_new
@@ -122,7 +134,18 @@ class Scheduler:
                 num_decodes += 1
             else:
                 break
-        return ScheduledBatch(seqs, [chosen[s] for s in seqs], num_decodes)
+        if seqs != self._last_seqs:  # identity comparison, in C
+            self._layout += 1
+            self._last_seqs = seqs
+        self._steps += 1
+        return ScheduledBatch(
+            seqs,
+            [chosen[s] for s in seqs],
+            num_decodes,
+            layout=self._layout,
+            grown=grown,
+            step=self._steps,
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -42,6 +42,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hits of the latest (re)admission
         self.block_table: list[int] = []
+        self.block_version = 0  # bumped when the blocks are freed (page-table rows go stale)
         self.block_hashes: list[int] = []  # chained hashes of full computed blocks
         self.num_preemptions = 0
         # (position in token_ids, row in the launching step's sampled tokens) while the

@@ -34,6 +34,7 @@ class NewSequence:
     token_ids: list[int]  # may end in a placeholder (its token is still in flight)
     num_computed_tokens: int  # prefix-cache hits
     block_table: list[int]
+    block_version: int  # the page table keys rows by (seq id, version)
     sampling_params: SamplingParams
     pending_token: tuple[int, int] | None
 
@@ -52,6 +53,11 @@ class StepMessage:
     num_new_tokens: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)  # len(seq) at launch, checks the mirror
     num_decodes: int = 0
+    # The scheduler's page-table facts (ScheduledBatch.layout / grown / step), so every
+    # rank's page table takes the same O(1) / append / relayout path as the engine's would.
+    layout: int | None = None
+    grown: list[int] | None = None  # seq ids
+    step: int | None = None
 
 
 @dataclass
@@ -76,7 +82,12 @@ class StepEncoder:
             self._filled += (seq.seq_id, position, token)
 
     def encode(self, batch: ScheduledBatch) -> StepMessage:
-        message = StepMessage(num_decodes=batch.num_decodes)
+        message = StepMessage(
+            num_decodes=batch.num_decodes,
+            layout=batch.layout,
+            grown=None if batch.grown is None else [s.seq_id for s in batch.grown],
+            step=batch.step,
+        )
         for seq_id, known in list(self._known.items()):
             seq = known.seq
             if seq.status == SequenceStatus.FINISHED:
@@ -97,6 +108,7 @@ class StepEncoder:
                         list(seq.token_ids),
                         seq.num_computed_tokens,
                         list(seq.block_table),
+                        seq.block_version,
                         seq.sampling_params,
                         seq.pending_token,
                     )
@@ -120,6 +132,7 @@ class MirroredSequence:
         "token_ids",
         "num_computed_tokens",
         "block_table",
+        "block_version",
         "sampling_params",
         "pending_token",
         "generator",
@@ -130,6 +143,7 @@ class MirroredSequence:
         self.token_ids = new.token_ids
         self.num_computed_tokens = new.num_computed_tokens
         self.block_table = new.block_table
+        self.block_version = new.block_version
         self.sampling_params = new.sampling_params
         self.pending_token = new.pending_token
         self.generator = None  # a seeded request's generator, made by the sampler set-up
@@ -172,7 +186,17 @@ class SequenceMirror:
                 f"sequence lengths differ from the engine's: {lengths} here, "
                 f"{message.lengths} there (seq ids {message.seq_ids})"
             )
-        return ScheduledBatch(seqs, message.num_new_tokens, message.num_decodes)
+        grown = None
+        if message.grown is not None:  # a grown sequence preempted in the same step is gone
+            grown = [self.seqs[i] for i in message.grown if i in self.seqs]
+        return ScheduledBatch(
+            seqs,
+            message.num_new_tokens,
+            message.num_decodes,
+            layout=message.layout,
+            grown=grown,
+            step=message.step,
+        )
 
     def _fill(self, filled: list[int]) -> None:
         for index in range(0, len(filled), 3):

@@ -158,6 +158,13 @@ class WorkerGroup:
     def send(self, payload: bytes) -> None:
         """The same payload to every rank of every node."""
         self._raise_if_failed()
+        # A rank that died since the last step: fail now rather than write a large step to
+        # a survivor that may be stuck in a collective with it and never read its pipe.
+        for local_rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                self._record_exit(local_rank)
+        if self._failures:
+            self._fail()
         self._stopping = payload == SHUTDOWN
         for local_rank, conn in enumerate(self.conns):
             try:

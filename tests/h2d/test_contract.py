@@ -25,6 +25,16 @@ def _slot(backend, device=CPU, checked=True, slot=3):
     return SlotBuffers(slot, device, backend, SPECS, checked=checked)
 
 
+def _stage(slot, values: dict, rows: dict | None = None):
+    """One producer step: stage each buffer (at `rows[name]` rows) and write `values`."""
+    rows = rows or {}
+    with slot.publisher.producer_guard(list(slot.buffers.values())):
+        for name, value in values.items():
+            value = np.asarray(value)
+            view = slot.stage(name, rows.get(name, len(value)))
+            view[: len(value)] = value
+
+
 # -- source lifetime ------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["direct", "packed"])
 def test_producer_guard_refuses_a_source_still_in_flight(backend):
@@ -33,11 +43,12 @@ def test_producer_guard_refuses_a_source_still_in_flight(backend):
     buffer.last_transfer = ManualTransferEvent()  # the CPU face of a copy not yet executed
     with pytest.raises(PublicationError, match=r"'context_lens' of runner slot 3.*in flight"):
         with slot.publisher.producer_guard([buffer]):
-            buffer.array[0] = 1  # never reached
+            slot.stage("context_lens", 1)[0] = 1  # never reached
     assert buffer.array[0] == 0
     buffer.last_transfer.complete()
     with slot.publisher.producer_guard([buffer]):
-        buffer.array[0] = 1
+        slot.stage("context_lens", 1)[0] = 1
+    assert slot.publisher.publish(buffer, 1) is not None
 
 
 def test_production_guard_checks_one_event_per_step():
@@ -62,6 +73,7 @@ def test_real_in_flight_copy_is_caught():
     device = torch.device("cuda")
     slot = _slot("direct", device)
     buffer = slot["slot_mapping"]
+    _stage(slot, {"slot_mapping": np.arange(64)})
     torch.cuda._sleep(200_000_000)  # keep the stream busy so the copy below stays queued
     slot.publisher.publish(buffer, 64)
     slot.publisher.flush()
@@ -79,19 +91,26 @@ def test_destination_on_another_device_is_refused():
     buffer = StagedBuffer(
         "positions", 1, host, torch.zeros(8, dtype=torch.int64, device="meta"), 0, True
     )
+    publisher = DirectPublisher(1, CPU)
+    with publisher.producer_guard([buffer]):
+        publisher.stage(buffer, 4)[:] = 1
     with pytest.raises(
         PublicationError, match=r"'positions' of runner slot 1: destination lives on meta"
     ):
-        DirectPublisher(1, CPU).publish(buffer, 4)
+        publisher.publish(buffer, 4)
 
 
 @pytest.mark.gpu
 def test_stream_not_waited_on_is_refused():
-    slot = _slot("direct", torch.device("cuda"))
-    other = torch.cuda.Stream()
-    with torch.cuda.stream(other):
-        with pytest.raises(PublicationError, match="stream the consumers do not wait on"):
-            slot.publisher.publish(slot["context_lens"], 4)
+    for checked in (True, False):  # checked: at publish; production: once, at the flush
+        slot = _slot("direct", torch.device("cuda"), checked=checked)
+        _stage(slot, {"context_lens": [1, 2, 3, 4]})
+        other = torch.cuda.Stream()
+        with torch.cuda.stream(other):
+            with pytest.raises(PublicationError, match="stream the consumers do not wait on"):
+                slot.publisher.publish(slot["context_lens"], 4)
+                slot.publisher.flush()
+        assert slot.publisher.flush() is None  # the failed group was dropped
 
 
 # -- semantic padding -----------------------------------------------------------------------
@@ -99,9 +118,11 @@ def test_stream_not_waited_on_is_refused():
 def test_pad_values_fill_the_padded_tail(backend):
     slot = _slot(backend)
     publisher = slot.publisher
-    slot["slot_mapping"].array[:3] = [5, 6, 7]
-    slot["context_lens"].array[:3] = [9, 9, 9]
-    slot["cu_seqlens_q"].array[:4] = [0, 1, 2, 3]
+    _stage(
+        slot,
+        {"slot_mapping": [5, 6, 7], "context_lens": [9, 9, 9], "cu_seqlens_q": [0, 1, 2, 3]},
+        rows={"slot_mapping": 8, "context_lens": 8, "cu_seqlens_q": 9},
+    )
     mapping = publisher.publish(slot["slot_mapping"], 3, 8)
     lens = publisher.publish(slot["context_lens"], 3, 8)
     cu = publisher.publish(slot["cu_seqlens_q"], 4, 9)
@@ -115,8 +136,9 @@ def test_pad_values_fill_the_padded_tail(backend):
 def test_arena_ownership_in_mixed_and_direct_only_steps():
     slot = _slot("packed")
     publisher: PackedPublisher = slot.publisher
-    slot["context_lens"].array[:2] = [4, 5]
-    slot["block_tables"].array[:2] = 7
+    _stage(slot, {"context_lens": [4, 5], "block_tables": np.full((2, 512), 7)})
+    assert np.shares_memory(slot["context_lens"].staged, publisher.host_bytes)  # in the arena
+    assert not np.shares_memory(slot["block_tables"].staged, publisher.host_bytes)
     publisher.publish(slot["context_lens"], 2)  # packed
     tables = publisher.publish(slot["block_tables"], 2)  # unpackable: direct, same step
     event = publisher.flush()
@@ -126,6 +148,7 @@ def test_arena_ownership_in_mixed_and_direct_only_steps():
     )
     assert (publisher.copies, publisher.kernels) == (2, 1)
     assert slot["context_lens"].device[:2].tolist() == [4, 5] and tables.eq(7).all()
+    _stage(slot, {"block_tables": np.full((1, 512), 8)})
     publisher.publish(slot["block_tables"], 1)  # a step that leaves the arena alone
     later = publisher.flush()
     assert later is not event and publisher.arena_transfer is event
@@ -135,7 +158,9 @@ def test_arena_in_flight_is_not_reused():
     slot = _slot("packed")
     slot.publisher.arena_transfer = ManualTransferEvent()
     with pytest.raises(PublicationError, match="packed arena reused"):
-        slot.publisher.publish(slot["context_lens"], 2)
+        _stage(slot, {"context_lens": [1, 2]})
+    slot.publisher.arena_transfer.complete()
+    _stage(slot, {"context_lens": [1, 2]})
 
 
 # -- failure handling ----------------------------------------------------------------------
@@ -144,19 +169,33 @@ def test_each_failure_is_named_and_followed_by_a_correct_step(backend):
     slot = _slot(backend)
     publisher = slot.publisher
     lens = slot["context_lens"]
-    lens.array[:2] = [11, 12]
+    _stage(slot, {"context_lens": [11, 12], "slot_mapping": np.arange(10)})
     publisher.publish(lens, 2)
     with pytest.raises(
         PublicationError, match=r"'slot_mapping' of runner slot 3: destination too small"
     ):
         publisher.publish(slot["slot_mapping"], 10, 65)
-    publisher.flush()  # the failed group was dropped: nothing half-published arrives
+    assert publisher.flush() is None  # the failed group was dropped
     if backend == "packed":
-        assert lens.device[:2].tolist() == [0, 0]
-    lens.array[:2] = [21, 22]
+        assert lens.device[:2].tolist() == [0, 0]  # nothing half-published arrived
+    with pytest.raises(PublicationError, match="0 staged in this step"):
+        publisher.publish(lens, 2)  # the failed step's staging is stale: no reuse
+    _stage(slot, {"context_lens": [21, 22]})
     out = publisher.publish(lens, 2)
     publisher.flush()
     assert out.tolist() == [21, 22]
+
+
+@pytest.mark.parametrize("backend", ["direct", "packed"])
+def test_unstaged_or_short_staged_buffer_is_refused(backend):
+    """Publishing rows the producer did not write this step would send stale data."""
+    slot = _slot(backend)
+    _stage(slot, {"context_lens": [1, 2]})
+    with pytest.raises(PublicationError, match="'slot_mapping' .* 0 staged in this step"):
+        slot.publisher.publish(slot["slot_mapping"], 1)
+    _stage(slot, {"context_lens": [1, 2]})
+    with pytest.raises(PublicationError, match="'context_lens' .* 4 rows published but 2 staged"):
+        slot.publisher.publish(slot["context_lens"], 2, 4)
 
 
 def test_wrong_dtype_is_refused():
@@ -167,14 +206,15 @@ def test_wrong_dtype_is_refused():
 def test_arena_overflow_is_named_and_the_slot_stays_usable():
     slot = _slot("packed")
     publisher = slot.publisher
-    small = PackedPublisher(3, CPU, slot.device_arena, arena_bytes=128)
+    slot.publisher = small = PackedPublisher(3, CPU, slot.device_arena, arena_bytes=128)
     mapping = slot["slot_mapping"]
-    mapping.array[:64] = np.arange(64)
     with pytest.raises(
         PublicationError, match=r"'slot_mapping' of runner slot 3: packed arena overflow"
     ):
-        small.publish(mapping, 64)
+        _stage(slot, {"context_lens": [1], "slot_mapping": np.arange(64)})
     assert small.flush() is None  # nothing queued survives the failure
+    slot.publisher = publisher
+    _stage(slot, {"slot_mapping": np.arange(64)})
     out = publisher.publish(mapping, 64)
     publisher.flush()
     assert out.tolist() == list(range(64))
@@ -190,3 +230,31 @@ def test_unknown_backend_lists_the_valid_ones(monkeypatch):
     monkeypatch.setenv("ATOM_H2D_BACKEND", "packed")
     assert Config(device="cpu").h2d_backend == "packed"
     assert Config(device="cpu", h2d_backend="direct").h2d_backend == "direct"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_packed_flush_of_every_size_bucket_lands_exactly(graphs):
+    """Steps whose arena use falls in each copy bucket (4 KiB ... whole arena)."""
+    specs = [
+        BufferSpec("small", (16,), torch.int64, 0),
+        BufferSpec("medium", (4096,), torch.int32, -1),
+        BufferSpec("large", (16384,), torch.int32, 0),  # 64 KiB: the packing limit
+    ]
+    slot = SlotBuffers(0, torch.device("cuda"), "packed", specs, checked=True)
+    if not graphs:
+        slot.publisher._graphs = []  # the eager path: copy, then launch the scatter
+    assert bool(slot.publisher._graphs) == graphs
+    rng = np.random.default_rng(0)
+    for rows in [(3, 0, 0), (16, 1000, 0), (16, 4096, 9000), (5, 4096, 16384), (1, 7, 2)]:
+        values = {
+            name: rng.integers(0, 1 << 30, n)
+            for name, n in zip(("small", "medium", "large"), rows, strict=True)
+            if n
+        }
+        _stage(slot, values)
+        views = {name: slot.publisher.publish(slot[name], len(v)) for name, v in values.items()}
+        slot.publisher.flush()
+        for name, value in values.items():
+            assert views[name].cpu().tolist() == value.tolist(), name
+        slot.publisher.wait_for_transfers()

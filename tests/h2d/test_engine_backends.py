@@ -17,7 +17,8 @@ def test_direct_and_packed_give_identical_tokens(tiny_model_dirs, device):
     params = [GREEDY] * 5 + [sampled]
     results = {}
     for backend in ("direct", "packed"):
-        # a small token budget forces chunked prefill and mixed prefill/decode steps
+        # a small token budget forces chunked prefill and mixed prefill/decode steps;
+        # on CUDA, decode batches of 6, 5, ... replay graphs captured at 8 and 4 (padded)
         llm = build_llm(
             tiny_model_dirs["llama"],
             device=device,
@@ -25,10 +26,14 @@ def test_direct_and_packed_give_identical_tokens(tiny_model_dirs, device):
             max_num_batched_tokens=24,
             max_num_seqs=8,
             num_kvcache_blocks=256,
+            cuda_graph_batch_sizes=[1, 4, 8],
         )
         results[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        publisher = llm.engine.model_runner.slots[0].publisher
+        runner = llm.engine.model_runner
+        publisher = runner.slots[0].publisher
         assert publisher.backend == backend
         if backend == "packed":
             assert publisher.kernels > 0
+        if device == "cuda":
+            assert runner.graphs[0].padded_replays > 0
     assert results["direct"] == results["packed"]

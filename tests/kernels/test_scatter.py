@@ -4,27 +4,35 @@ import numpy as np
 import pytest
 import torch
 
-from atom.kernels.scatter import scatter_segments, scatter_segments_reference
+from atom.kernels.scatter import HEADER_WORDS, scatter_segments, scatter_segments_reference
 
 
-def _case(device):
+def _case(device, num_segments: int, max_segments: int):
+    """A source arena whose header lists segments of awkward sizes (words, not bytes)."""
     rng = np.random.default_rng(0)
-    src = torch.tensor(rng.integers(0, 255, 20_000), dtype=torch.uint8, device=device)
-    sizes = [1, 7, 64, 2048, 2049, 5000]
-    descriptors, src_off, dst_off = [], 256, 0
+    src = torch.tensor(rng.integers(1, 255, 40_000), dtype=torch.uint8)
+    sizes = [4, 8, 64, 2048, 2052, 9000, 12][:num_segments]
+    rows, src_off, dst_off = [], 512, 0
     for n in sizes:
-        descriptors.append((src_off, dst_off, n))
+        rows.append((src_off, dst_off, n))
         src_off += -(-n // 64) * 64
         dst_off += -(-n // 64) * 64 + 64
-    return src, torch.tensor(descriptors, dtype=torch.int64, device=device), dst_off, max(sizes)
+    header = np.zeros(HEADER_WORDS + 3 * max_segments, dtype=np.int64)
+    header[0] = len(rows)
+    # stale rows past the count (an earlier, larger step) must be ignored
+    header[HEADER_WORDS:] = 64
+    header[HEADER_WORDS : HEADER_WORDS + 3 * len(rows)] = np.asarray(rows).reshape(-1)
+    src[: header.nbytes] = torch.from_numpy(header.view(np.uint8))
+    return src.to(device), dst_off + 4096
 
 
+@pytest.mark.parametrize("num_segments", [0, 1, 7])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_scatter_matches_reference(device):
-    src, descriptors, dst_bytes, max_bytes = _case(device)
+def test_scatter_matches_reference(device, num_segments):
+    src, dst_bytes = _case(device, num_segments, max_segments=8)
     expected = torch.zeros(dst_bytes, dtype=torch.uint8, device=device)
     got = torch.zeros_like(expected)
-    scatter_segments_reference(src, expected, descriptors, len(descriptors), max_bytes)
-    scatter_segments(src, got, descriptors, len(descriptors), max_bytes)
+    scatter_segments_reference(src, expected)
+    scatter_segments(src, got, max_segments=8)
     assert torch.equal(got, expected)
-    assert expected.count_nonzero() > 0
+    assert (expected.count_nonzero() > 0) == (num_segments > 0)

@@ -162,6 +162,7 @@ def test_generate_refuses_a_bad_prompt_without_queuing_others(llm):
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=2**70), "top_k"),
         (dict(seed=-1), "seed"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
     ],

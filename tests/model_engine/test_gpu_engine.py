@@ -59,7 +59,7 @@ def test_cuda_graph_padded_batches_match_eager(tiny_model_dirs):
         enforce_eager=True,
     )
     prompts = random_prompts(2, [3, 17, 33, 5, 64])  # 5 sequences: replayed at padded size 8
-    assert graphs.engine.model_runner.graphs.padded_size(5) == 8
+    assert graphs.engine.model_runner.graphs[0].padded_size(5) == 8
     a = graphs.generate(prompts, GREEDY, use_tqdm=False)
     b = eager.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]

@@ -74,10 +74,14 @@ def test_greedy_tp2_equals_tp1(tiny_model_dirs, kind):
 
 def test_chunked_prefill_preemption_prefix_cache_async(tiny_model_dirs):
     """Every path of the step messages at once: chunks, preemption and re-admission,
-    prefix-cache hits, placeholders filled on every rank (asynchronous scheduling) and a
-    seeded sampled request, against TP=1 with the same settings."""
+    prefix-cache hits, placeholders filled on every rank (asynchronous scheduling), two
+    micro-batches and a seeded sampled request, against TP=1 with the same settings."""
     settings = dict(
-        max_num_batched_tokens=16, max_num_seqs=4, num_kvcache_blocks=9, async_scheduling=True
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_kvcache_blocks=9,
+        async_scheduling=True,
+        num_micro_batches=2,  # two runner slots per rank, each with its own page table
     )
     shared = random_prompts(3, [40])[0]
     prompts = [shared + [7, 8], shared + [9]] + random_prompts(4, [30, 44])
@@ -117,6 +121,12 @@ class MirrorCheckingRunner:
             assert mine.num_computed_tokens == theirs.num_computed_tokens
             assert mine.block_table == theirs.block_table
             assert mine.pending_token == theirs.pending_token
+            assert mine.block_version == theirs.block_version
+        assert (mirrored.layout, mirrored.step) == (batch.layout, batch.step)
+        in_batch = {s.seq_id for s in batch.seqs}
+        assert [s.seq_id for s in mirrored.grown] == [
+            s.seq_id for s in batch.grown if s.seq_id in in_batch
+        ]
         handle = self.inner.launch(batch)
         self.mirror.on_launch(mirrored)
         return _RecordingHandle(handle, self.encoder, batch)

@@ -1,0 +1,56 @@
+"""What every attention backend asks of a runner slot: the shared page table's rows and
+the device views it derives from them.
+
+Backends (MHA now; MLA, V4 and V4.1 through the same entry point) never build a block
+table: `build_metadata` takes the rows from the slot's versioned page table
+(`PageTable.publish`, which queues only the step's deltas) and names the per-token view
+the backend needs; `derive_views` fills that view on the device after the slot's flush
+(the h2d copies and the page-table deltas have landed by then, in stream order).
+"""
+
+from __future__ import annotations
+
+from atom.forward_context import AttentionMetadata
+from atom.kernels.page_table import derive_slot_mapping, derive_slot_mapping_reference
+
+
+class PagedAttentionBackend:
+    """Paged KV cache addressed by slot = block_id * block_size + offset (MHA, MLA)."""
+
+    name = "paged"
+
+    def build_metadata(self, slot, step, publish) -> AttentionMetadata:
+        seqs = step.num_seqs
+        padded = step.padded_seqs or seqs
+        padded_tokens = step.padded_seqs or step.num_tokens
+        return AttentionMetadata(
+            slot_mapping=slot.slot_mapping[:padded_tokens],
+            context_lens=publish(slot.context_lens, seqs, padded),
+            block_tables=slot.page_table.publish(padded),
+            cu_seqlens_q=None if step.is_decode else publish(slot.cu_seqlens_q, seqs + 1),
+            max_seqlen_q=step.max_seqlen_q,
+            is_decode=step.is_decode,
+        )
+
+    def derive_views(self, slot, num_tokens: int, num_rows: int, is_decode: bool) -> None:
+        """slot_mapping from the page-table rows and positions, on the device.
+
+        Decode steps replayed from a CUDA graph run this inside the graph (captured at the
+        padded size; padded rows have context length 0 and get -1)."""
+        derive = (
+            derive_slot_mapping if slot.device.type == "cuda" else derive_slot_mapping_reference
+        )
+        derive(
+            slot.page_table.device_rows,
+            slot.positions.device,
+            None if is_decode else slot.cu_seqlens_q.device,
+            slot.context_lens.device,
+            slot.slot_mapping,
+            num_tokens,
+            num_rows,
+            slot.block_size,
+        )
+
+
+class MHABackend(PagedAttentionBackend):
+    name = "mha"

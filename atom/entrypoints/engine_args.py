@@ -1,0 +1,91 @@
+"""Engine flags shared by the offline script and the OpenAI-compatible server.
+
+One definition, so both entry points accept the same flags with the same defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from atom.config import Config, default_device
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that build the engine's Config (model, device, limits, h2d backend, tensor
+    parallelism and its rendezvous)."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--kv-cache-memory-gb", type=float, default=1.0, help="KV-cache budget on CPU"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--h2d-backend",
+        choices=["direct", "packed"],
+        default=None,
+        help="how step metadata reaches the GPU (default: $ATOM_H2D_BACKEND or direct)",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (spawned processes; one GPU each on CUDA)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="multi-node: address of node-rank 0, which hosts the rendezvous store",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=0,
+        help="rendezvous port; 0 (default) = any free port, single node only",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index; node 0 runs the engine, the others only host ranks",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return Config(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * 2**30),
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+        h2d_backend=args.h2d_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+    )

@@ -1,0 +1,117 @@
+"""From a request's token stream to text deltas: incremental detokenization, stop strings.
+
+Both OpenAI endpoints consume `text_deltas`, which turns a RequestStream (token ids per
+step) into `TextDelta`s and stops the request in the engine when a stop string appears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from atom.entrypoints.async_engine import AsyncEngine, RequestStream
+
+_INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of output token ids, decoded a small window at a time.
+
+    Decoding everything again at every token costs O(n) per token; instead decode only
+    the tokens since the previous emission (plus one window of context, which some
+    tokenizers need to place spaces), and hold text back while it ends in an incomplete
+    UTF-8 sequence. `finish` reconciles with one full decode, so the final text equals
+    the offline `LLM.generate` text.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> None:
+        self.token_ids.extend(token_ids)
+        if self.tokenizer is None:
+            return
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self.token_ids[self._prefix_offset :])
+        if len(window) > len(prefix) and not window.endswith(_INCOMPLETE):
+            self.text += window[len(prefix) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+
+    def finish(self) -> None:
+        if self.tokenizer is None:
+            return
+        full = self._decode(self.token_ids)
+        if full.startswith(self.text):  # it always should; never take back text once sent
+            self.text = full
+
+
+class StopStrings:
+    """Finds the first stop string in a growing text; knows how much text is safe to send
+    (a tail that may be the start of a stop string is held back until it is not)."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = stop
+        self.hold_back = max((len(s) for s in stop), default=1) - 1
+
+    def find(self, text: str, start: int) -> int | None:
+        """Index in `text` of the earliest stop string that ends at or after `start`."""
+        begin = max(0, start - self.hold_back)
+        hits = [i for i in (text.find(s, begin) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+
+@dataclass
+class TextDelta:
+    """New output of one request since its previous delta."""
+
+    text: str
+    token_ids: list[int]
+    num_output_tokens: int  # so far, including these
+    finish_reason: str | None = None  # set on the last delta: stop | length
+
+
+async def text_deltas(
+    engine: AsyncEngine, stream: RequestStream, tokenizer, stop: list[str]
+) -> AsyncIterator[TextDelta]:
+    """Yield a request's TextDeltas until it finishes; the last one has a finish_reason.
+
+    Leaving early (the client went away) aborts the request in the engine.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    stops = StopStrings(stop)
+    sent = 0  # characters of detokenizer.text already yielded
+    try:
+        async for output in stream:
+            before = len(detokenizer.text)
+            detokenizer.add(output.new_token_ids)
+            if output.finished:
+                detokenizer.finish()
+            text = detokenizer.text
+            cut = stops.find(text, before) if stop else None
+            if cut is not None:
+                engine.abort(stream, reason="stop")
+                yield TextDelta(
+                    text[sent:cut], output.new_token_ids, len(detokenizer.token_ids), "stop"
+                )
+                return
+            if output.finished:
+                yield TextDelta(
+                    text[sent:],
+                    output.new_token_ids,
+                    len(detokenizer.token_ids),
+                    output.finish_reason,
+                )
+                return
+            safe = max(sent, len(text) - stops.hold_back) if stop else len(text)
+            yield TextDelta(text[sent:safe], output.new_token_ids, len(detokenizer.token_ids))
+            sent = safe
+    finally:
+        engine.abort(stream)  # a no-op once the request finished

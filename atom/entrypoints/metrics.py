@@ -1,0 +1,97 @@
+"""GET /metrics: engine counters in Prometheus' text exposition format (version 0.0.4).
+
+Values are read without a lock while the engine thread runs: each is a single Python
+int or float, so a scrape sees every number whole, though not all from the same step.
+"""
+
+from __future__ import annotations
+
+from atom.entrypoints.async_engine import AsyncEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(engine: AsyncEngine, model_name: str) -> str:
+    llm = engine.engine
+    stats = llm.stats
+    scheduler = llm.scheduler
+    h2d_copies, h2d_bytes = engine.h2d_totals()
+    label = f'model_name="{_escape(model_name)}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help: str, samples) -> None:
+        lines.append(f"# HELP {name} {help}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lines.append(f"{name}{{{label}{labels}}} {value}")
+
+    def one(name: str, kind: str, help: str, value) -> None:
+        metric(name, kind, help, [("", value)])
+
+    one("atom_requests_total", "counter", "Requests admitted by the engine.", stats.requests)
+    metric(
+        "atom_requests_finished_total",
+        "counter",
+        "Requests finished, by finish reason (abort: the client went away).",
+        [(f',finish_reason="{r}"', engine.finished_requests[r]) for r in FINISH_REASONS],
+    )
+    one(
+        "atom_prompt_tokens_total",
+        "counter",
+        "Prompt tokens computed (prefill).",
+        stats.prompt_tokens,
+    )
+    one("atom_generation_tokens_total", "counter", "Tokens generated.", stats.generated_tokens)
+    one("atom_requests_running", "gauge", "Requests in the running batch.", len(scheduler.running))
+    one(
+        "atom_requests_waiting",
+        "gauge",
+        "Requests waiting to be scheduled.",
+        len(scheduler.waiting),
+    )
+    one(
+        "atom_kv_cache_usage_ratio",
+        "gauge",
+        "Fraction of KV-cache blocks in use (0 to 1).",
+        f"{llm.block_manager.usage:.6f}",
+    )
+    one("atom_kv_cache_blocks", "gauge", "KV-cache blocks in all.", llm.block_manager.num_blocks)
+    metric(
+        "atom_step_seconds",
+        "summary",
+        "Wall time of engine steps that ran a batch.",
+        [],
+    )
+    lines.append(f"atom_step_seconds_sum{{{label}}} {engine.step_seconds:.6f}")
+    lines.append(f"atom_step_seconds_count{{{label}}} {engine.steps}")
+    one(
+        "atom_last_step_seconds",
+        "gauge",
+        "Wall time of the latest step.",
+        f"{engine.last_step_seconds:.6f}",
+    )
+    one(
+        "atom_h2d_copies_total",
+        "counter",
+        "Host-to-device copies of step metadata (0 on CPU: host and device share memory).",
+        h2d_copies,
+    )
+    one("atom_h2d_bytes_total", "counter", "Bytes of step metadata sent host-to-device.", h2d_bytes)
+    one(
+        "atom_h2d_copies_last_step",
+        "gauge",
+        "Host-to-device copies of the latest step.",
+        engine.last_step_h2d_copies,
+    )
+    one(
+        "atom_h2d_bytes_last_step",
+        "gauge",
+        "Host-to-device bytes of the latest step.",
+        engine.last_step_h2d_bytes,
+    )
+    return "\n".join(lines) + "\n"

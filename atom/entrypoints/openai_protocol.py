@@ -1,0 +1,222 @@
+"""Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
+
+Types are strict (no "16" for 16, no 1 for true), ranges follow OpenAI's API, and
+unknown fields are refused rather than silently ignored: a client asking for a feature
+atom does not have (tools, logprobs, n > 1) gets a 400 that says so. Parameters clients
+commonly send at their neutral value (n=1, penalties 0, logprobs off) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from atom.sampling_params import SamplingParams
+
+_MAX_SEED = 2**63 - 1
+
+
+def _number(value: Any) -> Any:
+    # pydantic's lax float accepts "0.5" and true; OpenAI's API does not.
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError("must be a number")
+    return value
+
+
+def _neutral_only(value: Any, neutral: tuple = (None, 0, {})) -> Any:
+    """For a parameter atom does not implement: accept only its no-op value."""
+    if value not in neutral:
+        raise ValueError("not supported by atom; leave it out")
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None  # None: the served model
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # vLLM's extension: -1 or 0 disables (the bound keeps it an int32 for the sampler)
+    top_k: Annotated[StrictInt, Field(le=2**31 - 1)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=_MAX_SEED)] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    ignore_eos: StrictBool = False  # vLLM's extension: generate past end-of-sequence
+    user: StrictStr | None = None  # accepted and ignored, as OpenAI's API only logs it
+    # Not implemented; accepted at their no-op value, which some clients send explicitly.
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _strict_number(cls, value: Any) -> Any:
+        return _number(value)
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", mode="before")
+    @classmethod
+    def _not_implemented(cls, value: Any) -> Any:
+        return _neutral_only(value)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError("must be -1 or 0 (disabled) or a positive integer")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        stops = [value] if isinstance(value, str) else value
+        if value is not None and (
+            not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
+        ):
+            raise ValueError("must be a non-empty string or a list of non-empty strings")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported (send several requests for more choices)")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Raises ValueError (a 400) for values SamplingParams refuses."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # OpenAI's default
+    echo: StrictBool = False
+    logprobs: Any = None  # not implemented, as below
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("logprobs", "suffix", mode="before")
+    @classmethod
+    def _not_implemented_here(cls, value: Any) -> Any:
+        return _neutral_only(value, (None, 0, ""))
+
+    @field_validator("best_of", mode="before")
+    @classmethod
+    def _one_best(cls, value: Any) -> Any:
+        return _neutral_only(value, (None, 1))
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        def token_list(item: Any) -> bool:
+            return isinstance(item, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in item
+            )
+
+        valid = (
+            isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(p, str) for p in value))
+            or token_list(value)
+            or (isinstance(value, list) and all(token_list(p) for p in value))
+        )
+        if not valid:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids "
+                "or a list of token-id lists"
+            )
+        if not value or (
+            isinstance(value, list) and any(not p for p in value if not isinstance(p, int))
+        ):
+            raise ValueError("must not be empty")
+        return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (a string or token ids each)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        # One clear message instead of pydantic's error per member of the union.
+        parts_ok = isinstance(value, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in value
+        )
+        if not isinstance(value, str) and not parts_ok:
+            raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
+        return value
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # None: up to max_model_len; max_completion_tokens is OpenAI's newer name
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: Any = None  # not implemented
+    top_logprobs: Any = None
+
+    @field_validator("logprobs", "top_logprobs", mode="before")
+    @classmethod
+    def _not_implemented_here(cls, value: Any) -> Any:
+        return _neutral_only(value, (None, False))
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as chat templates expect them: plain strings; `developer` is OpenAI's
+        newer name for `system`, which is the role templates know."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+            for m in self.messages
+        ]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

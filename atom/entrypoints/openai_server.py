@@ -1,0 +1,169 @@
+"""OpenAI-compatible HTTP server: `python -m atom.entrypoints.openai_server [--model ...]`.
+
+    GET  /health                liveness (503 once the engine thread has died)
+    GET  /v1/models             the one served model
+    POST /v1/completions        prompt text or token ids; stream with SSE
+    POST /v1/chat/completions   messages through the model's chat template; stream with SSE
+    GET  /metrics               Prometheus text format
+
+One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
+batch as they arrive. Listens on loopback only unless --host says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.engine_args import add_engine_args, config_from_args
+from atom.entrypoints.metrics import CONTENT_TYPE, render_metrics
+from atom.entrypoints.openai_errors import (
+    SERVER_ERROR,
+    OpenAIError,
+    error_response,
+    install_error_handlers,
+)
+from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.entrypoints.openai_serving import (
+    CLIENT_CLOSED_REQUEST,
+    ClientDisconnected,
+    OpenAIServing,
+)
+from atom.model_engine.llm_engine import LLMEngine
+from atom.models.loader import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
+    """The ASGI app over `engine`; the engine thread runs for the app's lifespan."""
+    async_engine = AsyncEngine(engine)
+    serving = OpenAIServing(async_engine, model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.shutdown()
+
+    app = FastAPI(title="atom", lifespan=lifespan)
+    app.state.engine = async_engine
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_alive:
+            return error_response(
+                OpenAIError("the engine is not running", status=503, type=SERVER_ERROR)
+            )
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        model = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "atom",
+            "max_model_len": engine.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        try:
+            return await serving.completions(body, raw)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        try:
+            return await serving.chat(body, raw)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(async_engine, model_name), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, ending open streams at once when asked to stop.
+
+    uvicorn waits for open connections before the app's shutdown, so a long stream
+    would hold Ctrl-C for the whole grace period and then be cancelled mid-write.
+    Stopping the engine first ends every stream with an error event and `[DONE]`.
+    """
+
+    def __init__(self, app: FastAPI, **config):
+        super().__init__(uvicorn.Config(app, **config))
+        self.engine: AsyncEngine = app.state.engine
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+        await super().shutdown(sockets)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket; port 0 picks a free port (read it back with getsockname)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: --model as given, or the file's name)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        sock = bind_socket(args.host, args.port)  # first: a busy port fails before the load
+        engine = LLMEngine(config_from_args(args))
+    except (ValueError, ModelLoadError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model_name = args.served_model_name or args.model or Path(engine.model_path).stem
+    host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # IPv6
+    print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
+    server = Server(
+        create_app(engine, model_name), log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

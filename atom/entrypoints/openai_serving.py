@@ -1,0 +1,355 @@
+"""The two generation endpoints: /v1/completions and /v1/chat/completions.
+
+A request is checked in full (model, prompt length, sampling values) before anything
+reaches the engine, so a refused request never holds a KV block. Responses are either
+one JSON body or Server-Sent Events (`data: {chunk}` lines, then `data: [DONE]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from atom.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from atom.entrypoints.generation import TextDelta, text_deltas
+from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
+from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.llm = engine.engine
+        self.tokenizer = self.llm.tokenizer
+        self.model_name = model_name
+        self.max_model_len = self.llm.max_model_len
+
+    # -- /v1/completions -------------------------------------------------------------------
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        self._check_model(request.model)
+        stop = self._stop_strings(request)
+        prompt_ids = [self._prompt_ids(prompt) for prompt in request.prompts]
+        # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
+        params = [
+            self._sampling_params(request, len(ids), request.max_tokens) for ids in prompt_ids
+        ]
+        echoes = [
+            self._echo_text(p, ids) if request.echo else ""
+            for p, ids in zip(request.prompts, prompt_ids, strict=True)
+        ]
+        usage = Usage(sum(len(ids) for ids in prompt_ids))
+        streams = await self._add_requests(prompt_ids, params)
+        head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
+
+        if request.stream:
+
+            async def events() -> AsyncIterator[str]:
+                for index, echo in enumerate(echoes):
+                    if echo:
+                        yield _sse(_completion_chunk(head, index, echo, None))
+                async for index, delta in self._merged_deltas(streams, stop, usage):
+                    yield _sse(_completion_chunk(head, index, delta.text, delta.finish_reason))
+                if request.include_usage:
+                    yield _sse(
+                        {**head, "object": "text_completion", "choices": [], "usage": usage.body()}
+                    )
+
+            return self._event_stream(events(), streams)
+
+        results = await self._collect(streams, stop, usage, raw)
+        choices = [
+            {
+                "index": index,
+                "text": echoes[index] + text,
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for index, (text, reason) in enumerate(results)
+        ]
+        return JSONResponse(
+            {**head, "object": "text_completion", "choices": choices, "usage": usage.body()}
+        )
+
+    # -- /v1/chat/completions --------------------------------------------------------------
+    async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(request.model)
+        if self.tokenizer is None:
+            raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
+        stop = self._stop_strings(request)
+        ids = self._render_chat(request.template_messages())
+        params = self._sampling_params(
+            request, len(ids), request.requested_max_tokens, prompt_param="messages"
+        )
+        usage = Usage(len(ids))
+        streams = await self._add_requests([ids], [params])
+        head = dict(
+            id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
+        )
+
+        if request.stream:
+
+            async def events() -> AsyncIterator[str]:
+                yield _sse(_chat_chunk(head, {"role": "assistant", "content": ""}, None))
+                async for _, delta in self._merged_deltas(streams, stop, usage):
+                    if delta.text:
+                        yield _sse(_chat_chunk(head, {"content": delta.text}, None))
+                    if delta.finish_reason:
+                        yield _sse(_chat_chunk(head, {}, delta.finish_reason))
+                if request.include_usage:
+                    yield _sse(
+                        {
+                            **head,
+                            "object": "chat.completion.chunk",
+                            "choices": [],
+                            "usage": usage.body(),
+                        }
+                    )
+
+            return self._event_stream(events(), streams)
+
+        [(text, reason)] = await self._collect(streams, stop, usage, raw)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+        return JSONResponse(
+            {**head, "object": "chat.completion", "choices": [choice], "usage": usage.body()}
+        )
+
+    # -- checks ----------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                status=404,
+                type=NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
+
+    def _stop_strings(self, request) -> list[str]:
+        stop = request.stop_strings
+        if stop and self.tokenizer is None:
+            raise OpenAIError("stop strings need a tokenizer; this model has none", param="stop")
+        return stop
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise OpenAIError(
+                    "this model was loaded without a tokenizer: send token ids", param="prompt"
+                )
+            return self.llm.tokenize(prompt)
+        vocab = self.llm.hf_config.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return prompt
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+        except jinja2.TemplateError as error:  # e.g. "roles must alternate"
+            raise OpenAIError(
+                f"the chat template refused the messages: {error}", param="messages"
+            ) from None
+        if hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _sampling_params(
+        self, request, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt"
+    ) -> SamplingParams:
+        """Check the prompt and max_tokens against max_model_len; None = all that is left."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise OpenAIError(
+                f"the prompt has {prompt_len} tokens, but this model's context is {limit} "
+                f"tokens (max_model_len), which must also leave room to generate",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        elif prompt_len + max_tokens > limit:
+            raise OpenAIError(
+                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds this "
+                f"model's context of {limit} tokens (max_model_len); ask for at most "
+                f"{limit - prompt_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            return request.sampling_params(max_tokens)
+        except ValueError as error:
+            raise OpenAIError(str(error)) from None
+
+    def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.llm.decode(ids)
+
+    # -- running requests ------------------------------------------------------------------
+    async def _add_requests(self, prompt_ids, params) -> list[RequestStream]:
+        """Admit every prompt of a request, or none: one refused prompt aborts the rest."""
+        streams: list[RequestStream] = []
+        try:
+            for ids, p in zip(prompt_ids, params, strict=True):
+                streams.append(await self.engine.add_request(ids, p))
+        except BaseException as error:
+            for stream in streams:
+                self.engine.abort(stream)
+            if isinstance(error, ValueError):
+                raise OpenAIError(str(error)) from None
+            if isinstance(error, EngineDeadError):
+                raise _engine_dead(error) from None
+            raise
+        return streams
+
+    async def _merged_deltas(
+        self, streams: list[RequestStream], stop: list[str], usage: Usage
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
+        """(choice index, delta) of all streams as they come; counts completion tokens."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async with aclosing(
+                    text_deltas(self.engine, stream, self.tokenizer, stop)
+                ) as deltas:
+                    async for delta in deltas:
+                        queue.put_nowait((index, delta))
+            except Exception as error:  # noqa: BLE001 - re-raised by the reader below
+                queue.put_nowait((index, error))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                    usage.completion_tokens += item.num_output_tokens
+                yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()  # their text_deltas abort the requests
+
+    async def _collect(self, streams, stop, usage, raw: Request) -> list[tuple[str, str]]:
+        """(text, finish_reason) of each stream; a client that goes away aborts them."""
+
+        async def gather() -> list[tuple[str, str]]:
+            texts = [""] * len(streams)
+            reasons = [""] * len(streams)
+            async for index, delta in self._merged_deltas(streams, stop, usage):
+                texts[index] += delta.text
+                reasons[index] = delta.finish_reason or reasons[index]
+            return list(zip(texts, reasons, strict=True))
+
+        try:
+            return await _unless_disconnected(raw, gather())
+        except EngineDeadError as error:
+            raise _engine_dead(error) from None
+        finally:
+            for stream in streams:
+                self.engine.abort(stream)
+
+    def _event_stream(self, events: AsyncIterator[str], streams) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            except EngineDeadError as error:
+                yield _sse(error_body(str(error), SERVER_ERROR))
+            except Exception:
+                # Headers are sent: report in the stream, the trace only in the log.
+                logger.exception("a stream failed")
+                yield _sse(error_body("internal server error", SERVER_ERROR))
+            yield "data: [DONE]\n\n"
+
+        def abort_all() -> None:
+            # Also covers a client that left before the body started (its generator,
+            # never entered, has no `finally` to run).
+            for stream in streams:
+                self.engine.abort(stream)
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", background=BackgroundTask(abort_all)
+        )
+
+
+class Usage:
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    def body(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _completion_chunk(head: dict, index: int, text: str, finish_reason: str | None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**head, "object": "text_completion", "choices": [choice]}
+
+
+def _chat_chunk(head: dict, delta: dict, finish_reason: str | None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def _engine_dead(error: EngineDeadError) -> OpenAIError:
+    return OpenAIError(str(error), status=503, type=SERVER_ERROR)
+
+
+async def _unless_disconnected(raw: Request, work):
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()  # its text_deltas abort the requests
+    raise ClientDisconnected()

@@ -1,0 +1,90 @@
+"""What a RunnerSlot publishes: only what a consumer reads, uniform sampling on the host."""
+
+import pytest
+import torch
+
+from atom.model_engine.runner_slot import RunnerSlot
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import Sequence
+from atom.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def _decode_batch(temperatures, context=40, block_size=16, step=1):
+    seqs = []
+    for i, temperature in enumerate(temperatures):
+        seq = Sequence(list(range(context)), SamplingParams(temperature=temperature))
+        seq.num_computed_tokens = context - 1
+        seq.block_table = list(range(i * 4, i * 4 + -(-context // block_size)))
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * len(seqs), len(seqs), layout=1, grown=[], step=step)
+
+
+def _slot(backend):
+    return RunnerSlot(0, 8, 64, 8, 16, 1000, CPU, h2d_backend=backend, h2d_checked=True)
+
+
+def _step(slot, batch, padded_seqs=None):
+    step = slot.prepare(batch, padded_seqs=padded_seqs)
+    inputs = slot.publish_model_inputs(step)
+    sampling = slot.publish_sampling(step)
+    logits_indices = slot.publish_logits_indices(step)
+    event = slot.flush()
+    if padded_seqs is not None:  # what the decode CUDA graph runs before the forward
+        slot.backend.derive_views(slot, padded_seqs, padded_seqs, is_decode=True)
+    return step, inputs, sampling, logits_indices, event
+
+
+@pytest.mark.parametrize("backend", ["direct", "packed"])
+def test_decode_step_publishes_only_what_its_consumers_read(backend):
+    slot = _slot(backend)
+    batch = _decode_batch([0.0, 0.0, 0.0])
+    step, (ids, positions, metadata), sampling, logits_indices, event = _step(
+        slot, batch, padded_seqs=4
+    )
+    sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
+    assert sent == {"input_ids", "positions", "context_lens", "page_deltas"}
+    assert metadata.cu_seqlens_q is None and logits_indices is None and sampling.all_greedy
+    # the padded row reads its pad values (CUDA-graph replay at batch size 4)
+    assert metadata.slot_mapping.tolist() == [39, 103, 167, -1]
+    assert metadata.context_lens.tolist() == [40, 40, 40, 0]
+    assert positions.tolist() == [39, 39, 39, 0]
+    if backend == "packed":
+        assert (slot.publisher.copies, slot.publisher.kernels) == (1, 1)
+    # the next decode step of the same batch: the page table sends nothing
+    for seq in batch.seqs:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(7)
+    batch.step = 2
+    *_, event = _step(slot, batch, padded_seqs=4)
+    sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
+    assert sent == {"input_ids", "positions", "context_lens"}
+    assert slot.page_table.cpu_revision == slot.page_table.gpu_revision == 1
+
+
+@pytest.mark.parametrize("backend", ["direct", "packed"])
+def test_uniform_temperature_stays_on_the_host(backend):
+    slot = _slot(backend)
+    step, _, sampling, _, event = _step(slot, _decode_batch([0.7, 0.7]))
+    assert step.uniform_temperature == 0.7
+    assert sampling.temperature == 0.7 and sampling.temperatures is None
+    assert slot.temperatures.last_transfer is not event
+    step, _, sampling, _, event = _step(slot, _decode_batch([0.7, 0.0]))
+    assert step.uniform_temperature is None
+    assert sampling.temperatures.tolist() == pytest.approx([0.7, 0.0])
+    assert slot.temperatures.last_transfer is event
+
+
+def test_uniform_temperature_samples_like_per_row_temperatures():
+    from atom.model_engine.sampler import Sampler, SamplingTensors
+
+    logits = torch.randn(3, 50)
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    uniform = SamplingTensors(all_greedy=False, temperature=0.8, generators=generators)
+    tokens = Sampler()(logits, uniform)
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    per_row = SamplingTensors(
+        all_greedy=False, temperatures=torch.full((3,), 0.8), generators=generators
+    )
+    assert torch.equal(tokens, Sampler()(logits, per_row))
