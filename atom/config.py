@@ -19,6 +19,9 @@ _DTYPES = {
 }
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,6 +54,9 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
+    # KV-cache storage: auto = the model's dtype; fp8 = e4m3 with per-token-per-head scales
+    # (about half the memory of bf16, see atom/kernels/kv_cache.py).
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int = 1 << 30
     num_kvcache_blocks: int | None = None
@@ -89,6 +95,11 @@ class Config:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device=cuda was asked for but no CUDA device is available")
         self.torch_dtype = parse_dtype(self.dtype, self.device)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.h2d_backend is None:
             self.h2d_backend = envs.h2d_backend()
         elif self.h2d_backend not in envs.H2D_BACKENDS:

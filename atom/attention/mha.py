@@ -1,6 +1,8 @@
 """Multi-head attention (MHA / GQA) over a paged KV cache.
 
-Cache layout per layer: k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`.
+Cache layout per layer: k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]`;
+with an fp8 cache also k_scale, v_scale `[num_blocks, block_size, num_kv_heads]` (float32,
+one per token and head; see atom/kernels/kv_cache.py), None otherwise.
 Each step first writes the new tokens' K/V at their slots, then attends from the cache:
 decode-only steps use the decode kernel (CUDA-graph safe), anything else (prefill,
 chunked prefill, prefix-cache hits, mixed prefill/decode) the varlen prefill kernel.
@@ -38,6 +40,8 @@ class MHAAttention(nn.Module):
         # Bound by the ModelRunner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None  # fp8 cache only
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
@@ -46,11 +50,18 @@ class MHAAttention(nn.Module):
             return self._dense_causal(q, k, v)
         on_gpu = q.is_cuda
         store = store_kvcache if on_gpu else store_kvcache_reference
-        store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)
         if meta.is_decode:
             decode = paged_decode_attention if on_gpu else paged_decode_attention_reference
             out = decode(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                **kv_scales,
             )
         else:
             prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_reference
@@ -63,6 +74,7 @@ class MHAAttention(nn.Module):
                 meta.context_lens,
                 self.scale,
                 meta.max_seqlen_q,
+                **kv_scales,
             )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

@@ -1,6 +1,6 @@
 """Per-step metadata publication, direct vs packed, in one run.
 
-    python -m atom.benchmarks.h2d_publication
+    python -m atom.benchmarks.h2d_publication [--breakdown]
 
 For B in {1, 64, 256} decode sequences (context ~1000 tokens, block size 16) a RunnerSlot
 prepares the engine's real decode metadata (input ids, positions, context lengths, the
@@ -93,9 +93,9 @@ def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool 
         publisher.flush()
         t4 = time.perf_counter()
         # consumer side, not publication: page-table deltas applied, slot mapping derived
-        derive, slot._derive = slot._derive, None
+        slot._derive = None
         slot.page_table.on_published()
-        slot.backend.derive_views(slot, *derive)
+        slot.backend.derive_views(slot, step.num_tokens, step.num_seqs, step.is_decode)
         t4b = time.perf_counter()
         end_event.record()
         # The production checks of this step, timed alone: the guard (above), the O(1)
@@ -141,10 +141,72 @@ def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool 
     )
 
 
+def _median_us(fn, iterations: int = 300) -> float:
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return round(statistics.median(samples) * 1e6, 2)
+
+
+def breakdown(batch_size: int = 256) -> None:
+    """Where the host time goes on this machine: primitive costs, then a cProfile of the
+    publication path of each backend (one JSON line each)."""
+    import cProfile
+    import io
+    import pstats
+
+    host = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
+    device = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        device.add_(1)
+    event = torch.cuda.Event()
+    array = host.numpy()
+    primitives = dict(
+        copy_pinned_64B_us=_median_us(lambda: device.copy_(host, non_blocking=True)),
+        graph_replay_us=_median_us(graph.replay),
+        event_record_us=_median_us(event.record),
+        event_query_us=_median_us(event.query),
+        tensor_slice_us=_median_us(lambda: device[:32]),
+        numpy_slice_assign_us=_median_us(lambda: array.__setitem__(slice(0, 8), 3)),
+    )
+    print(json.dumps(dict(case="primitives", **primitives)), flush=True)
+    for backend in ("direct", "packed"):
+        slot = RunnerSlot(
+            0, 256, 8192, 128, 16, 128256, torch.device("cuda"), backend, h2d_checked=False
+        )
+        batch = decode_batch(batch_size, 1000, 16)
+        next_block = [batch_size * 70]
+        profile = cProfile.Profile()
+        for i in range(200):
+            advance(batch, i, next_block)
+            slot.wait_for_transfers()
+            step = slot.prepare(batch)
+            profile.enable()
+            slot.publish_model_inputs(step)
+            slot.publish_sampling(step)
+            slot.publisher.flush()
+            profile.disable()
+            slot._derive = None
+            slot.page_table.on_published()
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(12)
+        lines = [line for line in out.getvalue().splitlines() if line.strip()][-13:]
+        print(json.dumps(dict(case="profile", backend=backend, top=lines)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--breakdown" in argv:
+        breakdown()
+        return 0
     results = {}
     for batch_size in (1, 64, 256):
         for backend, graph in (("direct", True), ("packed", True), ("packed", False)):

@@ -28,6 +28,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="KV-cache storage: auto (the model dtype) or fp8 (e4m3, per-token-per-head scales)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
         "--kv-cache-memory-gb", type=float, default=1.0, help="KV-cache budget on CPU"
@@ -77,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gb * 2**30),
         enforce_eager=args.enforce_eager,

@@ -27,6 +27,7 @@ import logging
 import numpy as np
 import torch
 
+from atom.graph_capture import capture_graph
 from atom.h2d.contract import PublicationError, StagedBuffer, TransferEvent
 from atom.kernels.scatter import (
     HEADER_WORDS,
@@ -310,12 +311,14 @@ class PackedPublisher(DirectPublisher):
         if buckets[-1] != size:
             buckets.append(size)
         graphs = []
+
+        def flush(bucket: int) -> None:
+            self.staging[:bucket].copy_(self.host_arena[:bucket], non_blocking=True)
+            self._launch_scatter()
+
         try:
             for bucket in buckets:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.staging[:bucket].copy_(self.host_arena[:bucket], non_blocking=True)
-                    self._launch_scatter()
+                graph, _ = capture_graph(lambda bucket=bucket: flush(bucket))
                 graphs.append((bucket, graph))
         except RuntimeError as error:  # capture unsupported here: issue them one by one
             logger.warning("packed h2d: flush graphs unavailable (%s); eager flushes", error)

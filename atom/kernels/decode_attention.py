@@ -3,7 +3,11 @@
 Shapes and dtypes:
     q              [batch, num_q_heads, head_dim], fp16/bf16/fp32
     k_cache,
-    v_cache        [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, contiguous
+    v_cache        [num_blocks, block_size, num_kv_heads, head_dim], contiguous; q's dtype,
+                   or torch.float8_e4m3fn with k_scale / v_scale
+    k_scale,
+    v_scale        [num_blocks, block_size, num_kv_heads] float32 (fp8 cache only): a cached
+                   row is q_fp8 * scale (see atom/kernels/kv_cache.py)
     block_tables   [batch_capacity >= batch, max_blocks_per_seq], int32; row b holds the
                    block ids of sequence b, entries past its context are ignored
     context_lens   [batch], int32: KV tokens of each sequence in the cache, the current token
@@ -13,19 +17,27 @@ Shapes and dtypes:
 GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
 
 Runtime lengths: batch and context_lens (read on the device, so the kernel can be captured
-in a CUDA graph and replayed with other lengths). Geometry (constexpr): head_dim,
-block_size, group size, tile sizes.
+in a CUDA graph and replayed with other lengths), the number of context splits (the grid)
+and the block-table row stride (the page-table width), in do_not_specialize. Geometry
+(constexpr): head_dim, block_size, group size, tile sizes, whether the cache is fp8. Whether
+the context is split is a runtime branch, not a constexpr, so one compiled variant serves
+every batch size.
 
 Kernel design: one program per (sequence, kv head, context split). It holds the whole
 query-head group of its kv head as a [BLOCK_G, BLOCK_D] tile, walks its share of the
 context in tiles of BLOCK_N tokens gathered through the block table, and keeps an online
 softmax in fp32. With several splits (long contexts, small batches) a second kernel merges
 the partial results by their log-sum-exp.
+
+fp8 cache: K and V tiles are loaded as e4m3 and widened to q's dtype (exact), the scales
+are applied outside the dots: scores column n is multiplied by k_scale[n], and the softmax
+weights by v_scale[n] before the P @ V product (the normaliser uses the unscaled weights).
 """
 
 import torch
 
 from atom.kernels import use_triton
+from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
 
 try:
     import triton
@@ -36,8 +48,10 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
     tl = SimpleNamespace(constexpr=None)
 
+MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["stride_block_tables_row"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -45,14 +59,18 @@ def _paged_decode_kernel(
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
-    partial_out_ptr,  # [batch, num_q_heads, num_splits, HEAD_DIM] fp32, used when SPLIT
-    partial_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, log2 domain, used when SPLIT
+    partial_out_ptr,  # [batch, num_q_heads, num_splits, HEAD_DIM] fp32, used when split
+    partial_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, log2 domain, used when split
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, used when KV_FP8
+    v_scale_ptr,
     sm_scale,
     stride_q_batch,
     stride_q_head,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_offset,
     stride_block_tables_row,
     stride_out_batch,
     stride_out_head,
@@ -62,9 +80,9 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_N: tl.constexpr,  # tokens per tile
-    SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
 ):
-    batch_idx = tl.program_id(0)
+    batch_idx = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -84,6 +102,7 @@ def _paged_decode_kernel(
 
     q_ptrs = q_ptr + batch_idx * stride_q_batch + q_head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    dtype = q_ptr.dtype.element_ty  # of the dots: an fp8 cache is widened to it exactly
 
     # Finite initial max: a fully masked tile then gives exp2(-inf) = 0, never NaN.
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -91,14 +110,14 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # softmax via exp2
 
-    block_table_row = block_tables_ptr + batch_idx.to(tl.int64) * stride_block_tables_row
+    block_table_row = block_tables_ptr + batch_idx * stride_block_tables_row
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         n_mask = pos < end
         # token -> (block id from the table, offset inside the block); int64 past 2^31.
-        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token_offs = (
-            block_id.to(tl.int64) * stride_cache_block
+            block_id * stride_cache_block
             + (pos % BLOCK_SIZE) * stride_cache_offset
             + kv_head * stride_cache_head
         )
@@ -106,19 +125,26 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        qk = tl.dot(q, tl.trans(k.to(dtype)))  # [BLOCK_G, BLOCK_N]
+        if KV_FP8:
+            scale_offs = block_id * stride_scale_block + (pos % BLOCK_SIZE) * stride_scale_offset
+            k_scale = tl.load(k_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
+            qk = qk * k_scale[None, :]
+        qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_FP8:
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens: acc is 0, output zeros
     acc = acc / l_safe[:, None]
-    if SPLIT:
+    if num_splits > 1:  # a runtime branch: the same compiled kernel serves both cases
         row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
@@ -143,10 +169,10 @@ def _merge_splits_kernel(
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # next_power_of_2(num_splits)
+    BLOCK_S: tl.constexpr,  # MAX_SPLITS >= num_splits, fixed: never depends on the length
 ):
     # One program per (sequence, query head): weight each split by exp2(lse - max lse).
-    batch_idx = tl.program_id(0)
+    batch_idx = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -177,7 +203,7 @@ def _pick_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int, block
         2 * torch.cuda.get_device_properties(q.device).multi_processor_count, programs
     )
     useful = triton.cdiv(max_context, 4 * block_n)  # at least ~4 tiles per split
-    return max(1, min(wanted, useful, 32))
+    return max(1, min(wanted, useful, MAX_SPLITS))
 
 
 def paged_decode_attention(
@@ -190,21 +216,33 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; returns ``out``.
 
-    ``num_splits`` (context splits per sequence) is picked from the shapes when None.
-    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    ``num_splits`` (context splits per sequence, at most MAX_SPLITS) is picked from the
+    shapes when None. An fp8 cache needs ``k_scale`` and ``v_scale``. Runs the Triton
+    kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
     """
     if not use_triton(q):
         return paged_decode_attention_reference(
-            q, k_cache, v_cache, block_tables, context_lens, scale, out
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            out,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
+    kv_fp8, k_scale, v_scale = check_kv_scales(k_cache, v_cache, k_scale, v_scale, q.dtype)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -214,8 +252,11 @@ def paged_decode_attention(
     block_n = 64 if q.is_cuda else 256
     if num_splits is None:
         num_splits = _pick_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size, block_n)
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
     split = num_splits > 1
-    partial_out = partial_lse = out  # unused placeholders when not split
+    # Placeholders of the split buffers' dtype when not split: the pointer dtypes are part
+    # of the compiled signature, so both cases share one variant.
+    partial_out = partial_lse = placeholder(q.device)
     if split:
         partial_lse = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
         partial_out = q.new_empty((*partial_lse.shape, head_dim), dtype=torch.float32)
@@ -229,12 +270,16 @@ def paged_decode_attention(
         out,
         partial_out,
         partial_lse,
+        k_scale,
+        v_scale,
         scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scale.stride(0) if kv_fp8 else 0,
+        k_scale.stride(1) if kv_fp8 else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -244,7 +289,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
-        SPLIT=split,
+        KV_FP8=kv_fp8,
     )
     if split:
         _merge_splits_kernel[(batch, num_q_heads)](
@@ -256,7 +301,7 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=MAX_SPLITS,
         )
     return out
 
@@ -269,6 +314,9 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch ``paged_decode_attention`` (fp32 math, a Python loop over sequences)."""
     batch, num_q_heads, head_dim = q.shape
@@ -279,11 +327,44 @@ def paged_decode_attention_reference(
         if context_len == 0:
             continue  # padding row: zeros
         blocks = block_tables[b, : (context_len + block_size - 1) // block_size].long()
-        k = k_cache[blocks].flatten(0, 1)[:context_len].float()  # [context, kv_heads, dim]
-        v = v_cache[blocks].flatten(0, 1)[:context_len].float()
+        # [context, kv_heads, dim] in fp32
+        k = gather_kv_reference(k_cache, k_scale, blocks, context_len)
+        v = gather_kv_reference(v_cache, v_scale, blocks, context_len)
         q_group = q[b].float().view(num_kv_heads, group_size, head_dim)
         probs = (torch.einsum("hgd,thd->hgt", q_group, k) * scale).softmax(dim=-1)
         result[b] = torch.einsum("hgt,thd->hgd", probs, v).reshape(num_q_heads, head_dim)
     if out is None:
         return result.to(q.dtype)
     return out.copy_(result)
+
+
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale, q_dtype):
+    """(is fp8, k_scale, v_scale) for a kernel launch; placeholders when not fp8."""
+    if not is_quantized(k_cache):
+        assert k_cache.dtype == q_dtype and v_cache.dtype == q_dtype
+        dummy = placeholder(k_cache.device)
+        return False, dummy, dummy
+    assert v_cache.dtype == k_cache.dtype, "k_cache and v_cache must share their dtype"
+    assert k_scale is not None and v_scale is not None, "an fp8 cache needs k_scale and v_scale"
+    for scales in (k_scale, v_scale):
+        assert scales.shape == k_cache.shape[:3] and scales.dtype == torch.float32
+        assert scales.is_contiguous()
+    return True, k_scale, v_scale
+
+
+_PLACEHOLDERS: dict[torch.device, torch.Tensor] = {}
+
+
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A float32 tensor for pointer arguments a launch never reads (one per device)."""
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = torch.zeros(16, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[device]
+
+
+def gather_kv_reference(cache, scales, blocks, context_len) -> torch.Tensor:
+    """The first ``context_len`` tokens of ``blocks`` as [context_len, kv_heads, dim] fp32."""
+    if not is_quantized(cache):
+        return cache[blocks].flatten(0, 1)[:context_len].float()
+    rows = cache.view(torch.uint8)[blocks].view(cache.dtype).flatten(0, 1)[:context_len]
+    return dequantize_fp8_reference(rows, scales[blocks].flatten(0, 1)[:context_len])

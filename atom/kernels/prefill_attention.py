@@ -8,7 +8,11 @@ attends to KV positions 0..that position. A row with q_len == 1 is a decode row.
 Shapes and dtypes:
     q              [total_q_tokens, num_q_heads, head_dim], fp16/bf16/fp32
     k_cache,
-    v_cache        [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, contiguous
+    v_cache        [num_blocks, block_size, num_kv_heads, head_dim], contiguous; q's dtype,
+                   or torch.float8_e4m3fn with k_scale / v_scale
+    k_scale,
+    v_scale        [num_blocks, block_size, num_kv_heads] float32 (fp8 cache only): a cached
+                   row is q_fp8 * scale (see atom/kernels/kv_cache.py)
     block_tables   [batch_capacity >= batch, max_blocks_per_seq], int32
     cu_seqlens_q   [batch + 1], int32: query start offsets into q
     context_lens   [batch], int32: KV length of each sequence after this step
@@ -16,19 +20,23 @@ Shapes and dtypes:
 
 GQA: query head h reads kv head h // (num_q_heads // num_kv_heads).
 
-Runtime lengths: batch, total_q_tokens, cu_seqlens_q, context_lens (read on the device) and
-max_seqlen_q (a host int that only sizes the grid). Geometry (constexpr): head_dim,
-block_size, group size, tile sizes.
+Runtime lengths: batch, total_q_tokens, cu_seqlens_q, context_lens (read on the device),
+max_seqlen_q (a host int that only sizes the grid) and the block-table row stride (the
+page-table width, in do_not_specialize). Geometry (constexpr): head_dim, block_size, group
+size, tile sizes, whether the cache is fp8.
 
 Kernel design (FlashAttention-2 forward, as in Triton's fused-attention tutorial): grid
 (cdiv(max_seqlen_q, BLOCK_M), batch, num_q_heads). A program takes BLOCK_M queries of one
 sequence and one head, walks KV positions 0..its last query position in tiles of BLOCK_N
-tokens gathered through the block table, and keeps an online softmax in fp32.
+tokens gathered through the block table, and keeps an online softmax in fp32. An fp8 cache
+is dequantized as in the decode kernel: K and V widened to q's dtype (exact), k_scale applied
+to the score columns, v_scale to the softmax weights before P @ V.
 """
 
 import torch
 
 from atom.kernels import use_triton
+from atom.kernels.decode_attention import check_kv_scales, gather_kv_reference
 
 try:
     import triton
@@ -40,7 +48,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     tl = SimpleNamespace(constexpr=None)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_block_tables_row"])
 def _paged_prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -49,12 +57,16 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     out_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, used when KV_FP8
+    v_scale_ptr,
     sm_scale,
     stride_q_token,
     stride_q_head,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_offset,
     stride_block_tables_row,
     stride_out_token,
     stride_out_head,
@@ -64,9 +76,10 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # KV tokens per tile
+    KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
 ):
     m_block = tl.program_id(0)
-    batch_idx = tl.program_id(1)
+    batch_idx = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
     kv_head = head // GROUP_SIZE
 
@@ -87,6 +100,7 @@ def _paged_prefill_kernel(
     token = (q_start + offs_m).to(tl.int64)
     q_ptrs = q_ptr + token[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    dtype = q_ptr.dtype.element_ty  # of the dots: an fp8 cache is widened to it exactly
 
     # Finite initial max: a fully masked row then gives exp2(-inf) = 0, never NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -96,14 +110,14 @@ def _paged_prefill_kernel(
 
     # Causal: nothing past this block's last query position is needed.
     end = tl.minimum(context_len, prefix_len + (m_block + 1) * BLOCK_M)
-    block_table_row = block_tables_ptr + batch_idx.to(tl.int64) * stride_block_tables_row
+    block_table_row = block_tables_ptr + batch_idx * stride_block_tables_row
     for tile_start in range(0, end, BLOCK_N):
         pos = tile_start + offs_n
         n_mask = pos < end
         # token -> (block id from the table, offset inside the block); int64 past 2^31.
-        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token_offs = (
-            block_id.to(tl.int64) * stride_cache_block
+            block_id * stride_cache_block
             + (pos % BLOCK_SIZE) * stride_cache_offset
             + kv_head * stride_cache_head
         )
@@ -111,14 +125,21 @@ def _paged_prefill_kernel(
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k.to(dtype)))  # [BLOCK_M, BLOCK_N]
+        if KV_FP8:
+            scale_offs = block_id * stride_scale_block + (pos % BLOCK_SIZE) * stride_scale_offset
+            k_scale = tl.load(k_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
+            qk = qk * k_scale[None, :]
         causal = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(causal, qk, float("-inf"))
+        qk = tl.where(causal, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if KV_FP8:
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
         m_i = m_new
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -138,15 +159,29 @@ def paged_prefill_attention(
     scale: float,
     max_seqlen_q: int,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV; returns ``out``.
 
-    ``max_seqlen_q`` (host int, >= every q_len) only sizes the grid. Runs the Triton kernel
-    on CUDA (or under TRITON_INTERPRET=1), the torch reference otherwise.
+    ``max_seqlen_q`` (host int, >= every q_len) only sizes the grid. An fp8 cache needs
+    ``k_scale`` and ``v_scale``. Runs the Triton kernel on CUDA (or under
+    TRITON_INTERPRET=1), the torch reference otherwise.
     """
     if not use_triton(q):
         return paged_prefill_attention_reference(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q, out
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            cu_seqlens_q,
+            context_lens,
+            scale,
+            max_seqlen_q,
+            out,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     total_q_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -154,6 +189,7 @@ def paged_prefill_attention(
     assert num_q_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.shape[0] >= batch and context_lens.shape[0] >= batch
+    kv_fp8, k_scale, v_scale = check_kv_scales(k_cache, v_cache, k_scale, v_scale, q.dtype)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0 or total_q_tokens == 0 or max_seqlen_q == 0:
@@ -169,12 +205,16 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         out,
+        k_scale,
+        v_scale,
         scale,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scale.stride(0) if kv_fp8 else 0,
+        k_scale.stride(1) if kv_fp8 else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -184,6 +224,7 @@ def paged_prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        KV_FP8=kv_fp8,
     )
     return out
 
@@ -198,6 +239,9 @@ def paged_prefill_attention_reference(
     scale: float,
     max_seqlen_q: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch ``paged_prefill_attention``: gathers each sequence's blocks, fp32 math.
 
@@ -219,8 +263,8 @@ def paged_prefill_attention_reference(
         prefix_len = context_len - q_len
         blocks = block_tables[b, : (context_len + block_size - 1) // block_size].long()
         # [kv_heads, 1, context, dim]: broadcasts over the query-head group.
-        k = k_cache[blocks].flatten(0, 1)[:context_len].float().permute(1, 0, 2).unsqueeze(1)
-        v = v_cache[blocks].flatten(0, 1)[:context_len].float().permute(1, 0, 2).unsqueeze(1)
+        k = gather_kv_reference(k_cache, k_scale, blocks, context_len).permute(1, 0, 2).unsqueeze(1)
+        v = gather_kv_reference(v_cache, v_scale, blocks, context_len).permute(1, 0, 2).unsqueeze(1)
         chunk = max(1, 2**25 // (context_len * num_q_heads))
         for lo in range(0, q_len, chunk):
             hi = min(lo + chunk, q_len)

@@ -7,6 +7,7 @@ import bisect
 import torch
 
 from atom.forward_context import AttentionMetadata, forward_context
+from atom.graph_capture import capture_graph
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -54,12 +55,13 @@ class DecodeGraphs:
         for size in reversed(self.batch_sizes):
             input_ids = slot.input_ids.device[:size]
             positions = slot.positions.device[:size]
-            graph = torch.cuda.CUDAGraph()
             with forward_context(self._metadata(size)):
                 self._forward(size, input_ids, positions)  # warm-up
                 torch.cuda.synchronize()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(size, input_ids, positions)
+                graph, logits = capture_graph(
+                    lambda size=size, ids=input_ids, pos=positions: self._forward(size, ids, pos),
+                    pool=pool,
+                )
             pool = graph.pool()
             self.graphs[size] = graph
             self.logits[size] = logits

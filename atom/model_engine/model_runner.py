@@ -21,6 +21,7 @@ from atom.config import Config
 from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
+from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
 from atom.model_engine.scheduler import ScheduledBatch
@@ -91,9 +92,10 @@ class ModelRunner:
         return model.eval()
 
     def kv_block_bytes(self) -> int:
-        layers = self.model.attention_layers
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers)
-        return per_token * self.block_size * self.dtype.itemsize
+        return kv_block_bytes(self.model.attention_layers, self.block_size, self._kv_cache_dtype())
+
+    def _kv_cache_dtype(self) -> torch.dtype:
+        return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
 
     def _allocate_kv_cache(self) -> int:
         block_bytes = self.kv_block_bytes()
@@ -109,20 +111,18 @@ class ModelRunner:
                 f"no room for a single KV block ({block_bytes} bytes); raise "
                 "--gpu-memory-utilization or the CPU KV budget, or lower --max-num-batched-tokens"
             )
-        layers = self.model.attention_layers
-        a = layers[0]
-        self.kv_cache = torch.empty(
-            (2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        for index, layer in enumerate(layers):
-            layer.k_cache = self.kv_cache[0, index]
-            layer.v_cache = self.kv_cache[1, index]
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+        self.kv_cache = allocate_kv_cache(
+            self.model.attention_layers,
             num_blocks,
             self.block_size,
+            self._kv_cache_dtype(),
+            self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",
+            num_blocks,
+            self.block_size,
+            self.config.kv_cache_dtype,
             num_blocks * block_bytes / 2**30,
         )
         return num_blocks

@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from atom.graph_capture import capture_graph
 from atom.kernels.page_table import (
     apply_row_deltas,
     apply_row_deltas_reference,
@@ -108,10 +109,7 @@ class PageTable:
         for launch in (self._apply_moves, self._apply_deltas):
             launch()  # compile outside the capture (the buffers hold count 0: a no-op)
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                launch()
-            graphs.append(graph)
+            graphs.append(capture_graph(launch)[0])
         return tuple(graphs)
 
     # -- host side (under the slot's producer guard) ---------------------------------------

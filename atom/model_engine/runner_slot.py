@@ -42,6 +42,7 @@ class PreparedStep:
     sampling_seqs: list  # sequences that sample this step, in batch order
     all_greedy: bool
     uniform_temperature: float | None  # every sampling row uses it: nothing to upload
+    seeded: bool  # some sampling request carries a seed (per-request generators)
     needs_top_k: bool
     needs_top_p: bool
     gathers_logits: bool  # only some rows' hidden states reach the LM head
@@ -203,6 +204,7 @@ class RunnerSlot:
             sampling_seqs=sampling_seqs,
             all_greedy=all_greedy,
             uniform_temperature=uniform_temperature,
+            seeded=not all_greedy and any(p.seed is not None for p in params),
             needs_top_k=needs_top_k,
             needs_top_p=needs_top_p,
             gathers_logits=gathers_logits,
@@ -245,7 +247,9 @@ class RunnerSlot:
         if step.all_greedy:
             return SamplingTensors(all_greedy=True)
         n = len(step.sampling_seqs)
-        generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
+        generators = None
+        if step.seeded:
+            generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
         with profiling.stage("publish.sampler"):
             return SamplingTensors(
                 all_greedy=False,
@@ -257,7 +261,7 @@ class RunnerSlot:
                 top_p=self._publish(self.top_p, n) if step.needs_top_p else None,
                 needs_top_k=step.needs_top_k,
                 needs_top_p=step.needs_top_p,
-                generators=generators if any(g is not None for g in generators) else None,
+                generators=generators,
             )
 
 

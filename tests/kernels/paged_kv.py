@@ -2,6 +2,8 @@
 
 import torch
 
+from atom.kernels.kv_cache import quantize_fp8_reference
+
 
 def make_paged_kv(
     context_lens, num_kv_heads, head_dim, block_size, dtype, device, capacity, seed=0
@@ -35,3 +37,13 @@ def make_paged_kv(
         values.append(v.float())
     block_tables = block_tables.to(device, torch.int32)
     return k_cache.to(device), v_cache.to(device), block_tables, keys, values
+
+
+def quantize_paged_kv(k_cache, v_cache):
+    """fp8 copies of whole caches (garbage rows too) with their per-row scales.
+
+    Returns (k_fp8, v_fp8, k_scale, v_scale) as ``store_kvcache`` would have written them.
+    """
+    k_fp8, k_scale = quantize_fp8_reference(k_cache)
+    v_fp8, v_scale = quantize_fp8_reference(v_cache)
+    return k_fp8, v_fp8, k_scale, v_scale

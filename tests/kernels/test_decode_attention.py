@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels import paged_decode_attention, paged_decode_attention_reference
-from tests.kernels.paged_kv import make_paged_kv
+from tests.kernels.paged_kv import make_paged_kv, quantize_paged_kv
 
 # fp32 runs the kernel on CUDA when there is one (tf32 dots there), else under
 # TRITON_INTERPRET=1 (conftest).
@@ -31,11 +31,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("dtype, device", DTYPES)
 @pytest.mark.parametrize("context_lens, num_q_heads, num_kv_heads, head_dim, block_size", CASES)
 def test_decode_matches_reference(
-    context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, num_splits
+    context_lens,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    device,
+    num_splits,
+    kv_cache_dtype,
 ):
     batch = len(context_lens)
     k_cache, v_cache, block_tables, _, _ = make_paged_kv(
@@ -45,12 +54,15 @@ def test_decode_matches_reference(
     q = q.to(device, dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
+    kv_scales = {}
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache, k_scale, v_scale = quantize_paged_kv(k_cache, v_cache)
+        kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
+    args = (q, k_cache, v_cache, block_tables, lens, scale)
 
-    expected = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, lens, scale)
+    expected = paged_decode_attention_reference(*args, **kv_scales)
     out = torch.full_like(q, float("nan"))  # every element must be written
-    result = paged_decode_attention(
-        q, k_cache, v_cache, block_tables, lens, scale, out=out, num_splits=num_splits
-    )
+    result = paged_decode_attention(*args, out=out, num_splits=num_splits, **kv_scales)
     assert result is out and out.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
@@ -103,3 +115,26 @@ def test_decode_replays_in_cuda_graph_with_new_lengths():
         graph.replay()
         expected = paged_decode_attention_reference(*args)
         torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_decode_reference_reads_fp8_cache_as_dequantized_rows():
+    """The fp8 reference equals the fp32 reference over the dequantized cache."""
+    context_lens = [40, 0, 17]
+    k_cache, v_cache, block_tables, _, _ = make_paged_kv(
+        context_lens, 2, 64, 16, torch.float32, "cpu", capacity=3
+    )
+    k_fp8, v_fp8, k_scale, v_scale = quantize_paged_kv(k_cache, v_cache)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(2))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    out = paged_decode_attention_reference(
+        q, k_fp8, v_fp8, block_tables, lens, 0.125, k_scale=k_scale, v_scale=v_scale
+    )
+    k_dequantized = k_fp8.float() * k_scale[..., None]
+    v_dequantized = v_fp8.float() * v_scale[..., None]
+    expected = paged_decode_attention_reference(
+        q, k_dequantized, v_dequantized, block_tables, lens, 0.125
+    )
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # and quantization moved the result a little, not a lot
+    exact = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, lens, 0.125)
+    assert 0 < (out - exact).abs().max() < 0.05

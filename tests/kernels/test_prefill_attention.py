@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels import paged_prefill_attention, paged_prefill_attention_reference
-from tests.kernels.paged_kv import make_paged_kv
+from tests.kernels.paged_kv import make_paged_kv, quantize_paged_kv
 
 # fp32 runs the kernel on CUDA when there is one (tf32 dots there), else under
 # TRITON_INTERPRET=1 (conftest).
@@ -47,9 +47,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("dtype, device", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_matches_reference(case, dtype, device):
+def test_prefill_matches_reference(case, dtype, device, kv_cache_dtype):
     seqs, num_q_heads, num_kv_heads, head_dim, block_size, fused = CASES[case]
     q_lens = [q_len for q_len, _ in seqs]
     context_lens = [n for _, n in seqs]
@@ -60,12 +61,16 @@ def test_prefill_matches_reference(case, dtype, device):
     cu_seqlens = torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
+    kv_scales = {}
+    if kv_cache_dtype == "fp8":
+        k_cache, v_cache, k_scale, v_scale = quantize_paged_kv(k_cache, v_cache)
+        kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
     args = (q, k_cache, v_cache, block_tables, cu_seqlens, lens, scale)
 
-    expected = paged_prefill_attention_reference(*args)
+    expected = paged_prefill_attention_reference(*args, **kv_scales)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
     # A generous max_seqlen_q: programs past a sequence's queries must write nothing.
-    result = paged_prefill_attention(*args, max(q_lens) + 70, out=out)
+    result = paged_prefill_attention(*args, max(q_lens) + 70, out=out, **kv_scales)
     assert result is out
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)

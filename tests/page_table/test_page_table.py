@@ -67,7 +67,7 @@ def _machine(device: str, backend: str, num_slots: int):
 def test_mirror_equals_rebuild_after_every_step(device, backend, num_slots):
     machine = _machine(device, backend, num_slots)
     machine.TestCase.settings = settings(
-        max_examples=25 if device == "cpu" else 40,
+        max_examples=25 if device == "cpu" else 12,
         stateful_step_count=30,
         deadline=None,
         suppress_health_check=list(HealthCheck),

@@ -1,0 +1,60 @@
+"""The paged KV cache of the attention layers: one allocation for every layer's K and V.
+
+Layout: ``data`` is ``[2 (K, V), num_layers, num_blocks, block_size, num_kv_heads,
+head_dim]``. With ``kv_cache_dtype="fp8"`` it holds ``torch.float8_e4m3fn`` and ``scales``,
+``[2, num_layers, num_blocks, block_size, num_kv_heads]`` float32, sits beside it: one scale
+per token and kv head (atom/kernels/kv_cache.py says why). Each layer gets views:
+``k_cache``/``v_cache`` and, for fp8, ``k_scale``/``v_scale`` (None otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from atom.kernels.kv_cache import FP8_DTYPE
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype for ``Config.kv_cache_dtype``: auto = the model's dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {kv_cache_dtype!r}")
+
+
+def kv_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes of one KV block over all layers, scales included."""
+    scale_bytes = 4 if cache_dtype == FP8_DTYPE else 0
+    per_token = sum(
+        2 * a.num_kv_heads * (a.head_dim * cache_dtype.itemsize + scale_bytes) for a in layers
+    )
+    return per_token * block_size
+
+
+@dataclass
+class KVCache:
+    data: torch.Tensor
+    scales: torch.Tensor | None  # fp8 only
+
+
+def allocate_kv_cache(
+    layers, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device
+) -> KVCache:
+    """Allocate the cache and bind each layer's views (every layer has the same shape)."""
+    first = layers[0]
+    if any((a.num_kv_heads, a.head_dim) != (first.num_kv_heads, first.head_dim) for a in layers):
+        raise ValueError("every attention layer must have the same num_kv_heads and head_dim")
+    rows = (2, len(layers), num_blocks, block_size, first.num_kv_heads)
+    data = torch.empty((*rows, first.head_dim), dtype=cache_dtype, device=device)
+    # Rows are read only after they are written; zeroed scales just keep dumps readable.
+    scales = (
+        torch.zeros(rows, dtype=torch.float32, device=device) if cache_dtype == FP8_DTYPE else None
+    )
+    for index, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = data[0, index], data[1, index]
+        if scales is not None:
+            layer.k_scale, layer.v_scale = scales[0, index], scales[1, index]
+    return KVCache(data, scales)

@@ -1,0 +1,390 @@
+"""Recompile guard: one compiled variant per kernel and geometry, whatever the lengths.
+
+On CPU (structural): every kernel's runtime-length arguments are in do_not_specialize and
+none is constexpr; every other scalar argument is a stride or a float fixed by geometry;
+every Triton kernel in atom/kernels is listed here. On CUDA: each kernel runs through its
+public wrapper over the length sweep (1, 16, 257, 4096, 4097, 65536 and random lengths) and
+must compile exactly one variant.
+"""
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+import atom.kernels
+from atom.kernels import (
+    activation,
+    decode_attention,
+    kv_cache,
+    page_table,
+    prefill_attention,
+    rmsnorm,
+    rotary,
+    scatter,
+)
+from tests.kernels.recompile_guard import (
+    SWEEP,
+    assert_one_variant,
+    kernel_arguments,
+    variants_over_sweep,
+)
+
+triton = pytest.importorskip("triton")
+
+# (module, kernel): its runtime-length arguments (must be in do_not_specialize, never
+# constexpr), and its other scalar arguments that geometry fixes (strides, float scales:
+# Triton may specialize those; their values do not change with lengths). Anything else
+# must be a pointer (named *_ptr) or a constexpr.
+KERNELS = {
+    (activation, "_silu_and_mul_kernel"): (["num_tokens"], ["stride_x", "stride_out"]),
+    (rmsnorm, "_rms_norm_kernel"): (
+        ["num_tokens"],
+        ["eps", "stride_x", "stride_residual", "stride_out", "stride_residual_out"],
+    ),
+    (rotary, "_rotary_kernel"): (
+        ["num_tokens"],
+        [
+            "stride_q_token",
+            "stride_q_head",
+            "stride_k_token",
+            "stride_k_head",
+            "stride_q_out_token",
+            "stride_q_out_head",
+            "stride_k_out_token",
+            "stride_k_out_head",
+            "stride_cache_position",
+        ],
+    ),
+    (kv_cache, "_store_kvcache_kernel"): (
+        ["num_tokens"],
+        ["stride_key_token", "stride_key_head", "stride_value_token", "stride_value_head"],
+    ),
+    (decode_attention, "_paged_decode_kernel"): (
+        # batch, context lengths and splits come from the grid and device memory; the
+        # block-table row stride is the page-table width (max context).
+        ["stride_block_tables_row"],
+        [
+            "sm_scale",
+            "stride_q_batch",
+            "stride_q_head",
+            "stride_cache_block",
+            "stride_cache_offset",
+            "stride_cache_head",
+            "stride_scale_block",
+            "stride_scale_offset",
+            "stride_out_batch",
+            "stride_out_head",
+        ],
+    ),
+    (decode_attention, "_merge_splits_kernel"): (
+        ["num_splits"],
+        ["stride_out_batch", "stride_out_head"],
+    ),
+    (prefill_attention, "_paged_prefill_kernel"): (
+        ["stride_block_tables_row"],
+        [
+            "sm_scale",
+            "stride_q_token",
+            "stride_q_head",
+            "stride_cache_block",
+            "stride_cache_offset",
+            "stride_cache_head",
+            "stride_scale_block",
+            "stride_scale_offset",
+            "stride_out_token",
+            "stride_out_head",
+        ],
+    ),
+    # Every length is read from the arena's header on the device: nothing to specialize.
+    (scatter, "_scatter_segments_kernel"): ([], []),
+    # Page-table maintenance: counts live in device memory; the row stride is the
+    # page-table width (max context), so it is runtime like the attention kernels'.
+    (page_table, "_apply_row_deltas_kernel"): (["row_stride"], []),
+    (page_table, "_copy_rows_kernel"): (["src_stride", "dst_stride"], []),
+    (page_table, "_slot_mapping_kernel"): (["num_tokens", "row_stride"], []),
+}
+# pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
+POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
+# @triton.jit helpers called from kernels (inlined: no launch, no specialization).
+DEVICE_FUNCTIONS = {
+    (rotary, "_rotate_heads"),
+    (kv_cache, "_e4m3_bits"),
+    (kv_cache, "_quantize_rows"),
+}
+
+
+def _is_triton_function(obj) -> bool:
+    return type(obj).__name__ in ("JITFunction", "InterpretedFunction") and hasattr(obj, "fn")
+
+
+def test_every_kernel_in_atom_kernels_is_listed():
+    found = set()
+    for info in pkgutil.iter_modules(atom.kernels.__path__):
+        module = importlib.import_module(f"atom.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if _is_triton_function(obj) and obj.fn.__module__ == module.__name__:
+                found.add((module.__name__, name))
+    listed = {(m.__name__, n) for m, n in (*KERNELS, *DEVICE_FUNCTIONS)}
+    assert found == listed, (
+        f"unlisted: {sorted(found - listed)}; gone: {sorted(listed - found)} "
+        "(add new kernels to KERNELS with their runtime-length arguments)"
+    )
+
+
+@pytest.mark.parametrize(
+    "module, name", list(KERNELS), ids=[f"{m.__name__.split('.')[-1]}.{n}" for m, n in KERNELS]
+)
+def test_runtime_lengths_are_dynamic_and_other_scalars_fixed(module, name):
+    runtime, fixed = KERNELS[module, name]
+    names, dns, constexpr = kernel_arguments(getattr(module, name))
+    for arg in runtime:
+        assert arg in names, f"{name} has no argument {arg}"
+        assert arg in dns, f"{name}: runtime length {arg} is not in do_not_specialize"
+        assert arg not in constexpr, f"{name}: runtime length {arg} is constexpr"
+    assert dns <= set(runtime), f"{name}: unexpected do_not_specialize {dns - set(runtime)}"
+    for arg in names:
+        if arg in constexpr or arg in runtime or arg in fixed:
+            continue
+        assert arg.endswith("_ptr") or arg in POINTERS, (
+            f"{name}: scalar argument {arg} is neither a runtime length (do_not_specialize) "
+            "nor a stride/scale fixed by geometry; list it in KERNELS"
+        )
+    for arg in fixed:
+        assert arg in names and arg not in constexpr, f"{name}: {arg}"
+
+
+# -- on the GPU: one compiled variant over the sweep -----------------------------------------
+
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+
+
+def _generator():
+    return torch.Generator(DEVICE).manual_seed(0)
+
+
+@pytest.mark.gpu
+def test_silu_and_mul_one_variant():
+    intermediate = 2048
+    x = torch.randn(max(SWEEP), 2 * intermediate, device=DEVICE, dtype=BF16)
+    assert_one_variant(
+        activation, ["_silu_and_mul_kernel"], lambda n: activation.silu_and_mul(x[:n])
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_one_variant(with_residual):
+    hidden = 2048
+    x = torch.randn(max(SWEEP), hidden, device=DEVICE, dtype=BF16)
+    residual = torch.randn_like(x)
+    weight = torch.ones(hidden, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        rmsnorm.rms_norm(x[:n], weight, 1e-6, residual[:n] if with_residual else None)
+
+    assert_one_variant(rmsnorm, ["_rms_norm_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_rotary_one_variant():
+    num_q_heads, num_kv_heads, head_dim, max_position = 32, 8, 64, 8192
+    qkv = torch.randn(
+        max(SWEEP), (num_q_heads + 2 * num_kv_heads) * head_dim, device=DEVICE, dtype=BF16
+    )
+    q = qkv[:, : num_q_heads * head_dim].view(-1, num_q_heads, head_dim)
+    k = qkv[:, num_q_heads * head_dim : (num_q_heads + num_kv_heads) * head_dim]
+    k = k.view(-1, num_kv_heads, head_dim)
+    cos = torch.rand(max_position, head_dim, device=DEVICE)
+    sin = torch.rand(max_position, head_dim, device=DEVICE)
+    positions = torch.randint(0, max_position, (max(SWEEP),), device=DEVICE)
+    assert_one_variant(
+        rotary,
+        ["_rotary_kernel"],
+        lambda n: rotary.apply_rotary(positions[:n], q[:n], k[:n], cos, sin),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_store_kvcache_one_variant(kv_cache_dtype):
+    num_kv_heads, head_dim, block_size = 8, 128, 16
+    longest = max(SWEEP)
+    qkv = torch.randn(longest, 3 * num_kv_heads, head_dim, device=DEVICE, dtype=BF16)
+    key, value = qkv[:, num_kv_heads : 2 * num_kv_heads], qkv[:, 2 * num_kv_heads :]
+    num_blocks = longest // block_size + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    scales = {}
+    if kv_cache_dtype == "fp8":
+        cache_dtype = kv_cache.FP8_DTYPE
+        scales = {
+            "k_scale": torch.zeros(shape[:3], device=DEVICE),
+            "v_scale": torch.zeros(shape[:3], device=DEVICE),
+        }
+    else:
+        cache_dtype = BF16
+    k_cache = torch.zeros(shape, device=DEVICE, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE, generator=_generator())
+    slots[::7] = -1
+
+    def run(n):
+        kv_cache.store_kvcache(key[:n], value[:n], k_cache, v_cache, slots[:n], **scales)
+
+    assert_one_variant(kv_cache, ["_store_kvcache_kernel"], run)
+
+
+def _paged_cache(kv_cache_dtype, num_blocks=4096, block_size=16, num_kv_heads=8, head_dim=128):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE, dtype=BF16)
+    v_cache = torch.randn(shape, device=DEVICE, dtype=BF16)
+    if kv_cache_dtype == "auto":
+        return k_cache, v_cache, {}
+    k_fp8, k_scale = kv_cache.quantize_fp8_reference(k_cache)
+    v_fp8, v_scale = kv_cache.quantize_fp8_reference(v_cache)
+    return k_fp8, v_fp8, {"k_scale": k_scale, "v_scale": v_scale}
+
+
+def _block_tables(rows, context, num_blocks, block_size=16):
+    """Random (aliased, read-only) block ids: enough columns for ``context`` tokens."""
+    columns = -(-context // block_size) + 1
+    return torch.randint(
+        0, num_blocks, (rows, columns), device=DEVICE, dtype=torch.int32, generator=_generator()
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_paged_decode_one_variant(kv_cache_dtype):
+    """Batch sizes (short contexts, no split) and context lengths (batch 3, split) swept:
+    the split count, the grid and the block-table width all change."""
+    num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
+    k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
+    q = torch.randn(max(SWEEP), num_q_heads, head_dim, device=DEVICE, dtype=BF16)
+    generator = _generator()
+
+    def run(n):
+        # n sequences of 1..64 tokens
+        lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32, generator=generator)
+        tables = _block_tables(n, 64, num_blocks)
+        decode_attention.paged_decode_attention(
+            q[:n], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales
+        )
+        # 3 sequences, the longest n tokens
+        lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
+        tables = _block_tables(3, n, num_blocks)
+        decode_attention.paged_decode_attention(
+            q[:3], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales
+        )
+
+    assert_one_variant(decode_attention, ["_paged_decode_kernel", "_merge_splits_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_paged_prefill_one_variant(kv_cache_dtype):
+    """n new tokens in chunks of at most 2048 behind a cached prefix, plus a decode row."""
+    num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
+    k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
+    q = torch.randn(max(SWEEP) + 1, num_q_heads, head_dim, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        q_lens = [min(2048, n - start) for start in range(0, n, 2048)] + [1]
+        prefix = (n * 7) % 300
+        context_lens = [q_len + prefix for q_len in q_lens]
+        cu_seqlens = torch.tensor([0, *q_lens], device=DEVICE).cumsum(0).to(torch.int32)
+        lens = torch.tensor(context_lens, device=DEVICE, dtype=torch.int32)
+        tables = _block_tables(len(q_lens), max(context_lens), num_blocks)
+        prefill_attention.paged_prefill_attention(
+            q[: n + 1],
+            k_cache,
+            v_cache,
+            tables,
+            cu_seqlens,
+            lens,
+            head_dim**-0.5,
+            max(q_lens),
+            **scales,
+        )
+
+    assert_one_variant(prefill_attention, ["_paged_prefill_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_scatter_one_variant():
+    import numpy as np
+
+    max_segments = 8
+    src = torch.zeros(4 * max(SWEEP) + 4096, dtype=torch.uint8, device=DEVICE)
+    dst = torch.zeros(4 * max(SWEEP) + 4096, dtype=torch.uint8, device=DEVICE)
+
+    def run(n):
+        header = np.zeros(scatter.HEADER_WORDS + 3 * max_segments, dtype=np.int64)
+        header[0] = 1
+        header[scatter.HEADER_WORDS : scatter.HEADER_WORDS + 3] = (1024, 0, 4 * n)
+        src[: header.nbytes] = torch.from_numpy(header.view(np.uint8)).to(DEVICE)
+        scatter.scatter_segments(src, dst, max_segments)
+
+    assert_one_variant(scatter, ["_scatter_segments_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_guard_sees_the_variants_of_a_specializing_copy():
+    """The guard's counting works: without do_not_specialize the store kernel compiles a
+    variant for n == 1, one for multiples of 16 and one for the rest (3 on Triton 3.6)."""
+    num_kv_heads, head_dim = 2, 64
+    key = torch.randn(max(SWEEP), num_kv_heads, head_dim, device=DEVICE, dtype=BF16)
+    k_cache = torch.zeros(max(SWEEP), 1, num_kv_heads, head_dim, device=DEVICE, dtype=BF16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(max(SWEEP), device=DEVICE)
+
+    def run(n):
+        kv_cache.store_kvcache(key[:n], key[:n], k_cache, v_cache, slots[:n])
+
+    history = variants_over_sweep(kv_cache, ["_store_kvcache_kernel"], run, dynamic=False)
+    counts = history["_store_kvcache_kernel"]
+    assert counts[-1] >= 2, counts
+    assert counts[0] == 1  # n == 1 alone compiled one variant
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_slot_mapping_one_variant(mode):
+    longest = max(SWEEP)
+    rows = torch.randint(0, 1000, (longest, 8), device=DEVICE, dtype=torch.int32)
+    positions = torch.randint(0, 8 * 16, (longest,), device=DEVICE)
+    context_lens = torch.ones(longest, device=DEVICE, dtype=torch.int32)
+    cu_seqlens = torch.arange(longest + 1, device=DEVICE, dtype=torch.int32)  # 1 token/row
+    out = torch.empty(longest, device=DEVICE, dtype=torch.int64)
+
+    def run(n):
+        cu = cu_seqlens if mode == "prefill" else None
+        page_table.derive_slot_mapping(rows, positions, cu, context_lens, out, n, n, 16)
+
+    assert_one_variant(page_table, ["_slot_mapping_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_page_table_deltas_and_moves_one_variant():
+    longest = max(SWEEP)
+    table = torch.zeros(longest, 64, device=DEVICE, dtype=torch.int32)
+    scratch = torch.zeros_like(table)
+
+    def deltas(n):
+        ids = torch.arange(n, dtype=torch.int32)
+        buffer = torch.cat(
+            [torch.tensor([n]), ids, torch.zeros(n, dtype=torch.int32), torch.arange(n + 1), ids]
+        )
+        page_table.apply_row_deltas(table, buffer.to(torch.int32).to(DEVICE), n)
+
+    def moves(n):
+        ids = torch.arange(n, dtype=torch.int32)
+        buffer = torch.cat([torch.tensor([n]), ids, ids.flip(0), torch.ones(n, dtype=torch.int32)])
+        page_table.move_rows(table, scratch, buffer.to(torch.int32).to(DEVICE), n)
+
+    assert_one_variant(page_table, ["_apply_row_deltas_kernel"], deltas)
+    # two geometries (GATHER into the scratch table, then out of it), both at the first length
+    counts = variants_over_sweep(page_table, ["_copy_rows_kernel"], moves)["_copy_rows_kernel"]
+    assert counts[0] == counts[-1] == 2, counts
