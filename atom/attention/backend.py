@@ -19,10 +19,28 @@ class PagedAttentionBackend:
 
     name = "paged"
 
+    def __init__(self):
+        # Decode metadata holds the same views at a given padded size every step: reuse it.
+        self._decode_metadata: dict[int, AttentionMetadata] = {}
+
     def build_metadata(self, slot, step, publish) -> AttentionMetadata:
         seqs = step.num_seqs
         padded = step.padded_seqs or seqs
         padded_tokens = step.padded_seqs or step.num_tokens
+        if step.is_decode:
+            context_lens = publish(slot.context_lens, seqs, padded)
+            rows = slot.page_table.publish(padded)
+            metadata = self._decode_metadata.get(padded)
+            if metadata is None:
+                metadata = self._decode_metadata[padded] = AttentionMetadata(
+                    slot_mapping=slot.slot_mapping[:padded],
+                    context_lens=context_lens,
+                    block_tables=rows,
+                    cu_seqlens_q=None,
+                    max_seqlen_q=1,
+                    is_decode=True,
+                )
+            return metadata
         return AttentionMetadata(
             slot_mapping=slot.slot_mapping[:padded_tokens],
             context_lens=publish(slot.context_lens, seqs, padded),

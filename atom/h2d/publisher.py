@@ -142,12 +142,9 @@ class Publisher:
 
     # -- publication -----------------------------------------------------------------------
     def _validate(self, buffer: StagedBuffer, valid: int, padded: int) -> None:
-        if (
-            not self.checked
-            and buffer.staged_step == self.step
-            and 0 <= valid <= padded <= buffer.staged_rows
-        ):
-            return  # production: the O(1) clauses hold (staged rows <= capacity)
+        """Every clause, naming the first one broken. Production mode runs only the O(1)
+        clauses inline in `publish` (staged rows <= capacity holds by `stage`) and comes
+        here when one fails, to name it."""
         if not 0 <= valid <= padded:
             raise PublicationError(
                 buffer.name, self.slot, f"valid length {valid} outside [0, {padded}]"
@@ -198,10 +195,17 @@ class Publisher:
 
         Returns the destination view; its data is in place once `flush` has run (before
         any consumer kernel is queued)."""
-        padded = valid if padded is None else padded
+        if padded is None:
+            padded = valid
         try:
-            self._validate(buffer, valid, padded)
-            buffer.write_padding(valid, padded)
+            if (
+                self.checked
+                or buffer.staged_step != self.step
+                or not 0 <= valid <= padded <= buffer.staged_rows
+            ):
+                self._validate(buffer, valid, padded)
+            if padded > valid:
+                buffer.write_padding(valid, padded)
             self._queue(buffer, padded)
         except PublicationError:
             self.abort()
@@ -222,9 +226,10 @@ class Publisher:
             except PublicationError:
                 self.abort()
                 raise
-        arena_used = self._send()
-        event = self._events[self._next_event].record(self.stream)
-        self._next_event = (self._next_event + 1) % EVENT_RING
+        arena_used, event = self._send()
+        if event is None:
+            event = self._events[self._next_event].record(self.stream)
+            self._next_event = (self._next_event + 1) % EVENT_RING
         for buffer in self._group:
             buffer.last_transfer = event
         self._group = []
@@ -232,8 +237,10 @@ class Publisher:
         self._after_flush(event, arena_used)
         return event
 
-    def _send(self) -> bool:
-        return False
+    def _send(self) -> tuple[bool, TransferEvent | None]:
+        """Issue the group's remaining transfers: (arena used, event already recorded
+        after them or None)."""
+        return False, None
 
     def _after_flush(self, event: TransferEvent, arena_used: bool) -> None:
         pass
@@ -264,10 +271,12 @@ class PackedPublisher(DirectPublisher):
     (src_offset, dst_offset, num_bytes) row per segment), then the staged segments.
     The flush sends bytes [0, end of the last published segment) with one copy, and the
     scatter kernel, which reads the header on the device, writes the segments out. On
-    CUDA the copy and the scatter of each transfer-size bucket (4 KiB, 16 KiB, 64 KiB,
-    256 KiB, the whole arena) are captured together in one CUDA graph: a flush is one
-    graph replay (the copy of a bucket sends the bucket's bytes; the scatter only uses
-    the described segments).
+    CUDA the copy, the scatter and the recording of the flush's completion event of each
+    transfer-size bucket (4 KiB, 16 KiB, 64 KiB, 256 KiB, the whole arena) are captured
+    together in one CUDA graph: a flush is one graph replay (the copy of a bucket sends the
+    bucket's bytes; the scatter only uses the described segments). Each bucket has its own
+    event, re-recorded by every replay: a buffer still pointing at it then waits for a
+    later point of the stream, which is stricter, never looser.
     """
 
     backend = "packed"
@@ -297,11 +306,12 @@ class PackedPublisher(DirectPublisher):
         self._offset = HEADER_BYTES  # next free staging byte of this step
         self._descriptors: list[int] = []  # published this step, 3 ints per segment
         self._end = 0  # end of the last published segment
-        self._graphs: list[tuple[int, torch.cuda.CUDAGraph]] = []  # (bucket bytes, graph)
+        # (bucket bytes, graph, the event its replay records)
+        self._graphs: list[tuple[int, torch.cuda.CUDAGraph, TransferEvent]] = []
         if device.type == "cuda" and scatter_graph:
             self._graphs = self._capture_flushes()
 
-    def _capture_flushes(self) -> list[tuple[int, torch.cuda.CUDAGraph]]:
+    def _capture_flushes(self) -> list[tuple[int, torch.cuda.CUDAGraph, TransferEvent]]:
         self.header[0] = 0
         self.staging[:HEADER_BYTES].copy_(self.host_arena[:HEADER_BYTES])
         self._launch_scatter()  # compile outside the capture
@@ -312,14 +322,16 @@ class PackedPublisher(DirectPublisher):
             buckets.append(size)
         graphs = []
 
-        def flush(bucket: int) -> None:
+        def flush(bucket: int, event: torch.cuda.Event) -> None:
             self.staging[:bucket].copy_(self.host_arena[:bucket], non_blocking=True)
             self._launch_scatter()
+            event.record()  # external: an event-record node, replayed with the graph
 
         try:
             for bucket in buckets:
-                graph, _ = capture_graph(lambda bucket=bucket: flush(bucket))
-                graphs.append((bucket, graph))
+                event = torch.cuda.Event(external=True)
+                graph, _ = capture_graph(lambda bucket=bucket, event=event: flush(bucket, event))
+                graphs.append((bucket, graph, TransferEvent(event)))
         except RuntimeError as error:  # capture unsupported here: issue them one by one
             logger.warning("packed h2d: flush graphs unavailable (%s); eager flushes", error)
             torch.cuda.synchronize(self.device)
@@ -378,28 +390,29 @@ class PackedPublisher(DirectPublisher):
         if end > self._end:
             self._end = end
 
-    def _send(self) -> bool:
+    def _send(self) -> tuple[bool, TransferEvent | None]:
         descriptors = self._descriptors
         if not descriptors:
-            return False
+            return False, None
         count = len(descriptors) // 3
         self.header[: 1 + 3 * count] = [count, *descriptors]
-        for bucket, graph in self._graphs:  # one replay: the copy and the scatter
-            if self._end <= bucket:
-                graph.replay()
-                self.bytes += bucket
-                break
-        else:  # CPU, or graphs disabled: the same two operations, issued one by one
-            end = -(-self._end // ALIGN) * ALIGN
-            views = self._copy_views.get(end)
-            if views is None:  # one pair of views per transfer size: no slicing per step
-                views = self._copy_views[end] = (self.staging[:end], self.host_arena[:end])
-            views[0].copy_(views[1], non_blocking=True)
-            self._launch_scatter()
-            self.bytes += end
         self.copies += 1
         self.kernels += 1
-        return True
+        end = self._end
+        for bucket, graph, event in self._graphs:  # one replay: copy, scatter, event
+            if end <= bucket:
+                graph.replay()
+                self.bytes += bucket
+                return True, event
+        # CPU, or graphs disabled: the same operations, issued one by one
+        end = -(-end // ALIGN) * ALIGN
+        views = self._copy_views.get(end)
+        if views is None:  # one pair of views per transfer size: no slicing per step
+            views = self._copy_views[end] = (self.staging[:end], self.host_arena[:end])
+        views[0].copy_(views[1], non_blocking=True)
+        self._launch_scatter()
+        self.bytes += end
+        return True, None
 
     def _after_flush(self, event: TransferEvent, arena_used: bool) -> None:
         if arena_used:

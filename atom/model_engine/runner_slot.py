@@ -88,6 +88,7 @@ class RunnerSlot:
         ]
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
         self.publisher = self.h2d.publisher
+        self._publish = self.publisher.publish
         self._buffers = list(self.h2d.buffers.values())
         for name, buffer in self.h2d.buffers.items():
             setattr(self, name, buffer)
@@ -223,9 +224,6 @@ class RunnerSlot:
             metadata = self.backend.build_metadata(self, step, self._publish)
             self._derive = step
         return input_ids, positions, metadata
-
-    def _publish(self, buffer, valid: int, padded: int | None = None) -> torch.Tensor:
-        return self.publisher.publish(buffer, valid, padded)
 
     def publish_placeholders(self, step: PreparedStep):
         """(dst, src) device index tensors of the placeholder fix-ups, or None."""

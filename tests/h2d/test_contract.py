@@ -69,9 +69,10 @@ def test_production_guard_checks_one_event_per_step():
 
 
 @pytest.mark.gpu
-def test_real_in_flight_copy_is_caught():
+@pytest.mark.parametrize("backend", ["direct", "packed"])  # packed: event recorded in-graph
+def test_real_in_flight_copy_is_caught(backend):
     device = torch.device("cuda")
-    slot = _slot("direct", device)
+    slot = _slot(backend, device)
     buffer = slot["slot_mapping"]
     _stage(slot, {"slot_mapping": np.arange(64)})
     torch.cuda._sleep(200_000_000)  # keep the stream busy so the copy below stays queued
@@ -83,6 +84,7 @@ def test_real_in_flight_copy_is_caught():
     slot.publisher.wait_for_transfers()
     with slot.publisher.producer_guard([buffer]):
         pass
+    assert buffer.device[:64].tolist() == list(range(64))
 
 
 # -- identity ------------------------------------------------------------------------------

@@ -174,7 +174,11 @@ def test_store_kvcache_past_2_31_elements_on_gpu(kv_cache_dtype):
     key *= torch.exp(2 * torch.randn(*shape[:2], 1, device=device, generator=generator)).to(dtype)
     value *= torch.exp(2 * torch.randn(*shape[:2], 1, device=device, generator=generator)).to(dtype)
     slots = torch.randperm(num_slots, device=device, generator=generator)[:num_tokens]
-    slots[0] = num_slots - 1  # the very last row of the cache
+    # token 0 goes to the very last row of the cache (and no other token does)
+    taken = torch.nonzero(slots == num_slots - 1).flatten()
+    if taken.numel():
+        slots[taken] = slots[0].clone()
+    slots[0] = num_slots - 1
     slots[1::97] = -1  # padding tokens
     num_blocks = num_slots // block_size
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
