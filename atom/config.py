@@ -76,6 +76,16 @@ class Config:
     profiler_dir: str | None = None
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (benchmarks)
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
+    # Tensor parallelism: N spawned ranks, each holding 1/N of the heads, MLP and vocabulary.
+    tensor_parallel_size: int = 1
+    # Where the ranks meet (a TCPStore the engine binds before spawning them). One node:
+    # master_port 0 = any free port. Several nodes: node 0 hosts the store at
+    # master_addr:master_port (a fixed port), nodes 1.. join it; each runs N / nnodes ranks.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    distributed_timeout_s: float = 1800.0  # rendezvous and collectives
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -124,3 +134,39 @@ class Config:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        self._validate_parallelism()
+
+    def _validate_parallelism(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+            raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be in [0, {nnodes}), got {self.node_rank}")
+        if tp % nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must be a multiple of nnodes {nnodes} "
+                "(every node runs the same number of ranks)"
+            )
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
+        if nnodes > 1 and self.master_port == 0:
+            raise ValueError(
+                "a multi-node run needs a fixed master_port (--master-port) given to every "
+                "node; port 0 (pick any free port) only works on one node"
+            )
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if tp > 1 and self.device.startswith("cuda"):
+            if self.device != "cuda":
+                raise ValueError(
+                    f"with tensor parallelism each rank uses cuda:<local rank>; pass "
+                    f"device='cuda', not {self.device!r}"
+                )
+            local, found = tp // nnodes, torch.cuda.device_count()
+            if local > found:
+                raise ValueError(
+                    f"tensor_parallel_size {tp} over {nnodes} node(s) needs {local} GPUs per "
+                    f"node, this node has {found}"
+                )

@@ -11,7 +11,8 @@ from atom.config import Config, default_device
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags that build the engine's Config (model, device, limits, h2d backend)."""
+    """Flags that build the engine's Config (model, device, limits, h2d backend, tensor
+    parallelism and its rendezvous)."""
     parser.add_argument(
         "--model",
         default=None,
@@ -46,6 +47,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how step metadata reaches the GPU (default: $ATOM_H2D_BACKEND or direct)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (spawned processes; one GPU each on CUDA)",
+    )
+    parser.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="multi-node: address of node-rank 0, which hosts the rendezvous store",
+    )
+    parser.add_argument(
+        "--master-port",
+        type=int,
+        default=0,
+        help="rendezvous port; 0 (default) = any free port, single node only",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node's index; node 0 runs the engine, the others only host ranks",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -64,4 +90,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         h2d_backend=args.h2d_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
     )

@@ -11,9 +11,14 @@ import json
 import sys
 import time
 
+from atom.config import Config
 from atom.entrypoints.engine_args import add_engine_args, config_from_args
-from atom.model_engine.llm_engine import LLM
-from atom.models.loader import ModelLoadError
+from atom.model_engine.distributed_runner import serve_node
+from atom.model_engine.llm_engine import LLM, resolve_max_model_len
+from atom.model_engine.rendezvous import RendezvousError
+from atom.model_engine.workers import WorkerFailedError
+from atom.models.default_model import default_model_path
+from atom.models.loader import ModelLoadError, read_config
 from atom.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = [
@@ -22,6 +27,12 @@ DEFAULT_PROMPTS = [
     "Explain in one sentence what a GPU is.",
     "List three prime numbers.",
 ]
+
+
+def serve_this_node(config: Config) -> None:
+    """Node-rank > 0: host this node's tensor-parallel ranks until node 0 stops."""
+    hf_config = read_config(config.model or default_model_path())
+    serve_node(config, resolve_max_model_len(config, hf_config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    llm = None
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -60,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         if args.profile is not None:
             config.profiler_dir = args.profile or config.profiler_dir or "atom_traces"
+        if config.node_rank > 0:
+            serve_this_node(config)
+            return 0
         llm = LLM.from_config(config)
         prompts = args.prompt or DEFAULT_PROMPTS
         inputs = (
@@ -74,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - start
         if args.profile is not None:
             print(f"profiler trace: {llm.stop_profile()}", file=sys.stderr)
-    except (ValueError, ModelLoadError) as error:
+    except (ValueError, ModelLoadError, RendezvousError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if llm is not None:
+            llm.shutdown()
 
     for prompt, output in zip(prompts, outputs, strict=True):
         if args.json:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from atom import profiling
 from atom.config import Config
 from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import FinishReason, Sequence
@@ -43,9 +44,24 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+def resolve_max_model_len(config: Config, hf_config) -> int:
+    """The context length the engine serves: the user's, capped by the model's."""
+    model_len = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+    if config.max_model_len is not None and config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}"
+        )
+    return config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
+
+
 class LLMEngine:
     def __init__(self, config: Config | None = None, **kwargs):
         self.config = config = config or Config(**kwargs)
+        if config.node_rank > 0:
+            raise ValueError(
+                f"node_rank {config.node_rank} hosts tensor-parallel ranks only; run it with "
+                "atom.model_engine.distributed_runner.serve_node (the offline script does)"
+            )
         self.model_path = config.model or default_model_path()
         if config.load_format == "dummy":
             source, hf, weights = None, read_config(self.model_path), None
@@ -56,13 +72,11 @@ class LLMEngine:
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source or open_model(self.model_path))
-        model_len = int(getattr(hf, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-        if config.max_model_len is not None and config.max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}"
-            )
-        self.max_model_len = config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
-        self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
+        self.max_model_len = resolve_max_model_len(config, hf)
+        if config.tensor_parallel_size > 1:  # spawned ranks load their own weight shards
+            self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
+        else:
+            self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -77,6 +91,12 @@ class LLMEngine:
         self.stats = EngineStats()
         self.async_scheduling = config.async_scheduling
         self._in_flight = None  # (batch, StepHandle) launched but not yet read
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any) and free the rendezvous port."""
+        stop = getattr(self.model_runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -230,6 +250,15 @@ class LLM:
     @classmethod
     def from_config(cls, config: Config) -> LLM:
         return cls(config=config)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def start_profile(self) -> None:
         """Record a torch.profiler trace (with `ATOM::<stage>` annotations) from now on."""

@@ -3,6 +3,11 @@
 It owns the RunnerSlots (one per pipeline stage / two-batch-overlap micro-batch:
 `Config.num_micro_batches` = 1 or 2; each slot has its own buffers, publisher and page
 table) and, on CUDA, the decode CUDA graphs captured on each slot's fixed buffers.
+
+Under tensor parallelism every rank runs the same ModelRunner step on its shard of the
+model (built with the rank's TensorParallelGroup); rank 0 alone samples. Without a group
+(a caller building a ModelRunner directly) it is a single process: no store, no
+process group.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 
 from atom import profiling
 from atom.config import Config
+from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
@@ -25,8 +31,16 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: Config, hf_config, weights, max_model_len: int):
+    def __init__(
+        self,
+        config: Config,
+        hf_config,
+        weights,
+        max_model_len: int,
+        tp: TensorParallelGroup | None = None,
+    ):
         self.config = config
+        self.tp = tp or TensorParallelGroup.single(config.device)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -67,7 +81,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(self.hf_config)(self.hf_config, self.max_model_len)
+                model = model_class(self.hf_config)(self.hf_config, self.max_model_len, self.tp)
         finally:
             torch.set_default_dtype(previous)
         with torch.no_grad():
@@ -91,6 +105,7 @@ class ModelRunner:
             num_blocks = self._blocks_from_free_memory(block_bytes)
         else:
             num_blocks = self.config.kv_cache_memory_bytes // block_bytes
+        num_blocks = self.tp.min_across(num_blocks)  # every rank must hold the same blocks
         if num_blocks < 1:
             raise RuntimeError(
                 f"no room for a single KV block ({block_bytes} bytes); raise "
@@ -151,8 +166,23 @@ class ModelRunner:
         if not tokens:
             return StepHandle(None, None)
         sampled = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        if self.tp.world_size > 1:
+            if not self.config.async_scheduling and not self.tp.is_first:
+                return StepHandle(None, None)  # rank 0 alone answers the engine
+            sampled = self._share_sampled(sampled)
         self._last_sampled = sampled
         return StepHandle.of(sampled)
+
+    def _share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled tokens on every rank (tensor parallelism, asynchronous
+        scheduling: the next step may fill input ids from them on the device).
+
+        Without asynchronous scheduling sampled tokens reach the other ranks as plain
+        token ids in the next step's message, and rank 0 keeps them to itself.
+        """
+        if not self.config.async_scheduling:
+            return tokens
+        return self.tp.broadcast_from_first(tokens)
 
     def _launch_part(self, index: int, batch: ScheduledBatch, previous) -> torch.Tensor | None:
         slot = self.slots[index]
@@ -187,6 +217,8 @@ class ModelRunner:
                     hidden = hidden[logits_indices]
                 logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
+            if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
+                return torch.empty(len(step.sampling_seqs), dtype=torch.int64, device=self.device)
             return self.sampler(logits, sampling)
 
 

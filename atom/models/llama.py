@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Qwen2 with qkv bias, Mistral without sliding window).
 
 Weights use HF names; q/k/v and gate/up are fused into one matmul each and split on
-load (`load_weights`).
+load (`load_weights`). With a TensorParallelGroup of N ranks each rank holds 1/N of the
+heads, of the MLP's intermediate features and of the vocabulary (parallel_layers.py).
 """
 
 from __future__ import annotations
@@ -12,20 +13,37 @@ import torch
 from torch import nn
 
 from atom.attention.mha import MHAAttention
+from atom.distributed import TensorParallelGroup, shard_range
 from atom.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from atom.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    load_parameter,
+)
+
+
+def _num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, max_position: int):
+    def __init__(self, config, max_position: int, tp: TensorParallelGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, _num_kv_heads(config), bias, tp
+        )
+        # Heads on this rank (all of them with one rank).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, False, tp)
         theta, scaling = rope_parameters(config)
         self.rotary = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
         self.attn = MHAAttention(
@@ -43,10 +61,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallelGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,10 +73,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, max_position: int):
+    def __init__(self, config, max_position: int, tp: TensorParallelGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_position)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, max_position, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -73,11 +92,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int):
+    def __init__(self, config, max_position: int, tp: TensorParallelGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_position) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, max_position, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -100,35 +119,46 @@ class LlamaForCausalLM(nn.Module):
         ("up_proj", "gate_up_proj", 1),
     )
 
-    def __init__(self, config, max_position: int | None = None):
+    def __init__(
+        self, config, max_position: int | None = None, tp: TensorParallelGroup | None = None
+    ):
         super().__init__()
         self.config = config
+        tp = tp or TensorParallelGroup.single()
+        self.validate_tensor_parallel(config, tp.world_size)
         max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, max_position)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, max_position, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @staticmethod
+    def validate_tensor_parallel(config, world_size: int) -> None:
+        """Raise ShardingError unless heads, KV heads and the MLP split over `world_size`.
+
+        Called by the engine before it spawns any worker, so a bad size fails at once.
+        """
+        shard_range(config.num_attention_heads, 0, world_size, "num_attention_heads")
+        shard_range(_num_kv_heads(config), 0, world_size, "num_key_value_heads")
+        shard_range(config.intermediate_size, 0, world_size, "intermediate_size")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T, vocab] logits on tensor-parallel rank 0; None on the other ranks."""
+        return self.lm_head.compute_logits(hidden)
 
     @property
     def attention_layers(self) -> list[MHAAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (fused) parameters; every parameter must be set."""
+        """Copy HF-named tensors into the (fused, sharded) parameters; each rank keeps only
+        its part of each tensor. Every parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        attn0 = self.model.layers[0].self_attn
-        q_size, kv_size = attn0.q_size, attn0.kv_size
-        inter = self.config.intermediate_size
-        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        offsets.update({0: (0, inter), 1: (inter, inter)})
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -137,13 +167,15 @@ class LlamaForCausalLM(nn.Module):
             for hf_part, fused_part, shard in self.stacked_params:
                 if f".{hf_part}." in name:
                     target = name.replace(hf_part, fused_part)
-                    start, size = offsets[shard]
-                    _copy_into(params, target, tensor, start, size, name)
-                    loaded.add(f"{target}#{shard}")
+                    key = f"{target}#{shard}"
                     break
             else:
-                _copy_into(params, name, tensor, None, None, name)
-                loaded.add(name)
+                target, shard, key = name, None, name
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            load_parameter(param, tensor, shard, name)
+            loaded.add(key)
         expected = set()
         for pname in params:
             if "qkv_proj" in pname:
@@ -155,16 +187,3 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
-
-
-def _copy_into(params, target, tensor, start, size, source_name):
-    param = params.get(target)
-    if param is None:
-        raise ValueError(f"checkpoint tensor {source_name!r} has no place in the model")
-    dest = param.data if start is None else param.data.narrow(0, start, size)
-    if dest.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {source_name!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(dest.shape)}"
-        )
-    dest.copy_(tensor)

@@ -1,6 +1,9 @@
 """The offline script: JSON on stdout, errors as a message and exit code 2."""
 
 import json
+import os
+import subprocess
+import sys
 
 from atom.examples.simple_inference import main
 
@@ -66,3 +69,24 @@ def test_bad_sampling_value_is_a_message(tiny_model_dirs, capsys):
     code = main(["--model", tiny_model_dirs["llama"], "--device", "cpu", "--top-p", "1.5"])
     assert code == 2
     assert "top_p" in capsys.readouterr().err
+
+
+def test_tensor_parallel_script_matches_one_process(tiny_model_dirs, capsys):
+    """`python -m atom.examples.simple_inference --tensor-parallel-size 2` (2 spawned ranks
+    on gloo) prints the same greedy tokens as one process."""
+    args = ["--model", tiny_model_dirs["llama"], "--device", "cpu", "--max-tokens", "6"]
+    args += ["--ignore-eos", "--prompt", "Hello there", "--prompt", "Tensor parallel", "--json"]
+    assert main(args) == 0
+    expected = [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-m", "atom.examples.simple_inference", "--tensor-parallel-size", "2"]
+        + args,
+        cwd=repo,
+        env=dict(os.environ, PYTHONPATH=repo),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [json.loads(line)["token_ids"] for line in done.stdout.splitlines()] == expected

@@ -1,0 +1,182 @@
+"""Rendezvous: the TCPStore where the tensor-parallel ranks meet.
+
+The engine's process binds the store as master *before* it spawns any worker, so no
+free-port race exists: on a single node it binds port 0 and reads the real port back
+(`store.port`); choosing a port by binding 0, closing it and binding it again in a
+worker loses races (EADDRINUSE) when several engines start together. Multi-node runs
+use an explicit port that every node is told (`--master-addr/--master-port`): node 0
+binds it, the other nodes connect as clients. Every rank, local or remote, connects as
+a client and calls `init_process_group(backend, store=..., rank, world_size)`.
+
+The store lives as long as the engine (`Rendezvous.close` releases the port). Ranks are
+laid out node by node: global rank = node_rank * ranks_per_node + local_rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from atom.distributed import TensorParallelGroup
+
+# Keys of the process group live under this prefix; the engine's own keys (remote step
+# queues, failure reports) under others, so they never collide.
+PROCESS_GROUP_PREFIX = "process_group/"
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet; the message names the address and what to do."""
+
+
+class PortInUseError(RendezvousError):
+    """The fixed rendezvous port is taken by another process."""
+
+
+@dataclass(frozen=True)
+class RendezvousSpec:
+    """Where the ranks meet and who they are; picklable, handed to every spawned rank."""
+
+    host: str
+    port: int
+    world_size: int
+    nnodes: int = 1
+    node_rank: int = 0
+    backend: str = "gloo"  # nccl on CUDA
+    timeout_s: float = 1800.0
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.ranks_per_node + local_rank
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class Rendezvous:
+    """This node's end of the rendezvous: the master store on node 0, a client elsewhere.
+
+    Create it before spawning workers; hand `spec` to them; `close()` on shutdown.
+    """
+
+    def __init__(self, store: dist.TCPStore, spec: RendezvousSpec):
+        self.store: dist.TCPStore | None = store
+        self.spec = spec
+
+    @classmethod
+    def start(
+        cls,
+        world_size: int,
+        backend: str = "gloo",
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        timeout_s: float = 1800.0,
+    ) -> Rendezvous:
+        if world_size % nnodes:
+            raise RendezvousError(
+                f"tensor_parallel_size {world_size} does not split over {nnodes} nodes"
+            )
+        if nnodes > 1 and master_port == 0:
+            raise RendezvousError(
+                "a multi-node run needs a fixed --master-port that every node is given "
+                "(port 0 picks a free port, which only works on one node)"
+            )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if node_rank == 0:
+            store = _bind_master(master_addr, master_port, timeout)
+        else:
+            store = _connect(master_addr, master_port, timeout)
+        spec = RendezvousSpec(
+            host=master_addr,
+            port=store.port,
+            world_size=world_size,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
+        return cls(store, spec)
+
+    @property
+    def is_master(self) -> bool:
+        return self.spec.node_rank == 0
+
+    def close(self) -> None:
+        """Drop this process's store: on node 0 the server stops and the port is free."""
+        self.store = None
+
+    def __enter__(self) -> Rendezvous:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _bind_master(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+    except (dist.DistNetworkError, RuntimeError) as error:
+        text = str(error)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise PortInUseError(
+                f"cannot host the rendezvous store on port {port}: the port is already in use "
+                f"(another atom engine or program holds it). Choose a free port with "
+                f"--master-port, or leave --master-port at 0 on a single node so the engine "
+                f"picks a free one itself"
+            ) from None
+        raise RendezvousError(
+            f"cannot host the rendezvous store on {host}:{port}: {text}"
+        ) from error
+
+
+def _connect(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A client of the store; retries until `timeout` (node 0 may start later)."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    except (dist.DistNetworkError, dist.DistStoreError, RuntimeError) as error:
+        raise RendezvousError(
+            f"cannot reach the rendezvous store at {host}:{port} within "
+            f"{timeout.total_seconds():.0f} s ({type(error).__name__}: {error}); is node-rank 0 "
+            f"running with the same --master-addr/--master-port, and is the port reachable?"
+        ) from error
+
+
+def connect(spec: RendezvousSpec) -> dist.TCPStore:
+    """A rank's own client of the store."""
+    return _connect(spec.host, spec.port, datetime.timedelta(seconds=spec.timeout_s))
+
+
+def init_process_group(
+    spec: RendezvousSpec, local_rank: int, device: torch.device | str
+) -> TensorParallelGroup:
+    """Join the process group as `spec.global_rank(local_rank)`; returns this rank's group.
+
+    Called in each spawned rank. Clean up with `destroy_process_group()`.
+    """
+    rank = spec.global_rank(local_rank)
+    store = dist.PrefixStore(PROCESS_GROUP_PREFIX, connect(spec))
+    dist.init_process_group(
+        spec.backend,
+        store=store,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+    return TensorParallelGroup(rank, spec.world_size, dist.group.WORLD, device)
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,207 @@
+"""Tensor-parallel linear layers, vocabulary-parallel embedding and LM head.
+
+Megatron's split: a column-parallel layer keeps a slice of the output features (its
+output stays sharded, no communication); a row-parallel layer keeps the matching slice
+of the input features and sums the partial products over the ranks (one all-reduce).
+Attention is column-parallel over heads (qkv) then row-parallel (o_proj); the MLP is
+column-parallel (gate_up) then row-parallel (down_proj). With one rank every layer is
+the plain matmul / embedding lookup, bit for bit.
+
+Each parameter carries a `weight_loader(param, tensor, shard_id, name)` that copies only
+this rank's part of a full checkpoint tensor; `load_parameter` dispatches to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom.distributed import TensorParallelGroup, shard_range
+
+
+def load_parameter(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
+    """Copy the checkpoint tensor `name` (full, unsharded) into `param` (this rank's part)."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard_id, name)
+    else:
+        _check_shape(tensor, param.shape, name)
+        param.data.copy_(tensor)
+
+
+def _check_shape(tensor: torch.Tensor, expected, name: str) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(expected)}"
+        )
+
+
+def _single(tp: TensorParallelGroup | None) -> TensorParallelGroup:
+    return tp if tp is not None else TensorParallelGroup.single()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., local outputs] = x @ W_local^T (+ b_local); the output stays sharded.
+
+    The output is the concatenation of `output_sizes` parts (one part for a plain layer;
+    gate | up, or q | k | v when fused). Each part is split evenly over the ranks and a
+    rank keeps its slice of every part, side by side, so the fused layer still splits
+    into whole local parts (e.g. this rank's q heads, then its k heads, then its v heads).
+    `part_units` (default 1) is the granularity a part may be cut at: the head size for
+    q/k/v, so no head is ever split.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TensorParallelGroup | None = None,
+        part_names: list | None = None,
+        part_units: int = 1,
+    ):
+        super().__init__()
+        self.tp = tp = _single(tp)
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.part_names = list(part_names) if part_names is not None else None
+        self.local_sizes = []
+        for index, size in enumerate(self.output_sizes):
+            label = f"output part {self._name(index)} ({size // part_units} units of {part_units})"
+            _, units = shard_range(size // part_units, tp.rank, tp.world_size, label)
+            self.local_sizes.append(units * part_units)
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
+        self.weight.weight_loader = self._load
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)))
+            self.bias.weight_loader = self._load
+
+    def _name(self, index: int):
+        return self.part_names[index] if self.part_names is not None else index
+
+    def _part_index(self, shard_id) -> int:
+        if shard_id is None:
+            if len(self.output_sizes) != 1:
+                raise ValueError("a fused layer loads its parts one at a time (shard id needed)")
+            return 0
+        if self.part_names is not None:
+            return self.part_names.index(shard_id)
+        return int(shard_id)
+
+    def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
+        part = self._part_index(shard_id)
+        full = self.output_sizes[part]
+        expected = (full, self.input_size) if param.dim() == 2 else (full,)
+        _check_shape(tensor, expected, name)
+        local = self.local_sizes[part]
+        offset = sum(self.local_sizes[:part])
+        param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q | k | v projection split by heads: each rank keeps num_heads / N query heads
+    and num_kv_heads / N key/value heads (GQA groups stay whole: local query head i reads
+    local KV head i // group on every rank)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallelGroup | None = None,
+    ):
+        tp = _single(tp)
+        shard_range(num_heads, tp.rank, tp.world_size, "num_attention_heads")
+        shard_range(num_kv_heads, tp.rank, tp.world_size, "num_key_value_heads")
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias,
+            tp,
+            part_names=["q", "k", "v"],
+            part_units=head_dim,
+        )
+        self.num_heads = num_heads // tp.world_size
+        self.num_kv_heads = num_kv_heads // tp.world_size
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W_local^T) (+ b): the input arrives sharded (the output
+    of a column-parallel layer), the output is whole on every rank."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup | None = None
+    ):
+        super().__init__()
+        self.tp = tp = _single(tp)
+        self.input_size = input_size
+        self.output_size = output_size
+        _, self.local_input = shard_range(input_size, tp.rank, tp.world_size, "input features")
+        self.weight = nn.Parameter(torch.empty(output_size, self.local_input))
+        self.weight.weight_loader = self._load_weight
+        # The bias is added once, after the sum, so it is kept whole on every rank.
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+
+    def _load_weight(self, param, tensor, shard_id, name) -> None:
+        _check_shape(tensor, (self.output_size, self.input_size), name)
+        start = self.tp.rank * self.local_input
+        param.data.copy_(tensor.narrow(1, start, self.local_input))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (token ids) are split over the ranks.
+
+    The vocabulary is padded to a multiple of the world size; rank r keeps ids
+    [r * V/N, (r+1) * V/N). A rank looks up the ids it owns, writes zeros for the others,
+    and one all-reduce assembles the rows (adding zeros is exact).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallelGroup | None = None):
+        super().__init__()
+        self.tp = tp = _single(tp)
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.rows_per_rank = -(-vocab_size // tp.world_size)
+        self.start = tp.rank * self.rows_per_rank
+        self.end = self.start + self.rows_per_rank  # may exceed vocab_size (padding rows)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size))
+        self.weight.weight_loader = self._load
+
+    def _load(self, param, tensor, shard_id, name) -> None:
+        _check_shape(tensor, (self.vocab_size, self.hidden_size), name)
+        valid = max(0, min(self.end, self.vocab_size) - self.start)
+        param.data[:valid].copy_(tensor[self.start : self.start + valid])
+        param.data[valid:].zero_()  # padding rows: never looked up, logits trimmed away
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.start) & (input_ids < self.end)
+        local_ids = torch.where(owned, input_ids - self.start, 0)
+        rows = F.embedding(local_ids, self.weight)
+        rows = rows.masked_fill(~owned.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(rows)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection over the vocabulary, split like VocabParallelEmbedding (so a tied
+    head shares the embedding's shard). Logits are gathered on rank 0, which samples."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        local = F.linear(hidden, self.weight)
+        logits = self.tp.gather_to_first(local, dim=-1)
+        if logits is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        return logits[..., : self.vocab_size]
