@@ -41,6 +41,8 @@ from atom.entrypoints.openai_serving import (
     OpenAIServing,
 )
 from atom.model_engine.llm_engine import LLMEngine
+from atom.model_engine.rendezvous import RendezvousError
+from atom.model_engine.workers import WorkerFailedError
 from atom.models.loader import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sock = bind_socket(args.host, args.port)  # first: a busy port fails before the load
         engine = LLMEngine(config_from_args(args))
-    except (ValueError, ModelLoadError, OSError) as error:
+    except (ValueError, ModelLoadError, OSError, RendezvousError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model_name = args.served_model_name or args.model or Path(engine.model_path).stem
@@ -161,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(
         create_app(engine, model_name), log_level=args.log_level, timeout_graceful_shutdown=5
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()  # tensor-parallel ranks and the rendezvous store go with it
     return 0
 
 

@@ -180,8 +180,8 @@ class LLMEngine:
             self.scheduler.on_launch(batch)
         outputs = []
         if self._in_flight is not None:
-            outputs = self._complete(*self._in_flight)
-            self._in_flight = None
+            in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
+            outputs = self._complete(*in_flight)
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
