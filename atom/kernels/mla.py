@@ -164,8 +164,10 @@ def _paged_mla_decode_kernel(
         pos = block_start + offs_n
         n_mask = pos < context_len
         block_id = tl.load(block_table_row + block_start // BLOCK_SIZE).to(tl.int64)
-        rows = cache_ptr + block_id * stride_cache_block + offs_n.to(tl.int64) * (
-            KV_LORA_RANK + ROPE_DIM
+        rows = (
+            cache_ptr
+            + block_id * stride_cache_block
+            + offs_n.to(tl.int64) * (KV_LORA_RANK + ROPE_DIM)
         )
         latent = tl.load(
             rows[:, None] + offs_l[None, :], mask=n_mask[:, None] & l_mask[None, :], other=0.0
@@ -258,11 +260,12 @@ def paged_mla_decode_reference(
     _, block_size, latent_dim = latent_cache.shape
     tables = block_tables[:batch].long()
     rows = latent_cache[tables].reshape(batch, -1, latent_dim).float()  # [B, W * bs, D]
+    positions = torch.arange(rows.shape[1], device=rows.device)
+    valid = positions[None, :] < context_lens[:batch, None].long()  # [B, N]
+    rows = rows.masked_fill(~valid[..., None], 0.0)  # never-written rows may hold NaN
     latent, k_rope = rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
     scores = torch.einsum("bhl,bnl->bhn", q_latent.float(), latent)
     scores = scores + torch.einsum("bhr,bnr->bhn", q_rope.float(), k_rope)
-    positions = torch.arange(rows.shape[1], device=rows.device)
-    valid = positions[None, :] < context_lens[:batch, None].long()  # [B, N]
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows: all masked
     out = torch.einsum("bhn,bnl->bhl", weights, latent)

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from atom import profiling
+from atom.attention.backend import backend_for
 from atom.config import Config
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
@@ -48,6 +49,7 @@ class ModelRunner:
                 device=self.device,
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
+                backend=backend_for(self.model),
             )
             for index in range(config.num_micro_batches)
         ]

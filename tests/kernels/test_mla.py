@@ -94,6 +94,4 @@ def test_mla_decode_matches_reference(
         latent, k_rope = rows[b][:, :rank], rows[b][:, rank:]
         scores = (q_latent[b].float().cpu() @ latent.T + q_rope[b].float().cpu() @ k_rope.T) * scale
         dense = torch.softmax(scores, dim=-1) @ latent
-        torch.testing.assert_close(
-            expected[b].float().cpu(), dense, atol=TOLERANCE[dtype], rtol=0
-        )
+        torch.testing.assert_close(expected[b].float().cpu(), dense, atol=TOLERANCE[dtype], rtol=0)

@@ -412,7 +412,9 @@ def test_store_latent_one_variant():
     longest = max(SWEEP)
     wide = torch.randn(longest, latent_dim + 64, device=DEVICE, dtype=BF16)
     latent = wide[:, :latent_dim]
-    cache = torch.zeros(longest // block_size + 2, block_size, latent_dim, device=DEVICE, dtype=BF16)
+    cache = torch.zeros(
+        longest // block_size + 2, block_size, latent_dim, device=DEVICE, dtype=BF16
+    )
     slots = torch.randperm(cache.shape[0] * block_size, device=DEVICE, generator=_generator())
     slots[::7] = -1
 
