@@ -1,7 +1,7 @@
 """What every attention backend asks of a runner slot: the shared page table's rows and
 the device views it derives from them.
 
-Backends (MHA now; MLA, V4 and V4.1 through the same entry point) never build a block
+Backends (MHA, MLA; V4 and V4.1 later, through the same entry point) never build a block
 table: `build_metadata` takes the rows from the slot's versioned page table
 (`PageTable.publish`, which queues only the step's deltas) and names the per-token view
 the backend needs; `derive_views` fills that view on the device after the slot's flush
@@ -72,3 +72,22 @@ class PagedAttentionBackend:
 
 class MHABackend(PagedAttentionBackend):
     name = "mha"
+
+
+class MLABackend(PagedAttentionBackend):
+    """Multi-head latent attention (atom/attention/mla.py): one latent row per token and
+    layer, addressed by the same slots, so the rows, the slot mapping and the metadata are
+    exactly the MHA ones; only the cache layout and the kernels differ."""
+
+    name = "mla"
+
+
+BACKENDS = {"mha": MHABackend, "mla": MLABackend}
+
+
+def backend_for(model) -> PagedAttentionBackend:
+    """A fresh backend of the family the model declares (`attention_backend`, default mha)."""
+    name = getattr(model, "attention_backend", "mha")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(BACKENDS)})")
+    return BACKENDS[name]()

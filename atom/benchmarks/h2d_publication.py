@@ -1,6 +1,10 @@
 """Per-step metadata publication, direct vs packed, in one run.
 
-    python -m atom.benchmarks.h2d_publication [--breakdown]
+    python -m atom.benchmarks.h2d_publication [--breakdown] [--backend mha|mla]
+
+--backend picks the slot's attention backend (MHABackend or MLABackend); both build their
+metadata and derive the slot mapping through the same entry point (build_metadata /
+derive_views over the shared page table), so the figures are the same machinery.
 
 For B in {1, 64, 256} decode sequences (context ~1000 tokens, block size 16) a RunnerSlot
 prepares the engine's real decode metadata (input ids, positions, context lengths, the
@@ -23,6 +27,7 @@ previous transfers before the producers run, so the guard's check is a flag test
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -30,6 +35,7 @@ import time
 
 import torch
 
+from atom.attention.backend import BACKENDS
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
@@ -62,9 +68,26 @@ def advance(batch: ScheduledBatch, iteration: int, next_block: list[int]) -> Non
         next_block[0] += 1
 
 
-def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool = True) -> dict:
+def measure(
+    backend: str,
+    batch_size: int,
+    iterations: int,
+    scatter_graph: bool = True,
+    attention: str = "mha",
+) -> dict:
     device = torch.device("cuda")
-    slot = RunnerSlot(0, 256, 8192, 128, 16, 128256, device, h2d_backend=backend, h2d_checked=False)
+    slot = RunnerSlot(
+        0,
+        256,
+        8192,
+        128,
+        16,
+        128256,
+        device,
+        h2d_backend=backend,
+        h2d_checked=False,
+        backend=BACKENDS[attention](),
+    )
     if backend == "packed" and not scatter_graph:
         slot.publisher._graphs = []  # issue the copy and launch the Triton kernel every step
     batch = decode_batch(batch_size, 1000, 16)
@@ -138,6 +161,7 @@ def measure(backend: str, batch_size: int, iterations: int, scatter_graph: bool 
 
     return dict(
         backend=name,
+        attention_backend=slot.backend.name,
         batch=batch_size,
         copies_per_step=copies / n,
         kernels_per_step=kernels / n,
@@ -217,10 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     if "--breakdown" in argv:
         breakdown()
         return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="mha")
+    attention = parser.parse_args([a for a in argv if a != "--breakdown"]).backend
     results = {}
     for batch_size in (1, 64, 256):
         for backend, graph in (("direct", True), ("packed", True), ("packed", False)):
-            record = measure(backend, batch_size, iterations=300, scatter_graph=graph)
+            record = measure(
+                backend, batch_size, iterations=300, scatter_graph=graph, attention=attention
+            )
             results[(record["backend"], batch_size)] = record
             print(json.dumps(record), flush=True)
     for batch_size in (1, 64, 256):

@@ -1,6 +1,10 @@
 """Per-step cost of keeping the device block table current, three ways, in one run.
 
-    python -m atom.benchmarks.page_table [--device cuda|cpu]
+    python -m atom.benchmarks.page_table [--device cuda|cpu] [--backend mha|mla]
+
+--backend picks the attention backend of the runner slot (MHABackend or MLABackend): both
+take their rows from the same versioned page table, so the atom_* figures are the same
+machinery for both (each line names the backend).
 
 For B in {1, 64, 256} rows and {128, 2048} blocks per row, one JSON line per case:
   atom_unchanged      the versioned page table, same batch as the previous step
@@ -28,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from atom.attention.backend import BACKENDS
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -61,9 +66,18 @@ def _time(fn, iterations: int, device: torch.device, setup=None) -> float:
     return statistics.median(samples)
 
 
-def measure_atom(case: str, batch: int, width: int, device, iterations: int):
+def measure_atom(case: str, batch: int, width: int, device, iterations: int, backend="mha"):
     slot = RunnerSlot(
-        0, batch, 8192, width, BLOCK_SIZE, 32000, device, h2d_backend="direct", h2d_checked=False
+        0,
+        batch,
+        8192,
+        width,
+        BLOCK_SIZE,
+        32000,
+        device,
+        h2d_backend="direct",
+        h2d_checked=False,
+        backend=BACKENDS[backend](),
     )
     table, publisher = slot.page_table, slot.publisher
     seqs = _sequences(batch, width)
@@ -144,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="mha")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     for width in (128, 2048):
@@ -156,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(dict(base, case="full_width_copy", host_us=round(copy_us, 2),
                                   h2d_bytes=copy_bytes)))  # fmt: skip
             for case in ("unchanged", "one_append", "all_append", "reorder"):
-                host_us, nbytes = measure_atom(case, batch, width, device, args.iterations)
+                host_us, nbytes = measure_atom(
+                    case, batch, width, device, args.iterations, args.backend
+                )
                 record = dict(
                     base,
                     case=f"atom_{case}",
+                    backend=args.backend,
                     host_us=round(host_us, 2),
                     h2d_bytes=nbytes,
                     rebuild_over_atom=round(rebuild_us / host_us, 1),

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from atom import profiling
+from atom.attention.backend import backend_for
 from atom.config import Config
 from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
@@ -62,6 +63,7 @@ class ModelRunner:
                 device=self.device,
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
+                backend=backend_for(self.model),
             )
             for index in range(config.num_micro_batches)
         ]

@@ -18,6 +18,7 @@ from atom.kernels import (
     activation,
     decode_attention,
     kv_cache,
+    mla,
     page_table,
     prefill_attention,
     rmsnorm,
@@ -104,6 +105,21 @@ KERNELS = {
     (page_table, "_apply_row_deltas_kernel"): (["row_stride"], []),
     (page_table, "_copy_rows_kernel"): (["src_stride", "dst_stride"], []),
     (page_table, "_slot_mapping_kernel"): (["num_tokens", "row_stride"], []),
+    # MLA: the latent write, and the latent decode (lengths from the grid and device memory).
+    (mla, "_store_latent_kernel"): (["num_tokens"], ["stride_latent_token"]),
+    (mla, "_paged_mla_decode_kernel"): (
+        ["stride_block_tables_row"],
+        [
+            "sm_scale",
+            "stride_q_latent_batch",
+            "stride_q_latent_head",
+            "stride_q_rope_batch",
+            "stride_q_rope_head",
+            "stride_cache_block",
+            "stride_out_batch",
+            "stride_out_head",
+        ],
+    ),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -388,3 +404,43 @@ def test_page_table_deltas_and_moves_one_variant():
     # two geometries (GATHER into the scratch table, then out of it), both at the first length
     counts = variants_over_sweep(page_table, ["_copy_rows_kernel"], moves)["_copy_rows_kernel"]
     assert counts[0] == counts[-1] == 2, counts
+
+
+@pytest.mark.gpu
+def test_store_latent_one_variant():
+    latent_dim, block_size = 576, 16
+    longest = max(SWEEP)
+    wide = torch.randn(longest, latent_dim + 64, device=DEVICE, dtype=BF16)
+    latent = wide[:, :latent_dim]
+    cache = torch.zeros(
+        longest // block_size + 2, block_size, latent_dim, device=DEVICE, dtype=BF16
+    )
+    slots = torch.randperm(cache.shape[0] * block_size, device=DEVICE, generator=_generator())
+    slots[::7] = -1
+
+    def run(n):
+        mla.store_latent_cache(latent[:n], cache, slots[:n])
+
+    assert_one_variant(mla, ["_store_latent_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_paged_mla_decode_one_variant():
+    """Batch sizes (short contexts) and context lengths (batch 3) swept: the grid, the
+    lengths and the block-table width all change."""
+    num_heads, rank, rope_dim, num_blocks, block_size = 16, 512, 64, 4096, 16
+    cache = torch.randn(num_blocks, block_size, rank + rope_dim, device=DEVICE, dtype=BF16)
+    q_latent = torch.randn(max(SWEEP), num_heads, rank, device=DEVICE, dtype=BF16)
+    q_rope = torch.randn(max(SWEEP), num_heads, rope_dim, device=DEVICE, dtype=BF16)
+    generator = _generator()
+    scale = (128 + rope_dim) ** -0.5
+
+    def run(n):
+        lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32, generator=generator)
+        tables = _block_tables(n, 64, num_blocks)
+        mla.paged_mla_decode(q_latent[:n], q_rope[:n], cache, tables, lens, scale)
+        lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
+        tables = _block_tables(3, n, num_blocks)
+        mla.paged_mla_decode(q_latent[:3], q_rope[:3], cache, tables, lens, scale)
+
+    assert_one_variant(mla, ["_paged_mla_decode_kernel"], run)

@@ -1,0 +1,416 @@
+"""DeepSeek-V2 / V3 decoder: multi-head latent attention (MLA) and DeepSeekMoE.
+
+Follows HF transformers' DeepseekV2 / DeepseekV3 modeling (what the parity tests compare
+against):
+- attention: optional q LoRA (q_lora_rank None -> q_proj), compressed KV
+  (kv_a_proj_with_mqa -> normalised c | k_pe), kv_b_proj decompresses; the cache holds
+  (c | rotated k_pe) per token (atom/attention/mla.py, backend "mla");
+- rope on the rope part only, DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... (V2, and
+  V3 with rope_interleave) or rotate-half (V3 without); YaRN scales cos/sin by its
+  attention factor and the softmax scale by mscale(factor, mscale_all_dim)^2;
+- MoE from layer `first_k_dense_replace` on (every `moe_layer_freq`-th layer, 1 in HF), with
+  shared experts; routing V2: softmax, `greedy` or `group_limited_greedy` (HF V2 ignores
+  norm_topk_prob, so do we); V3 (`noaux_tc`): sigmoid + e_score_correction_bias for the
+  choice, top-2-sum group limit, optional normalisation; both times routed_scaling_factor.
+
+The rotated rope output is laid out de-interleaved (evens then odds, as HF V3): q and k
+get the same permutation, so every dot product equals HF V2's interleaved layout.
+Experts are stacked per layer ([E, 2I, H] and [E, H, I]); checkpoints store them one
+expert at a time (HF `save_pretrained`) or stacked, both load.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from atom.attention.mla import MLAAttention
+from atom.models.layers import RMSNorm
+
+
+def _rope_params(config) -> tuple[float, dict]:
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    return theta, {**params, "rope_type": kind}
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, theta: float, params: dict, max_position_embeddings: int):
+    """HF's `_compute_yarn_parameters`: (inv_freq, attention_factor)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
+        1.0 / pos_freqs
+    ) * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+class DeepseekRotaryEmbedding(nn.Module):
+    """Rope over the last dim of q_pe [T, H, R] / k_pe [T, 1, R], computed in fp32."""
+
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        dim = config.qk_rope_head_dim
+        theta, params = _rope_params(config)
+        kind = params["rope_type"]
+        if kind == "default":
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            attention_factor = 1.0
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(
+                dim, theta, params, config.max_position_embeddings
+            )
+        else:
+            raise ValueError(f"unsupported rope scaling {kind!r} for DeepSeek (none, yarn)")
+        self.interleaved = config.model_type == "deepseek_v2" or bool(
+            getattr(config, "rope_interleave", True)
+        )
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        y = x.float()
+        if self.interleaved:
+            x1, x2 = y[..., 0::2], y[..., 1::2]
+        else:
+            x1, x2 = y.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def softmax_scale(config) -> float:
+    """HF `yarn_apply_mscale`: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    _, params = _rope_params(config)
+    if params["rope_type"] != "default":
+        mscale_all_dim = params.get("mscale_all_dim", 0)
+        if mscale_all_dim:
+            mscale = yarn_mscale(params["factor"], mscale_all_dim)
+            scale = scale * mscale * mscale
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.qk_head_dim = self.nope_dim + self.rope_dim
+        self.v_head_dim = config.v_head_dim
+        hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
+        q_out = self.num_heads * self.qk_head_dim
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.rotary = DeepseekRotaryEmbedding(config, max_position)
+        self.attn = MLAAttention(
+            self.num_heads,
+            self.kv_lora_rank,
+            self.nope_dim,
+            self.rope_dim,
+            self.v_head_dim,
+            softmax_scale(config),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(-1, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        compressed = self.kv_a_proj_with_mqa(hidden)
+        kv_c, k_pe = compressed.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        q_pe = self.rotary(positions, q_pe)
+        k_pe = self.rotary(positions, k_pe[:, None, :])[:, 0]
+        latent = torch.cat((kv_c, k_pe), dim=-1)
+        return self.o_proj(self.attn(q_nope, q_pe, latent, self.kv_b_proj.weight))
+
+
+class DeepseekMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DeepseekRouter(nn.Module):
+    """Top-k expert choice; weights in fp32 (HF keeps the gate in fp32)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_group = getattr(config, "n_group", None)
+        self.topk_group = getattr(config, "topk_group", None)
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
+        method = getattr(config, "topk_method", None)
+        if config.model_type == "deepseek_v3" or method == "noaux_tc":
+            method = "noaux_tc"
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unsupported topk_method {method!r}")
+        self.method = method
+        self.weight = nn.Parameter(
+            torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32)
+        )
+        if method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(self.num_experts, dtype=torch.float32)
+            )
+
+    def _group_mask(self, choice_scores: torch.Tensor, group_scores: torch.Tensor):
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        per_group = self.num_experts // self.num_group
+        return (
+            group_mask.unsqueeze(-1)
+            .expand(-1, self.num_group, per_group)
+            .reshape(-1, self.num_experts)
+            .bool()
+        )
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (weights [T, k] fp32, expert ids [T, k])."""
+        logits = F.linear(hidden.float(), self.weight.float())
+        if self.method == "noaux_tc":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            groups = choice.view(-1, self.num_group, self.num_experts // self.num_group)
+            mask = self._group_mask(choice, groups.topk(2, dim=-1)[0].sum(dim=-1))
+            choice = choice.masked_fill(~mask, float("-inf"))
+            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+            if self.method == "group_limited_greedy":
+                groups = scores.view(-1, self.num_group, self.num_experts // self.num_group)
+                mask = self._group_mask(scores, groups.max(dim=-1).values)
+                scores = scores.masked_fill(~mask, 0.0)
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return weights * self.routed_scaling_factor, ids
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.num_experts = config.n_routed_experts
+        self.intermediate = inter
+        self.gate = DeepseekRouter(config)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
+        self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        shared = getattr(config, "n_shared_experts", None) or 0
+        self.shared_experts = DeepseekMLP(hidden, inter * shared) if shared else None
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # CUDA-graph capture (decode): no data-dependent shapes; every expert runs on
+            # every token and unchosen ones are weighted by zero.
+            dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+            dense.scatter_(1, ids, weights)
+            for e in range(self.num_experts):
+                out += (self._expert(e, x) * dense[:, e, None]).to(x.dtype)
+        else:  # experts in order, each on the tokens that chose it (HF's loop)
+            for e in range(self.num_experts):
+                tokens, slots = torch.where(ids == e)
+                if tokens.numel() == 0:
+                    continue
+                y = self._expert(e, x[tokens]) * weights[tokens, slots, None]
+                out.index_add_(0, tokens, y.to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, max_position: int):
+        super().__init__()
+        self.self_attn = DeepseekV2Attention(config, max_position)
+        freq = getattr(config, "moe_layer_freq", 1) or 1
+        is_moe = (
+            config.n_routed_experts
+            and layer_idx >= config.first_k_dense_replace
+            and layer_idx % freq == 0
+        )
+        self.mlp = (
+            DeepseekMoE(config)
+            if is_moe
+            else DeepseekMLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    attention_backend = "mla"  # the ModelRunner gives its slots an MLABackend
+
+    def __init__(self, config, max_position: int | None = None):
+        super().__init__()
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = DeepseekV2Model(config, max_position)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (per-expert tensors into the stacked experts); every
+        parameter must be set, except V3's e_score_correction_bias (zeros by default)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        inter = self.config.moe_intermediate_size
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            match = _EXPERT.match(name)
+            if match is None:
+                _copy_into(params, name, tensor, name)
+                loaded.add(name)
+                continue
+            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+            target = f"{prefix}.down_proj" if part == "down_proj" else f"{prefix}.gate_up_proj"
+            param = params.get(target)
+            if param is None or expert >= param.shape[0]:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            dest = param.data[expert]
+            if part != "down_proj":
+                dest = dest.narrow(0, 0 if part == "gate_proj" else inter, inter)
+            _check_shape(dest, tensor, name)
+            dest.copy_(tensor)
+            loaded.add(f"{target}#{expert}.{part}")
+        expected = set()
+        for pname, param in params.items():
+            if pname.endswith("experts.gate_up_proj") and pname not in loaded:
+                parts = ("gate_proj", "up_proj")
+                expected |= {f"{pname}#{e}.{p}" for e in range(param.shape[0]) for p in parts}
+            elif pname.endswith("experts.down_proj") and pname not in loaded:
+                expected |= {f"{pname}#{e}.down_proj" for e in range(param.shape[0])}
+            elif pname.endswith("e_score_correction_bias"):
+                continue
+            elif not (pname == "lm_head.weight" and self.tie_word_embeddings):
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def _check_shape(dest, tensor, source_name):
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {source_name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(dest.shape)}"
+        )
+
+
+def _copy_into(params, target, tensor, source_name):
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {source_name!r} has no place in the model")
+    _check_shape(param.data, tensor, source_name)
+    param.data.copy_(tensor)
