@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from atom.attention.mla import MLAAttention
+from atom.distributed.tensor_parallel import ShardingError
 from atom.models.layers import RMSNorm
 
 
@@ -337,8 +338,9 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 class DeepseekV2ForCausalLM(nn.Module):
     attention_backend = "mla"  # the ModelRunner gives its slots an MLABackend
 
-    def __init__(self, config, max_position: int | None = None):
+    def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()
+        self.validate_tensor_parallel(config, 1 if tp is None else tp.world_size)
         self.config = config
         max_position = max_position or config.max_position_embeddings
         self.model = DeepseekV2Model(config, max_position)
@@ -346,6 +348,14 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def validate_tensor_parallel(config, world_size: int) -> None:
+        if world_size > 1:
+            raise ShardingError(
+                f"{config.model_type}: tensor parallelism is not supported for MLA/MoE models "
+                "yet; run with --tensor-parallel-size 1"
+            )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

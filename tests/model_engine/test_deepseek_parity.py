@@ -236,3 +236,13 @@ def test_bf16_cuda_logits_close_to_hf(deepseek_dirs, kind, enforce_eager):
             chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
             gap = logits.max(dim=-1).values - chosen
             assert gap.max() <= 0.08 * logits.abs().max(), (gap, logits.abs().max())
+
+
+def test_tensor_parallel_is_refused_clearly_for_deepseek(deepseek_dirs):
+    from atom.distributed.tensor_parallel import ShardingError
+    from atom.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from atom.models.loader import read_config
+
+    config = read_config(next(iter(deepseek_dirs.values())))
+    with pytest.raises(ShardingError, match="tensor parallelism is not supported"):
+        DeepseekV2ForCausalLM.validate_tensor_parallel(config, 2)
