@@ -63,6 +63,26 @@ class _Entry:
         self.version = version
 
 
+class _Deltas:
+    """(row, start, block ids) deltas of one step, gathered as flat lists."""
+
+    __slots__ = ("positions", "starts", "counts", "ids", "host_rows")
+
+    def __init__(self):
+        self.positions: list[int] = []  # device row (batch position)
+        self.starts: list[int] = []  # first column written
+        self.counts: list[int] = []
+        self.ids: list[int] = []  # every delta's block ids, back to back
+        self.host_rows: list[int] = []
+
+    def add(self, position: int, start: int, ids: list[int], host_row: int) -> None:
+        self.positions.append(position)
+        self.starts.append(start)
+        self.counts.append(len(ids))
+        self.ids.extend(ids)
+        self.host_rows.append(host_row)
+
+
 class PageTable:
     def __init__(
         self,
@@ -133,7 +153,9 @@ class PageTable:
             self._check_host(seqs)
 
     def _append(self, grown) -> None:
-        deltas = []
+        deltas = _Deltas()
+        positions, starts, counts = deltas.positions, deltas.starts, deltas.counts
+        ids, host_rows = deltas.ids, deltas.host_rows
         entries = self.entries
         for seq in grown:
             entry = entries.get(seq.seq_id)
@@ -143,8 +165,16 @@ class PageTable:
             if entry.version != seq.block_version:  # freed and re-admitted
                 start, entry.version = 0, seq.block_version
             table = seq.block_table
-            if len(table) > start:
-                deltas.append((entry, start, table[start:] if start else table))
+            count = len(table) - start
+            if count > 0:
+                positions.append(entry.position)
+                starts.append(start)
+                counts.append(count)
+                host_rows.append(entry.host_row)
+                if count == 1:
+                    ids.append(table[-1])
+                else:
+                    ids.extend(table[start:])
                 entry.length = len(table)
         self._stage([], deltas)
 
@@ -162,73 +192,69 @@ class PageTable:
         for seq_id, entry in old.items():  # rows of sequences that left the batch
             if seq_id not in kept:
                 self._free_host_rows.append(entry.host_row)
-        moves, deltas, positions = [], [], []
+        moves, deltas, positions = [], _Deltas(), []
         for row, seq in enumerate(seqs):
             table = seq.block_table
             entry = kept.get(seq.seq_id)
             if entry is None:
                 entry = _Entry(self._free_host_rows.pop(), row, len(table), seq.block_version)
                 kept[seq.seq_id] = entry
-                deltas.append((entry, 0, table))
+                deltas.add(row, 0, table, entry.host_row)
             else:
                 if entry.position != row:
                     moves.append((entry.position, row, entry.length))
                     entry.position = row
                 if len(table) > entry.length:
-                    deltas.append((entry, entry.length, table[entry.length :]))
+                    deltas.add(row, entry.length, table[entry.length :], entry.host_row)
                     entry.length = len(table)
             positions.append(entry)
         self.entries, self.positions = kept, positions
         self._stage(moves, deltas)
 
-    def _stage(self, moves, deltas) -> None:
+    def _stage(self, moves, deltas: _Deltas) -> None:
         """Write the changes into the host rows and this step's h2d staging buffers.
 
         Nothing to send (e.g. the batch only lost its last rows): no revision either."""
-        if not moves and not deltas:
+        n = len(deltas.positions)
+        if not moves and not n:
             return
         stage = self.slot.publisher.stage
         if moves:
-            n = len(moves)
-            staged = stage(self.slot.page_moves, 1 + 3 * n)
-            staged[0] = n
+            m = len(moves)
+            staged = stage(self.slot.page_moves, 1 + 3 * m)
+            staged[0] = m
             staged[1:] = np.asarray(moves, dtype=np.int32).T.reshape(-1)
-            self.last_bytes += 4 * (1 + 3 * n)
-        if len(deltas) == 1:  # one row grew or arrived: no array building
-            entry, start, ids = deltas[0]
-            count = len(ids)
+            self.last_bytes += 4 * (1 + 3 * m)
+        if n == 1:  # one row grew or arrived: no array building
+            count = deltas.counts[0]
+            start = deltas.starts[0]
             staged = stage(self.slot.page_deltas, 5 + count)
-            staged[:5] = (1, entry.position, start, 0, count)
-            staged[5:] = ids
-            self.rows[entry.host_row, start : start + count] = staged[5:]
+            staged[:5] = (1, deltas.positions[0], start, 0, count)
+            staged[5:] = deltas.ids
+            self.rows[deltas.host_rows[0], start : start + count] = staged[5:]
             self.last_bytes += 4 * (5 + count)
-        elif deltas:
-            n = len(deltas)
-            if all(len(ids) == 1 for _, _, ids in deltas):  # decode appends: vectorized
-                counts = np.ones(n, dtype=np.int64)
-                ids = np.fromiter((d[2][0] for d in deltas), np.int32, n)
-            else:
-                counts = np.fromiter((len(d[2]) for d in deltas), np.int64, n)
-                ids = np.fromiter((b for d in deltas for b in d[2]), np.int32, int(counts.sum()))
-            total = ids.size
-            positions = np.fromiter((d[0].position for d in deltas), np.int32, n)
-            starts = np.fromiter((d[1] for d in deltas), np.int32, n)
-            host_rows = np.fromiter((d[0].host_row for d in deltas), np.int64, n)
+        elif n:
+            total = len(deltas.ids)
             staged = stage(self.slot.page_deltas, 3 * n + 2 + total)
             staged[0] = n
             body = staged[1:]
-            body[:n] = positions
-            body[n : 2 * n] = starts
+            body[:n] = deltas.positions
+            body[n : 2 * n] = deltas.starts
             body[2 * n] = 0
-            np.cumsum(counts, out=body[2 * n + 1 : 3 * n + 1])
-            body[3 * n + 1 :] = ids
+            np.cumsum(deltas.counts, out=body[2 * n + 1 : 3 * n + 1])
+            ids = body[3 * n + 1 :]
+            ids[:] = deltas.ids
             # the same ids into the host rows, in one fancy-indexed write
-            first = np.repeat(body[2 * n : 3 * n] - starts, counts)
-            columns = np.arange(total) - first
-            self.rows[np.repeat(host_rows, counts), columns] = ids
+            if total == n:  # one id per row (decode appends)
+                self.rows[deltas.host_rows, deltas.starts] = ids
+            else:
+                counts = np.asarray(deltas.counts)
+                first = np.repeat(body[2 * n : 3 * n] - body[n : 2 * n], counts)
+                columns = np.arange(total) - first
+                self.rows[np.repeat(deltas.host_rows, counts), columns] = ids
             self.last_bytes += 4 * (3 * n + 2 + total)
         self.cpu_revision += 1
-        self._pending = (self.cpu_revision, len(moves), len(deltas))
+        self._pending = (self.cpu_revision, len(moves), n)
 
     # -- publication (at the first consumer: attention metadata) ----------------------------
     def publish(self, padded_rows: int) -> torch.Tensor:

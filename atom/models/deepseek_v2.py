@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
-from atom.models.layers import RMSNorm
+from atom.models.layers import PreNormDecoderLayer, RMSNorm
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -285,7 +285,7 @@ class DeepseekMoE(nn.Module):
         return out
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, max_position: int):
         super().__init__()
         self.self_attn = DeepseekV2Attention(config, max_position)
@@ -302,16 +302,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV2Model(nn.Module):

@@ -34,6 +34,24 @@ class RMSNorm(nn.Module):
         return rms_norm_reference(x, self.weight, self.eps, residual)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """The residual pattern every decoder layer here shares: RMSNorm -> attention -> fused
+    add + RMSNorm -> MLP, with the residual stream carried to the next layer's norm.
+
+    Subclasses set `self_attn(positions, hidden)`, `mlp(hidden)`, `input_layernorm` and
+    `post_attention_layernorm`."""
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * I] (gate | up) -> silu(gate) * up."""
 

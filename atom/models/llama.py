@@ -14,7 +14,13 @@ from torch import nn
 
 from atom.attention.mha import MHAAttention
 from atom.distributed import TensorParallelGroup, shard_range
-from atom.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, rope_parameters
+from atom.models.layers import (
+    PreNormDecoderLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    rope_parameters,
+)
 from atom.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -72,23 +78,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, max_position: int, tp: TensorParallelGroup):
         super().__init__()
         self.self_attn = LlamaAttention(config, max_position, tp)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
