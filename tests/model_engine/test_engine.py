@@ -217,3 +217,27 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dirs, options):
     assert all(-1 not in o.token_ids for o in got)
     if "num_kvcache_blocks" in options:
         assert overlapped.engine.scheduler.num_preemptions > 0
+
+
+def test_a_step_whose_results_fail_is_not_left_in_flight(tiny_model_dirs, monkeypatch):
+    """If reading an in-flight step raises (e.g. a dead tensor-parallel rank), the engine
+    does not keep reporting that step as unfinished work."""
+    from atom.model_engine import model_runner
+
+    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=True)
+    engine = llm.engine
+    seq_id = engine.add_request(random_prompts(3, [5])[0], SamplingParams(max_tokens=4))
+    engine.step()  # launches step 1; nothing read yet
+    assert engine._in_flight is not None
+
+    def broken(self):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(model_runner.StepHandle, "result", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert engine._in_flight is None
+    monkeypatch.undo()
+    engine.abort(seq_id)
+    while engine.has_unfinished():  # the step launched before the failure drains
+        engine.step()
