@@ -168,25 +168,26 @@ class RunnerSlot:
         stage(self.positions, padded_tokens)[:num_tokens] = positions
         stage(self.context_lens, padded)[:num_seqs] = ends
 
-        lengths = np.fromiter((len(s) for s in seqs), np.int64, num_seqs)
-        sample_rows = np.flatnonzero(ends == lengths)
-        sampling_seqs = [seqs[i] for i in sample_rows.tolist()]
-        # Graph replay computes logits for every row; eager steps gather the sampling rows
-        # unless every token samples (pure decode).
-        gathers_logits = (
-            len(sample_rows) > 0 and padded_seqs is None and len(sample_rows) != num_tokens
-        )
-        if gathers_logits:
-            stage(self.logits_indices, len(sample_rows))[:] = cu[sample_rows + 1] - 1
+        if batch.is_decode_only:  # every row computes its last token: every row samples
+            sampling_seqs = seqs
+            gathers_logits = False
+        else:
+            lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
+            sample_rows = np.flatnonzero(ends == lengths)
+            sampling_seqs = [seqs[i] for i in sample_rows.tolist()]
+            # Eager steps gather the sampling rows unless every token samples.
+            gathers_logits = len(sample_rows) > 0 and len(sample_rows) != num_tokens
+            if gathers_logits:
+                stage(self.logits_indices, len(sample_rows))[:] = cu[sample_rows + 1] - 1
         params = [s.sampling_params for s in sampling_seqs]
-        all_greedy = all(p.temperature == 0.0 for p in params)
+        temperatures = {p.temperature for p in params}
+        all_greedy = temperatures <= {0.0}
         needs_top_k = needs_top_p = False
         uniform_temperature = None
         if not all_greedy:
             n = len(params)
             needs_top_k = any(p.top_k > 0 for p in params)
             needs_top_p = any(p.top_p < 1.0 for p in params)
-            temperatures = {p.temperature for p in params}
             if len(temperatures) == 1:
                 uniform_temperature = temperatures.pop()
             else:

@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
-from atom.models.layers import PreNormDecoderLayer, RMSNorm
+from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -304,7 +304,7 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderStack):
     def __init__(self, config, max_position: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -312,14 +312,6 @@ class DeepseekV2Model(nn.Module):
             DeepseekV2DecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

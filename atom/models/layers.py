@@ -52,6 +52,18 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class DecoderStack(nn.Module):
+    """embed_tokens -> PreNormDecoderLayers -> final RMSNorm (subclasses build the three)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * I] (gate | up) -> silu(gate) * up."""
 

@@ -15,6 +15,7 @@ from torch import nn
 from atom.attention.mha import MHAAttention
 from atom.distributed import TensorParallelGroup, shard_range
 from atom.models.layers import (
+    DecoderStack,
     PreNormDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
@@ -87,7 +88,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, config, max_position: int, tp: TensorParallelGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -95,14 +96,6 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, max_position, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
