@@ -496,6 +496,4 @@ def test_fused_moe_default_tiles_one_variant_per_tile_choice():
 
     kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
     history = variants_over_sweep(moe, kernels, run)
-    assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(
-        kernels, choices
-    )
+    assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)
