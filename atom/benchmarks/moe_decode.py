@@ -23,8 +23,11 @@ Fields: ``ms`` per decode step (median), ``speedup_vs_dense`` (dense_graph's ms 
 ``routed_gb`` (routed expert weights a step must read: the experts hit, per layer), ``gbps``
 (routed + shared weight bytes / time), ``max_rel_err`` (max |out - reference| /
 max |reference|).
+``align_us``: device time of the sort by expert alone (moe_align, one Triton program).
 Then, unless ``--no-tiles``, ``fused_graph_tiles``: the fused graph with other tile shapes
-(``default`` marks the one default_tiles picks), and a last ``summary`` line.
+(``default`` marks the one default_tiles picks). ``--prefill 2048`` (default) also runs
+``per_expert_eager`` and ``fused_eager`` on 2048 tokens at once (no dense, no graphs). A
+last ``summary`` line.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from types import SimpleNamespace
 import torch
 from torch.nn import functional as F
 
-from atom.kernels.moe import MoeTiles, default_tiles, fused_moe
+from atom.kernels.moe import MoeTiles, default_tiles, fused_moe, moe_align
 from atom.models.deepseek_v2 import DeepseekMoE
 
 TILES = [
@@ -184,13 +187,27 @@ def graph_ms(step, repeats: int) -> tuple[float, torch.Tensor]:
     return statistics.median(samples), out
 
 
+def align_us(moe: DeepseekMoE, x: torch.Tensor, top_k: int) -> float:
+    """Device microseconds of one moe_align (the sort by expert) for x's tokens."""
+    _, ids = moe.gate(x)
+    block_m = default_tiles(ids.numel(), moe.num_experts).block_m
+
+    def launches():
+        for _ in range(20):
+            moe_align(ids, moe.num_experts, block_m)
+
+    ms, _ = graph_ms(launches, repeats=10)
+    return ms * 1e3 / 20
+
+
 def rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
     scale = reference.float().abs().max().clamp_min(1e-30)
     return float((out.float() - reference.float()).abs().max() / scale)
 
 
-def run_batch(args, layers, batch: int) -> list[dict]:
-    """Every path at one batch size: a list of records (also printed)."""
+def run_batch(args, layers, batch: int, prefill: bool = False) -> list[dict]:
+    """Every path at one batch size (``prefill``: T tokens at once, eager paths only): a
+    list of records (also printed)."""
     device = layers[0].experts.down_proj.device
     dtype = layers[0].experts.down_proj.dtype
     graphs = device.type == "cuda"
@@ -224,8 +241,12 @@ def run_batch(args, layers, batch: int) -> list[dict]:
         )
         emit(**records[-1])
 
-    step = decode_step(layers, dense_forward, x)
     if graphs:
+        base["align_us"] = round(align_us(layers[0], x, args.top_k), 2)
+    step = decode_step(layers, dense_forward, x)
+    if prefill:
+        pass  # every expert on every one of T tokens: not worth timing
+    elif graphs:
         report("dense_graph", *graph_ms(step, args.repeats))
     else:  # no graphs on CPU: the dense path eager
         report("dense_eager", eager_ms(step, device, args.min_seconds), step())
@@ -233,7 +254,7 @@ def run_batch(args, layers, batch: int) -> list[dict]:
     report("per_expert_eager", eager_ms(step, device, args.min_seconds), step())
     fused = decode_step(layers, DeepseekMoE.__call__, x)  # DeepseekMoE.forward as shipped
     report("fused_eager", eager_ms(fused, device, args.min_seconds), fused())
-    if not graphs:
+    if prefill or not graphs:
         return records
     report("fused_graph", *graph_ms(fused, args.repeats))
     if args.tiles:
@@ -252,6 +273,8 @@ def run(args) -> list[dict]:
     with torch.no_grad():
         for batch in args.batch:
             records += run_batch(args, layers, batch)
+        for tokens in args.prefill:
+            records += run_batch(args, layers, tokens, prefill=True)
     summary = {}
     for r in records:
         if r["path"] != "fused_graph_tiles":
@@ -264,6 +287,9 @@ def run(args) -> list[dict]:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument(
+        "--prefill", type=int, nargs="*", default=[2048], help="tokens of eager-only runs"
+    )
     parser.add_argument("--layers", type=int, default=26, help="MoE layers (V2-Lite: 26)")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=1408)

@@ -150,11 +150,13 @@ def test_moe_decode_benchmark_runs_and_paths_agree():
     from atom.benchmarks import moe_decode
 
     argv = "--device cpu --dtype float32 --layers 2 --hidden 64 --intermediate 32"
-    argv += " --experts 8 --top-k 2 --shared 1 --batch 1 5 --min-seconds 0"
+    argv += " --experts 8 --top-k 2 --shared 1 --batch 1 5 --prefill 9 --min-seconds 0"
     records = moe_decode.run(moe_decode.parse_args(argv.split()))
     paths = {(r["batch"], r["path"]) for r in records}
-    assert paths == {
-        (b, p) for b in (1, 5) for p in ("dense_eager", "per_expert_eager", "fused_eager")
+    decode = ("dense_eager", "per_expert_eager", "fused_eager")
+    assert paths == {(b, p) for b in (1, 5) for p in decode} | {
+        (9, "per_expert_eager"),
+        (9, "fused_eager"),
     }
     for r in records:
         assert r["ms"] > 0 and r["max_rel_err"] <= 1e-5, r
