@@ -145,8 +145,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         NUM_EXPERTS=num_experts,
         EXPERTS_P2=experts_p2,
         BLOCK_M=block_m,
-        BLOCK=max(16, min(256, 8192 // experts_p2)),  # about 8K one-hot entries per step
-        num_warps=8,
+        BLOCK=max(16, min(512, 16384 // experts_p2)),  # 16K one-hot entries per step
+        num_warps=16,
     )
     return sorted_pairs, block_experts, num_padded
 

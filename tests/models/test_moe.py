@@ -79,3 +79,39 @@ def test_no_tokens():
     x = torch.zeros(0, HIDDEN)
     ids = torch.zeros(0, TOP_K, dtype=torch.int64)
     assert routed_experts(x, torch.zeros(0, TOP_K), ids, gate_up, down).shape == (0, HIDDEN)
+
+
+@pytest.mark.gpu
+def test_deepseek_moe_on_cuda_makes_no_host_sync_and_matches_cpu():
+    """The layer as the engine runs it: router, fused routed experts, shared experts. On
+    CUDA, a host sync raises (sync debug mode); the output equals the CPU reference's."""
+    from types import SimpleNamespace
+
+    from atom.models.deepseek_v2 import DeepseekMoE
+
+    config = SimpleNamespace(
+        model_type="deepseek_v2",
+        hidden_size=256,
+        moe_intermediate_size=128,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+        norm_topk_prob=False,
+    )
+    torch.manual_seed(0)
+    moe = DeepseekMoE(config)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, param.shape[-1] ** -0.5)
+        x = torch.randn(37, 256)
+        expected = moe(x)
+        moe, x = moe.cuda(), x.cuda()  # (a pageable host-to-device copy syncs)
+        moe(x)  # compile the kernels first
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = moe(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
