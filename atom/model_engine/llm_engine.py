@@ -15,7 +15,7 @@ from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
-from atom.model_engine.sequence import FinishReason, Sequence
+from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
@@ -179,16 +179,36 @@ class LLMEngine:
             launched = (batch, self.model_runner.launch(batch))
             self.scheduler.on_launch(batch)
         outputs = []
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
-            outputs = self._complete(*in_flight)
+        in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
+        try:
+            if in_flight is not None:
+                outputs = self._complete(*in_flight)
+                in_flight = None
+            if launched is not None and not self.async_scheduling:
+                outputs += self._complete(*launched)
+        except BaseException:
+            # The tokens of the step read (and of the step launched after it, whose inputs
+            # come from them) are lost: finish those requests rather than emit placeholders.
+            self._fail([b for b, _ in (in_flight, launched) if b is not None])
+            raise
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
-            else:
-                outputs += self._complete(*launched)
             self.stats.record(batch, time.perf_counter() - start)
         return outputs
+
+    def _fail(self, batches) -> None:
+        """Finish every live request of `batches` with reason "error", freeing its blocks
+        and dropping the placeholders of tokens that will never arrive."""
+        for batch in batches:
+            for seq in batch.seqs:
+                if seq.is_finished:
+                    continue
+                while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                    seq.token_ids.pop()
+                seq.pending_token = None
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self.requests.pop(seq.seq_id, None)
 
     def _complete(self, batch, handle) -> list[StepOutput]:
         tokens = handle.result()

@@ -219,15 +219,23 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dirs, options):
         assert overlapped.engine.scheduler.num_preemptions > 0
 
 
-def test_a_step_whose_results_fail_is_not_left_in_flight(tiny_model_dirs, monkeypatch):
-    """If reading an in-flight step raises (e.g. a dead tensor-parallel rank), the engine
-    does not keep reporting that step as unfinished work."""
+def test_a_step_whose_results_fail_finishes_its_requests_without_placeholders(
+    tiny_model_dirs, monkeypatch
+):
+    """If reading an in-flight step raises (e.g. a dead tensor-parallel rank), the step
+    is not left in flight, its request and the next step's (launched on its tokens) end
+    with finish reason "error", no placeholder token (-1), blocks freed; a request that
+    was waiting then runs as if nothing happened."""
     from atom.model_engine import model_runner
 
-    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=True)
+    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=True, max_num_seqs=1)
     engine = llm.engine
-    seq_id = engine.add_request(random_prompts(3, [5])[0], SamplingParams(max_tokens=4))
-    engine.step()  # launches step 1; nothing read yet
+    victim_prompt, bystander_prompt = random_prompts(3, [5, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([bystander_prompt], params, use_tqdm=False)[0].token_ids
+    victim = engine.requests[engine.add_request(victim_prompt, params)]
+    bystander = engine.requests[engine.add_request(bystander_prompt, params)]
+    engine.step()  # launches step 1 (the victim's prefill); nothing read yet
     assert engine._in_flight is not None
 
     def broken(self):
@@ -235,9 +243,13 @@ def test_a_step_whose_results_fail_is_not_left_in_flight(tiny_model_dirs, monkey
 
     monkeypatch.setattr(model_runner.StepHandle, "result", broken)
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.step()
+        engine.step()  # launches step 2 on step 1's tokens, then reading step 1 fails
     assert engine._in_flight is None
     monkeypatch.undo()
-    engine.abort(seq_id)
-    while engine.has_unfinished():  # the step launched before the failure drains
+    while engine.has_unfinished():
         engine.step()
+    failed = engine.output_of(victim)
+    assert failed.finish_reason == "error" and failed.token_ids == []
+    assert victim.token_ids == victim_prompt
+    done = engine.output_of(bystander)
+    assert done.finish_reason == "length" and done.token_ids == expected
