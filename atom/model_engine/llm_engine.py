@@ -54,6 +54,33 @@ def resolve_max_model_len(config: Config, hf_config) -> int:
     return config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
 
 
+def fit_max_model_len(config: Config, max_model_len: int, num_blocks: int) -> int:
+    """`max_model_len`, checked against the KV cache: one request of that length must fit.
+
+    A request longer than the cache would preempt itself forever. A max_model_len the
+    user asked for is refused; the model's own (the default) is lowered to the cache.
+    """
+    capacity = num_blocks * config.block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit the KV cache: it holds {num_blocks} "
+            f"blocks of {config.block_size} tokens ({capacity} tokens); lower --max-model-len "
+            f"to at most {capacity}, or give the cache more memory (--gpu-memory-utilization "
+            "on CUDA, --kv-cache-memory-gb on CPU)"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens (%d blocks), fewer than the model's context of %d: "
+        "serving max_model_len %d (give the cache more memory for longer requests)",
+        capacity,
+        num_blocks,
+        max_model_len,
+        capacity,
+    )
+    return capacity
+
+
 class LLMEngine:
     def __init__(self, config: Config | None = None, **kwargs):
         self.config = config = config or Config(**kwargs)
@@ -77,6 +104,13 @@ class LLMEngine:
             self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
         else:
             self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
+        try:
+            self.max_model_len = fit_max_model_len(
+                config, self.max_model_len, self.model_runner.num_kvcache_blocks
+            )
+        except ValueError:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
         )

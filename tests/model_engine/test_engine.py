@@ -117,6 +117,36 @@ def test_top_k_one_is_greedy(llm):
     assert llm.generate([prompt], top1, use_tqdm=False)[0].token_ids == greedy
 
 
+def test_a_request_longer_than_the_kv_cache_ends_instead_of_hanging(llm, tiny_model_dirs):
+    """2 blocks of 16 tokens and max_tokens=100: the request used to preempt itself
+    forever. An explicit max_model_len that does not fit is refused at start (naming both
+    sizes and the flag); the model's default is lowered to what the cache holds."""
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(
+            model=tiny_model_dirs["llama"], device="cpu", num_kvcache_blocks=2, max_model_len=1024
+        )
+    message = str(refused.value)
+    assert "max_model_len 1024" in message and "2 blocks of 16 tokens (32 tokens)" in message
+    assert "--max-model-len" in message
+    engine = build_llm(tiny_model_dirs["llama"], num_kvcache_blocks=2).engine
+    assert engine.max_model_len == 32
+    prompt = random_prompts(19, [5])[0]
+    seq = engine.requests[
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    ]
+    try:
+        for _ in range(100):  # bounded: a hang fails the test instead of the suite
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        out = engine.output_of(seq)
+        assert out.finish_reason == "length" and len(out.token_ids) == 32 - 5
+    finally:
+        engine.abort(seq.seq_id)
+    roomy = SamplingParams(temperature=0.0, max_tokens=27, ignore_eos=True)
+    assert out.token_ids == llm.generate([prompt], roomy, use_tqdm=False)[0].token_ids
+
+
 def test_abort_frees_blocks(llm):
     engine = llm.engine
     seq_id = engine.add_request(random_prompts(17, [40])[0], GREEDY)
