@@ -86,8 +86,27 @@ def test_max_tokens_stop_tokens_and_eos(llm):
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.token_ids == free_run[: free_run.index(stop) + 1]
     assert out.finish_reason == "stop"
+    # Without ignore_eos: the first 3 tokens, cut after an end-of-sequence token if any.
+    eos = llm.engine.scheduler.eos_token_ids
+    ends = [i + 1 for i, t in enumerate(free_run[:3]) if t in eos]
+    expected = free_run[: ends[0]] if ends else free_run[:3]
     short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
-    assert len(short.token_ids) <= 3 and short.finish_reason in ("length", "stop")
+    assert short.token_ids == expected
+    assert short.finish_reason == ("stop" if ends else "length")
+
+
+def test_end_of_sequence_stops_unless_ignored(llm, monkeypatch):
+    """A token the model treats as end-of-sequence ends the output (kept in it, finish
+    reason stop); ignore_eos generates past it."""
+    prompt = random_prompts(13, [20])[0]
+    free_run = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    eos = free_run[2]
+    monkeypatch.setattr(llm.engine.scheduler, "eos_token_ids", {eos})
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.token_ids == free_run[: free_run.index(eos) + 1]
+    assert out.finish_reason == "stop"
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == free_run
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
