@@ -7,8 +7,9 @@ A tiny model on the H200 at the default 0.9 memory utilisation gets ~32.7M KV bl
 `construct` times `BlockManager(num_blocks)` and measures its host memory with
 tracemalloc (numpy reports its buffers there) and as resident-set growth; `churn` then
 admits, grows and frees a batch of sequences so the first pages are really touched.
-`--startup` saves a tiny random Llama (2 layers, hidden 64) and times `LLM()` over it at
-the defaults (CUDA: 0.9 GPU memory utilisation), printing the block count it got.
+`--startup` saves a tiny random Llama (2 layers, hidden 64; or takes --model) and times
+`LLM()` over it at the defaults (CUDA: 0.9 GPU memory utilisation), after a warm-up
+`LLM()` that pays the CUDA context and Triton compilations; it prints the block count.
 Prints one JSON line per measurement.
 """
 
@@ -72,8 +73,9 @@ def measure_churn(manager: BlockManager, num_seqs: int = 256, tokens: int = 2048
     return {"churn_blocks": blocks, "churn_us_per_block": seconds / blocks * 1e6}
 
 
-def measure_startup(device: str) -> dict:
-    """Wall time of `LLM()` over a tiny random Llama at the defaults."""
+def measure_startup(device: str, model_path: str | None = None) -> dict:
+    """Wall time of `LLM()` over a tiny random Llama at the defaults, after a warm-up
+    `LLM()` with 1024 blocks (CUDA context, Triton compilations) timed separately."""
     import torch
     import transformers
 
@@ -88,17 +90,26 @@ def measure_startup(device: str) -> dict:
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
-    with tempfile.TemporaryDirectory() as path:
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(config).save_pretrained(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model_path
+        if path is None:
+            path = tmp
+            torch.manual_seed(0)
+            transformers.LlamaForCausalLM(config).save_pretrained(path)
+        start = time.perf_counter()
+        LLM(path, device=device, skip_tokenizer_init=True, num_kvcache_blocks=1024).shutdown()
+        warm_up_seconds = time.perf_counter() - start
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
         start = time.perf_counter()
         llm = LLM(path, device=device, skip_tokenizer_init=True)
         seconds = time.perf_counter() - start
         manager = llm.engine.block_manager
         record = {
-            "what": "LLM() startup",
+            "what": "LLM() startup at the defaults",
             "device": device,
             "seconds": seconds,
+            "warm_up_seconds": warm_up_seconds,
             "num_blocks": manager.num_blocks,
             "array_bytes_per_block": manager.bookkeeping_bytes / manager.num_blocks,
         }
@@ -111,13 +122,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=H200_TINY_MODEL_BLOCKS)
     parser.add_argument("--startup", action="store_true", help="also time LLM() (tiny model)")
     parser.add_argument("--device", default=None, help="for --startup; default: cuda if present")
+    parser.add_argument("--model", default=None, help="for --startup; default: a tiny random Llama")
     args = parser.parse_args(argv)
     print(json.dumps(measure_construction(args.num_blocks)), flush=True)
     if args.startup:
         import torch
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        print(json.dumps(measure_startup(device)), flush=True)
+        print(json.dumps(measure_startup(device, args.model)), flush=True)
 
 
 if __name__ == "__main__":
