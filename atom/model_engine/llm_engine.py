@@ -223,7 +223,7 @@ class LLMEngine:
         except BaseException:
             # The tokens of the step read (and of the step launched after it, whose inputs
             # come from them) are lost: finish those requests rather than emit placeholders.
-            self._fail([b for b, _ in (in_flight, launched) if b is not None])
+            self._fail([step[0] for step in (in_flight, launched) if step is not None])
             raise
         if launched is not None:
             if self.async_scheduling:

@@ -268,37 +268,41 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dirs, options):
         assert overlapped.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_a_step_whose_results_fail_finishes_its_requests_without_placeholders(
-    tiny_model_dirs, monkeypatch
+    tiny_model_dirs, monkeypatch, async_scheduling
 ):
-    """If reading an in-flight step raises (e.g. a dead tensor-parallel rank), the step
-    is not left in flight, its request and the next step's (launched on its tokens) end
-    with finish reason "error", no placeholder token (-1), blocks freed; a request that
-    was waiting then runs as if nothing happened."""
+    """If reading a step's tokens raises (e.g. a dead tensor-parallel rank), the step is
+    not left in flight, its request (and, asynchronously, the next step's, launched on
+    its tokens) ends with finish reason "error", no placeholder token (-1), blocks freed;
+    a request that was waiting then runs as if nothing happened."""
     from atom.model_engine import model_runner
 
-    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=True, max_num_seqs=1)
+    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=async_scheduling, max_num_seqs=1)
     engine = llm.engine
     victim_prompt, bystander_prompt = random_prompts(3, [5, 9])
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    expected = llm.generate([bystander_prompt], params, use_tqdm=False)[0].token_ids
+    expected, victim_alone = [
+        o.token_ids for o in llm.generate([bystander_prompt, victim_prompt], params, use_tqdm=False)
+    ]
     victim = engine.requests[engine.add_request(victim_prompt, params)]
     bystander = engine.requests[engine.add_request(bystander_prompt, params)]
-    engine.step()  # launches step 1 (the victim's prefill); nothing read yet
-    assert engine._in_flight is not None
+    engine.step()  # step 1: the victim's prefill (read at once unless asynchronous)
+    assert (engine._in_flight is not None) == async_scheduling
 
     def broken(self):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(model_runner.StepHandle, "result", broken)
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.step()  # launches step 2 on step 1's tokens, then reading step 1 fails
+        engine.step()  # async: launches step 2 on step 1's tokens, reading step 1 fails
     assert engine._in_flight is None
     monkeypatch.undo()
     while engine.has_unfinished():
         engine.step()
     failed = engine.output_of(victim)
-    assert failed.finish_reason == "error" and failed.token_ids == []
-    assert victim.token_ids == victim_prompt
+    received = [] if async_scheduling else victim_alone[:1]  # tokens read before the failure
+    assert failed.finish_reason == "error" and failed.token_ids == received
+    assert victim.token_ids == victim_prompt + received
     done = engine.output_of(bystander)
     assert done.finish_reason == "length" and done.token_ids == expected
