@@ -240,9 +240,9 @@ class AsyncEngine:
             _deliver(loop, items)
 
     def h2d_totals(self) -> tuple[int, int]:
-        """Cumulative host-to-device copies and bytes over the runner's slots."""
-        publishers = [slot.publisher for slot in self.engine.model_runner.slots]
-        return sum(p.copies for p in publishers), sum(p.bytes for p in publishers)
+        """Cumulative host-to-device copies and bytes of the runner (under tensor
+        parallelism: rank 0's, reported with each step's tokens)."""
+        return self.engine.model_runner.h2d_totals()
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:

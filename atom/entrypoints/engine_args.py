@@ -40,7 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the engine's global random seed (a request's own seed is its SamplingParams')",
+    )
     parser.add_argument(
         "--h2d-backend",
         choices=["direct", "packed"],

@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             top_k=args.top_k,
             max_tokens=args.max_tokens,
             ignore_eos=args.ignore_eos,
-            seed=args.seed if args.temperature > 0 else None,
-        )
+        )  # --seed is the engine's global seed (Config.seed), not each request's
         config = config_from_args(args)
         if args.profile is not None:
             config.profiler_dir = args.profile or config.profiler_dir or "atom_traces"

@@ -1,33 +1,40 @@
-"""Fixed-size KV blocks with prefix caching by chained block hashes.
+"""Fixed-size KV blocks with prefix caching by chained SHA-256 block hashes.
 
-A block is identified by the hash of its tokens chained with the hash of the block
-before it, so equal hashes mean equal prefixes (token ids are compared too, to rule out
-collisions). Blocks whose last user finished stay in the free list with their hash and
-can be revived by a later request with the same prefix; a fresh allocation evicts the
-least recently freed block first.
+A full block is identified by the SHA-256 of its parent block's digest and its own token
+ids, so a digest names the whole prefix up to and including the block. Equal digests
+mean equal prefixes: unlike Python's `hash()`, SHA-256 collisions cannot be crafted, so
+a prompt cannot be served another request's KV (vLLM moved to SHA-256 for the same
+reason, CVE-2025-25183).
+
+Per-block state lives in flat numpy arrays (12 bytes a block: a reference count and the
+two links of the free list), allocated untouched, so a cache of tens of millions of
+blocks costs nothing to set up. Free blocks are either *fresh* (never handed out: the
+range `[_next_fresh, num_blocks)`, taken in order) or *freed* (their last user finished):
+a doubly linked list, least recently freed first, whose blocks keep their digest and can
+be revived by a later request with the same prefix. A fresh allocation takes fresh
+blocks first, then evicts the least recently freed block. Only blocks that hold a cached
+prefix have a digest (two dict entries).
 
 Accounting invariant: with no request alive, `num_free_blocks == num_blocks`.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+from array import array
+
+import numpy as np
 
 from atom.model_engine.sequence import Sequence
 
-
-class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+ROOT_HASH = b"atom-prefix-cache-v1"  # the parent digest of a sequence's first block
 
 
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, token_ids))
+def chain_hash(parent: bytes | None, token_ids) -> bytes:
+    """SHA-256 digest of a block: its parent's digest and its token ids (int64)."""
+    digest = hashlib.sha256(ROOT_HASH if parent is None else parent)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -37,16 +44,28 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._hash_to_block: dict[int, int] = {}
+        # zeros/empty only reserve memory: pages are touched when blocks are first used.
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        # Freed-block list: index num_blocks is the sentinel (head = _next[sentinel]).
+        self._next = np.empty(num_blocks + 1, dtype=np.int32)
+        self._prev = np.empty(num_blocks + 1, dtype=np.int32)
+        self._next[num_blocks] = self._prev[num_blocks] = num_blocks
+        self._next_fresh = 0
+        self._num_free = num_blocks
+        self._block_hash: dict[int, bytes] = {}
+        self._hash_to_block: dict[bytes, int] = {}
         self.prefix_hit_blocks = 0  # cumulative, for metrics and tests
         self.prefix_queried_blocks = 0
+
+    @property
+    def bookkeeping_bytes(self) -> int:
+        """Host bytes of the per-block arrays (the prefix-cache dicts come on top)."""
+        return self.ref_counts.nbytes + self._next.nbytes + self._prev.nbytes
 
     # -- queries ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def usage(self) -> float:
@@ -55,14 +74,17 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _full_block_keys(self, seq: Sequence, num_tokens: int):
-        """(hash, tokens) of each full block within the first num_tokens tokens."""
-        prev = None
+    def cached_hash(self, block_id: int) -> bytes | None:
+        """The digest of the prefix a block holds, or None (not cached)."""
+        return self._block_hash.get(block_id)
+
+    def _full_block_hashes(self, seq: Sequence, num_tokens: int):
+        """Chained digest of each full block within the first num_tokens tokens."""
+        parent = None
         bs = self.block_size
         for start in range(0, num_tokens - bs + 1, bs):
-            tokens = tuple(seq.token_ids[start : start + bs])
-            prev = chain_hash(prev, tokens)
-            yield prev, tokens
+            parent = chain_hash(parent, seq.token_ids[start : start + bs])
+            yield parent
 
     def find_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of cached full blocks that match the start of `seq` (read-only).
@@ -70,21 +92,49 @@ class BlockManager:
         The last token is never served from the cache: one token must be computed to
         produce the next token's logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not self._hash_to_block:
             return []
         hits = []
-        for block_hash, tokens in self._full_block_keys(seq, len(seq) - 1):
+        for block_hash in self._full_block_hashes(seq, len(seq) - 1):
             block_id = self._hash_to_block.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
     def can_admit(self, seq: Sequence, prefix: list[int], num_new_tokens: int) -> bool:
         """Whether `seq` can start with `prefix` reused and `num_new_tokens` computed."""
-        revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
         needed = self.blocks_for(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
         return needed + revived <= self.num_free_blocks
+
+    # -- the free list ---------------------------------------------------------------------
+    def _unlink(self, block_id: int) -> None:
+        prev, nxt = self._prev[block_id], self._next[block_id]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+
+    def _push_freed(self, block_id: int) -> None:
+        """Append to the tail (most recently freed)."""
+        sentinel = self.num_blocks
+        tail = self._prev[sentinel]
+        self._next[tail] = block_id
+        self._prev[block_id] = tail
+        self._next[block_id] = sentinel
+        self._prev[sentinel] = block_id
+
+    def _take_free(self) -> int:
+        """A free block for new content: a fresh one, else evict the least recently freed."""
+        if self._next_fresh < self.num_blocks:
+            block_id = self._next_fresh
+            self._next_fresh += 1
+            return block_id
+        block_id = int(self._next[self.num_blocks])
+        self._unlink(block_id)
+        block_hash = self._block_hash.pop(block_id, None)
+        if block_hash is not None and self._hash_to_block.get(block_hash) == block_id:
+            del self._hash_to_block[block_hash]
+        return block_id
 
     # -- mutations ------------------------------------------------------------------------
     def admit(self, seq: Sequence, prefix: list[int]) -> None:
@@ -93,12 +143,12 @@ class BlockManager:
         self.prefix_queried_blocks += max(0, (len(seq) - 1) // self.block_size)
         self.prefix_hit_blocks += len(prefix)
         for block_id in prefix:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self._free[block_id]
-            block.ref_count += 1
+            if self.ref_counts[block_id] == 0:  # revived from the freed list
+                self._unlink(block_id)
+                self._num_free -= 1
+            self.ref_counts[block_id] += 1
             seq.block_table.append(block_id)
-        seq.block_hashes = [self.blocks[b].hash for b in prefix]
+        seq.block_hashes = [self._block_hash[b] for b in prefix]
         seq.num_computed_tokens = seq.num_cached_tokens = len(prefix) * self.block_size
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -114,40 +164,37 @@ class BlockManager:
                 f"out of KV blocks: {seq} needs {needed}, {self.num_free_blocks} free"
             )
         for _ in range(needed):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None:  # evict its cached content
-                if self._hash_to_block.get(block.hash) == block_id:
-                    del self._hash_to_block[block.hash]
-                block.hash, block.token_ids = None, ()
-            block.ref_count = 1
+            block_id = self._take_free()
+            self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
+        self._num_free -= max(needed, 0)
         return max(needed, 0)
 
     def register_computed(self, seq: Sequence) -> None:
-        """Publish hashes of blocks that became full of computed tokens."""
+        """Publish digests of blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:
             return
         hashes = seq.block_hashes
         bs = self.block_size
         while (len(hashes) + 1) * bs <= seq.num_computed_tokens:
             index = len(hashes)
-            tokens = tuple(seq.token_ids[index * bs : (index + 1) * bs])
+            tokens = seq.token_ids[index * bs : (index + 1) * bs]
             block_hash = chain_hash(hashes[-1] if hashes else None, tokens)
             hashes.append(block_hash)
-            block = self.blocks[seq.block_table[index]]
-            if block.hash is None and block_hash not in self._hash_to_block:
-                block.hash, block.token_ids = block_hash, tokens
-                self._hash_to_block[block_hash] = block.block_id
+            block_id = seq.block_table[index]
+            if block_id not in self._block_hash and block_hash not in self._hash_to_block:
+                self._block_hash[block_id] = block_hash
+                self._hash_to_block[block_hash] = block_id
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (tail first, so the tail is evicted first)."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            count = self.ref_counts[block_id] - 1
+            assert count >= 0, f"block {block_id} freed twice"
+            self.ref_counts[block_id] = count
+            if count == 0:
+                self._push_freed(block_id)
+                self._num_free += 1
         seq.block_table = []
         seq.block_hashes = []
         seq.block_version += 1

@@ -51,7 +51,8 @@ def start_rendezvous(config: Config) -> Rendezvous:
 
 class DistributedRunner:
     """Same interface as ModelRunner for the engine: `launch(batch)` returns a handle
-    whose `result()` is the sampled tokens; `num_kvcache_blocks`; `shutdown()`."""
+    whose `result()` is the sampled tokens; `num_kvcache_blocks`; `h2d_totals()`;
+    `shutdown()`."""
 
     def __init__(self, config: Config, model_path: str, hf_config, max_model_len: int):
         # Fail before spawning anything if the model does not split over the ranks.
@@ -68,6 +69,7 @@ class DistributedRunner:
             raise
         self.num_kvcache_blocks = infos[0]["num_kvcache_blocks"]
         self.encoder = StepEncoder()
+        self._h2d_totals = (0, 0)  # rank 0's, as of the latest step read
         logger.info(
             "tensor parallelism: %d ranks (pids %s), rendezvous at %s",
             config.tensor_parallel_size,
@@ -79,6 +81,11 @@ class DistributedRunner:
         message = self.encoder.encode(batch)
         self.workers.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         return RemoteStepHandle(self, batch)
+
+    def h2d_totals(self) -> tuple[int, int]:
+        """Rank 0's cumulative host-to-device copies and bytes (every rank publishes the
+        same step metadata), as reported with the latest step's tokens."""
+        return self._h2d_totals
 
     def shutdown(self) -> None:
         self.workers.shutdown()
@@ -95,10 +102,12 @@ class RemoteStepHandle:
 
     def result(self) -> list[int]:
         if self._tokens is None:
-            kind, tokens = self._runner.workers.receive(0)[:2]
-            if kind != "result":
-                raise RuntimeError(f"rank 0 answered a step with {kind!r}")
+            message = self._runner.workers.receive(0)
+            if message[0] != "result":
+                raise RuntimeError(f"rank 0 answered a step with {message[0]!r}")
+            _, tokens, h2d_totals = message
             self._tokens = tokens
+            self._runner._h2d_totals = h2d_totals
             self._runner.encoder.record_sampled(self._batch, tokens)
         return self._tokens
 
@@ -141,7 +150,7 @@ def run_model_rank(local_rank, spec: RendezvousSpec, conn, config, model_path, m
         mirror.on_launch(batch)
         tokens = handle.result()
         if tp.is_first:
-            conn.send(("result", tokens))
+            conn.send(("result", tokens, runner.h2d_totals()))
     destroy_process_group()
 
 

@@ -15,7 +15,7 @@ from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
-from atom.model_engine.sequence import FinishReason, Sequence
+from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
@@ -54,6 +54,33 @@ def resolve_max_model_len(config: Config, hf_config) -> int:
     return config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
 
 
+def fit_max_model_len(config: Config, max_model_len: int, num_blocks: int) -> int:
+    """`max_model_len`, checked against the KV cache: one request of that length must fit.
+
+    A request longer than the cache would preempt itself forever. A max_model_len the
+    user asked for is refused; the model's own (the default) is lowered to the cache.
+    """
+    capacity = num_blocks * config.block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"max_model_len {max_model_len} does not fit the KV cache: it holds {num_blocks} "
+            f"blocks of {config.block_size} tokens ({capacity} tokens); lower --max-model-len "
+            f"to at most {capacity}, or give the cache more memory (--gpu-memory-utilization "
+            "on CUDA, --kv-cache-memory-gb on CPU)"
+        )
+    logger.warning(
+        "the KV cache holds %d tokens (%d blocks), fewer than the model's context of %d: "
+        "serving max_model_len %d (give the cache more memory for longer requests)",
+        capacity,
+        num_blocks,
+        max_model_len,
+        capacity,
+    )
+    return capacity
+
+
 class LLMEngine:
     def __init__(self, config: Config | None = None, **kwargs):
         self.config = config = config or Config(**kwargs)
@@ -77,6 +104,13 @@ class LLMEngine:
             self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
         else:
             self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
+        try:
+            self.max_model_len = fit_max_model_len(
+                config, self.max_model_len, self.model_runner.num_kvcache_blocks
+            )
+        except ValueError:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(
             self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -179,16 +213,36 @@ class LLMEngine:
             launched = (batch, self.model_runner.launch(batch))
             self.scheduler.on_launch(batch)
         outputs = []
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
-            outputs = self._complete(*in_flight)
+        in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
+        try:
+            if in_flight is not None:
+                outputs = self._complete(*in_flight)
+                in_flight = None
+            if launched is not None and not self.async_scheduling:
+                outputs += self._complete(*launched)
+        except BaseException:
+            # The tokens of the step read (and of the step launched after it, whose inputs
+            # come from them) are lost: finish those requests rather than emit placeholders.
+            self._fail([step[0] for step in (in_flight, launched) if step is not None])
+            raise
         if launched is not None:
             if self.async_scheduling:
                 self._in_flight = launched
-            else:
-                outputs += self._complete(*launched)
             self.stats.record(batch, time.perf_counter() - start)
         return outputs
+
+    def _fail(self, batches) -> None:
+        """Finish every live request of `batches` with reason "error", freeing its blocks
+        and dropping the placeholders of tokens that will never arrive."""
+        for batch in batches:
+            for seq in batch.seqs:
+                if seq.is_finished:
+                    continue
+                while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                    seq.token_ids.pop()
+                seq.pending_token = None
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                self.requests.pop(seq.seq_id, None)
 
     def _complete(self, batch, handle) -> list[StepOutput]:
         tokens = handle.result()

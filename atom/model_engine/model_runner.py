@@ -77,6 +77,11 @@ class ModelRunner:
             for graphs in self.graphs:
                 graphs.capture()
 
+    def h2d_totals(self) -> tuple[int, int]:
+        """Cumulative host-to-device copies and bytes of step metadata over the slots."""
+        publishers = [slot.publisher for slot in self.slots]
+        return sum(p.copies for p in publishers), sum(p.bytes for p in publishers)
+
     # -- set-up ----------------------------------------------------------------------------
     def _build_model(self, weights) -> torch.nn.Module:
         previous = torch.get_default_dtype()

@@ -21,6 +21,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence or a stop token
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # the client went away or the engine aborted it
+    ERROR = "error"  # the step that computes its next token failed
 
 
 class Sequence:

@@ -22,7 +22,6 @@ atom/models/moe.py (sorted by expert, no host sync on CUDA, the same path under 
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable
 
@@ -32,7 +31,8 @@ from torch.nn import functional as F
 
 from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
-from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm
+from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
+from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
 from atom.models.moe import routed_experts
 
 
@@ -43,42 +43,6 @@ def _rope_params(config) -> tuple[float, dict]:
     theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     return theta, {**params, "rope_type": kind}
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_inv_freq(dim: int, theta: float, params: dict, max_position_embeddings: int):
-    """HF's `_compute_yarn_parameters`: (inv_freq, attention_factor)."""
-    original = params["original_max_position_embeddings"]
-    factor = params.get("factor") or max_position_embeddings / original
-    attention_factor = params.get("attention_factor")
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = yarn_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation_factor = 1 - ramp
-    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
-        1.0 / pos_freqs
-    ) * extrapolation_factor
-    return inv_freq, float(attention_factor)
 
 
 class DeepseekRotaryEmbedding(nn.Module):

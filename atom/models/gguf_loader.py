@@ -216,6 +216,17 @@ def _gguf_rope_scaling(arch: str, metadata: _Metadata) -> dict:
     original_context = metadata.get(f"{arch}.rope.scaling.original_context_length")
     if original_context is not None:
         parameters["original_max_position_embeddings"] = int(original_context)
+    if scaling_type == "yarn":
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = metadata.get(f"{arch}.rope.scaling.{key}")
+            if value is not None:
+                parameters[name] = float(value)
+        for key in ("attn_factor", "yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor"):
+            if metadata.get(f"{arch}.rope.scaling.{key}") is not None:
+                raise ModelLoadError(
+                    f"{metadata.path}: yarn rope scaling with rope.scaling.{key} is not "
+                    "supported (only factor, original_context_length and the betas)"
+                )
     return parameters
 
 

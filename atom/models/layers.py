@@ -100,24 +100,85 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (HF `rotate_half`) with a precomputed cos/sin cache."""
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+
+def yarn_inv_freq(dim: int, theta: float, params: dict, max_position_embeddings: int):
+    """HF's `_compute_yarn_parameters`: (inv_freq, attention_factor)."""
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    factor = params.get("factor") or max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (
+        1.0 / pos_freqs
+    ) * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (HF `rotate_half`) with a precomputed cos/sin cache.
+
+    Scalings as HF computes them: linear (frequencies / factor), llama3, yarn (frequency
+    blend plus an attention factor on cos/sin). `model_max_position` is the config's
+    max_position_embeddings (yarn's default original context and factor derive from it).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict | None,
+        model_max_position: int | None = None,
+    ):
         super().__init__()
         inv_freq = 1.0 / (
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
+        attention_factor = 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "llama3":
-                raise ValueError(f"unsupported rope scaling {kind!r} (supported: none, llama3)")
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            if kind == "linear":
+                inv_freq = inv_freq / float(scaling["factor"])
+            elif kind == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            elif kind == "yarn":
+                inv_freq, attention_factor = yarn_inv_freq(
+                    head_dim, theta, scaling, model_max_position or max_position
+                )
+            else:
+                raise ValueError(
+                    f"unsupported rope scaling {kind!r} (supported: {', '.join(ROPE_SCALINGS)})"
+                )
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D] -> rotated copies."""

@@ -52,7 +52,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, False, tp)
         theta, scaling = rope_parameters(config)
-        self.rotary = RotaryEmbedding(self.head_dim, max_position, theta, scaling)
+        self.rotary = RotaryEmbedding(
+            self.head_dim, max_position, theta, scaling, config.max_position_embeddings
+        )
         self.attn = MHAAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )

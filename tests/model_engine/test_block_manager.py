@@ -28,7 +28,7 @@ def test_shared_prefix_is_reused_with_ref_counts():
     prefix = _admit(bm, b)
     assert prefix == a.block_table[:2]
     assert b.num_cached_tokens == 8
-    assert [bm.blocks[i].ref_count for i in prefix] == [2, 2]
+    assert [bm.ref_counts[i] for i in prefix] == [2, 2]
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == bm.num_blocks
@@ -57,14 +57,81 @@ def test_last_token_is_never_served_from_the_cache():
     bm.free(a)
 
 
-def test_hash_collision_is_rejected_by_token_comparison():
-    bm = BlockManager(num_blocks=8, block_size=4)
-    a = Sequence(list(range(9)), PARAMS)
-    _admit(bm, a)
-    block = bm.blocks[a.block_table[0]]
-    block.token_ids = (7, 7, 7, 7)  # simulate a collision: same hash, other tokens
-    assert bm.find_prefix(Sequence(list(range(9)), PARAMS)) == []
-    bm.free(a)
+# CPython's tuple hash (xxHash-style lanes), inverted to craft colliding chains the way
+# an attacker could against `hash((parent, tokens))` keys.
+_MASK, _M61 = (1 << 64) - 1, (1 << 61) - 1
+_P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+
+def _rotl(x):
+    return ((x << 31) | (x >> 33)) & _MASK
+
+
+def _rotr(x):
+    return ((x >> 31) | (x << 33)) & _MASK
+
+
+def _signed(x):
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _lane_for(first_lanes, length, target):
+    """The hash the last item of a tuple needs for hash(tuple) == target."""
+    acc = _P5
+    for lane in first_lanes:
+        acc = _rotl((acc + (lane & _MASK) * _P2) & _MASK) * _P1 & _MASK
+    final = ((target & _MASK) - (length ^ (_P5 ^ 3527539))) & _MASK
+    before = _rotr(final * pow(_P1, -1, 1 << 64) & _MASK)
+    return _signed((before - acc) * pow(_P2, -1, 1 << 64) & _MASK)
+
+
+def _colliding_first_block(block: tuple[int, ...]) -> tuple[int, ...]:
+    """Other tokens whose hash((None, tokens)) equals hash((None, block)) mod 2**61 - 1,
+    so hash((that, next_block)) collides for every next block: a collision of the chain."""
+    h = hash((None, block))
+    target = h + _M61 if h + _M61 < (1 << 63) else h - _M61
+    inner = _lane_for([hash(None)], 2, target)
+    for first in range(1000):
+        last = _lane_for([first, *block[1:-1]], len(block), inner)
+        if 0 <= last < _M61:  # an int hashes to itself in this range
+            return (first, *block[1:-1], last)
+    raise AssertionError("no colliding block found")
+
+
+def test_a_crafted_chain_collision_is_not_served_another_prompts_blocks():
+    """A victim caches X + T; an attacker caches X' (X' != X) and then asks for X' + T.
+    With `hash((parent, tokens))` keys, X' is built so that the chain hashes of X + T and
+    X' + T are equal at block 2 (same block tokens T, different parents): the old
+    manager served the victim's block 2 (its KV attends to X). SHA-256 chains must not."""
+    victim_first, shared = (1, 2, 3, 4), (5, 6, 7, 8)
+    attacker_first = _colliding_first_block(victim_first)
+    assert attacker_first != victim_first
+    assert hash((hash((None, victim_first)), shared)) == hash(
+        (hash((None, attacker_first)), shared)
+    )  # the crafted collision holds for Python's hash
+    bm = BlockManager(num_blocks=16, block_size=4)
+    victim = Sequence([*victim_first, *shared, 9], PARAMS)
+    _admit(bm, victim)
+    attacker = Sequence([*attacker_first, 9], PARAMS)
+    _admit(bm, attacker)
+    probe = Sequence([*attacker_first, *shared, 9], PARAMS)
+    assert bm.find_prefix(probe) == attacker.block_table[:1]  # its own block only
+    assert victim.block_table[1] not in bm.find_prefix(probe)
+    bm.free(victim)
+    bm.free(attacker)
+
+
+def test_chain_hash_is_sha256_of_the_parent_and_the_tokens():
+    import hashlib
+
+    from atom.model_engine.block_manager import ROOT_HASH, chain_hash
+
+    first = chain_hash(None, [1, 2, 3, 4])
+    tokens = b"".join(t.to_bytes(8, "little", signed=True) for t in (1, 2, 3, 4))
+    assert first == hashlib.sha256(ROOT_HASH + tokens).digest()
+    second = chain_hash(first, [5, 6, 7, 8])
+    tokens = b"".join(t.to_bytes(8, "little", signed=True) for t in (5, 6, 7, 8))
+    assert second == hashlib.sha256(first + tokens).digest()
 
 
 def test_can_admit_counts_revived_blocks():
@@ -127,3 +194,15 @@ def test_scheduler_preempts_latest_and_requeues_it_first():
 def test_block_manager_needs_blocks(blocks):
     with pytest.raises(ValueError, match="at least one block"):
         BlockManager(num_blocks=blocks, block_size=16)
+
+
+def test_a_cache_of_32_7m_blocks_sets_up_at_once_in_under_16_bytes_a_block():
+    """A tiny model on the H200 at 0.9 memory utilisation gets ~32.7M blocks: set-up must
+    not build per-block objects (it took 35-40 s and several GB with one object each)."""
+    from atom.benchmarks.block_manager import H200_TINY_MODEL_BLOCKS, measure_construction
+
+    record = measure_construction(H200_TINY_MODEL_BLOCKS)
+    assert record["seconds"] < 0.5, record
+    assert record["traced_bytes_per_block"] < 16, record
+    assert record["resident_bytes_per_block"] < 1, record  # nothing touched up front
+    assert record["churn_blocks"] == 256 * 128  # and it hands out and takes back blocks

@@ -86,8 +86,27 @@ def test_max_tokens_stop_tokens_and_eos(llm):
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert out.token_ids == free_run[: free_run.index(stop) + 1]
     assert out.finish_reason == "stop"
+    # Without ignore_eos: the first 3 tokens, cut after an end-of-sequence token if any.
+    eos = llm.engine.scheduler.eos_token_ids
+    ends = [i + 1 for i, t in enumerate(free_run[:3]) if t in eos]
+    expected = free_run[: ends[0]] if ends else free_run[:3]
     short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
-    assert len(short.token_ids) <= 3 and short.finish_reason in ("length", "stop")
+    assert short.token_ids == expected
+    assert short.finish_reason == ("stop" if ends else "length")
+
+
+def test_end_of_sequence_stops_unless_ignored(llm, monkeypatch):
+    """A token the model treats as end-of-sequence ends the output (kept in it, finish
+    reason stop); ignore_eos generates past it."""
+    prompt = random_prompts(13, [20])[0]
+    free_run = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+    eos = free_run[2]
+    monkeypatch.setattr(llm.engine.scheduler, "eos_token_ids", {eos})
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert out.token_ids == free_run[: free_run.index(eos) + 1]
+    assert out.finish_reason == "stop"
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == free_run
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
@@ -115,6 +134,36 @@ def test_top_k_one_is_greedy(llm):
     greedy = llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
     top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=16, ignore_eos=True)
     assert llm.generate([prompt], top1, use_tqdm=False)[0].token_ids == greedy
+
+
+def test_a_request_longer_than_the_kv_cache_ends_instead_of_hanging(llm, tiny_model_dirs):
+    """2 blocks of 16 tokens and max_tokens=100: the request used to preempt itself
+    forever. An explicit max_model_len that does not fit is refused at start (naming both
+    sizes and the flag); the model's default is lowered to what the cache holds."""
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(
+            model=tiny_model_dirs["llama"], device="cpu", num_kvcache_blocks=2, max_model_len=1024
+        )
+    message = str(refused.value)
+    assert "max_model_len 1024" in message and "2 blocks of 16 tokens (32 tokens)" in message
+    assert "--max-model-len" in message
+    engine = build_llm(tiny_model_dirs["llama"], num_kvcache_blocks=2).engine
+    assert engine.max_model_len == 32
+    prompt = random_prompts(19, [5])[0]
+    seq = engine.requests[
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    ]
+    try:
+        for _ in range(100):  # bounded: a hang fails the test instead of the suite
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        out = engine.output_of(seq)
+        assert out.finish_reason == "length" and len(out.token_ids) == 32 - 5
+    finally:
+        engine.abort(seq.seq_id)
+    roomy = SamplingParams(temperature=0.0, max_tokens=27, ignore_eos=True)
+    assert out.token_ids == llm.generate([prompt], roomy, use_tqdm=False)[0].token_ids
 
 
 def test_abort_frees_blocks(llm):
@@ -219,25 +268,41 @@ def test_async_scheduling_gives_the_same_tokens(tiny_model_dirs, options):
         assert overlapped.engine.scheduler.num_preemptions > 0
 
 
-def test_a_step_whose_results_fail_is_not_left_in_flight(tiny_model_dirs, monkeypatch):
-    """If reading an in-flight step raises (e.g. a dead tensor-parallel rank), the engine
-    does not keep reporting that step as unfinished work."""
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_step_whose_results_fail_finishes_its_requests_without_placeholders(
+    tiny_model_dirs, monkeypatch, async_scheduling
+):
+    """If reading a step's tokens raises (e.g. a dead tensor-parallel rank), the step is
+    not left in flight, its request (and, asynchronously, the next step's, launched on
+    its tokens) ends with finish reason "error", no placeholder token (-1), blocks freed;
+    a request that was waiting then runs as if nothing happened."""
     from atom.model_engine import model_runner
 
-    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=True)
+    llm = build_llm(tiny_model_dirs["llama"], async_scheduling=async_scheduling, max_num_seqs=1)
     engine = llm.engine
-    seq_id = engine.add_request(random_prompts(3, [5])[0], SamplingParams(max_tokens=4))
-    engine.step()  # launches step 1; nothing read yet
-    assert engine._in_flight is not None
+    victim_prompt, bystander_prompt = random_prompts(3, [5, 9])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected, victim_alone = [
+        o.token_ids for o in llm.generate([bystander_prompt, victim_prompt], params, use_tqdm=False)
+    ]
+    victim = engine.requests[engine.add_request(victim_prompt, params)]
+    bystander = engine.requests[engine.add_request(bystander_prompt, params)]
+    engine.step()  # step 1: the victim's prefill (read at once unless asynchronous)
+    assert (engine._in_flight is not None) == async_scheduling
 
     def broken(self):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(model_runner.StepHandle, "result", broken)
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.step()
+        engine.step()  # async: launches step 2 on step 1's tokens, reading step 1 fails
     assert engine._in_flight is None
     monkeypatch.undo()
-    engine.abort(seq_id)
-    while engine.has_unfinished():  # the step launched before the failure drains
+    while engine.has_unfinished():
         engine.step()
+    failed = engine.output_of(victim)
+    received = [] if async_scheduling else victim_alone[:1]  # tokens read before the failure
+    assert failed.finish_reason == "error" and failed.token_ids == received
+    assert victim.token_ids == victim_prompt + received
+    done = engine.output_of(bystander)
+    assert done.finish_reason == "length" and done.token_ids == expected

@@ -74,3 +74,22 @@ def test_kv_cache_sized_from_free_memory(tiny_model_dirs):
     block_bytes = small.engine.model_runner.kv_block_bytes()
     assert blocks * block_bytes <= 0.2 * total
     assert blocks > 1000
+
+
+def test_tiny_model_at_default_memory_utilisation_starts_in_under_10_s(tiny_model_dirs):
+    """At 0.9 GPU memory utilisation the tiny model gets tens of millions of KV blocks
+    (~32.7M on an H200): their bookkeeping must not be per-block objects (35-40 s and
+    several GB of host memory before). A small warm-up engine (4 MB of KV) pays the CUDA
+    context and Triton compilations first."""
+    import time
+
+    build_llm(tiny_model_dirs["llama"], device="cuda", num_kvcache_blocks=1024)
+    start = time.perf_counter()
+    llm = build_llm(tiny_model_dirs["llama"], device="cuda")
+    seconds = time.perf_counter() - start
+    manager = llm.engine.block_manager
+    assert manager.num_blocks > 1_000_000, manager.num_blocks
+    assert seconds < 10, seconds
+    assert manager.bookkeeping_bytes / manager.num_blocks < 16
+    out = llm.generate([random_prompts(5, [9])[0]], GREEDY, use_tqdm=False)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens

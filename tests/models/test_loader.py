@@ -163,10 +163,13 @@ def test_hf_directory_round_trip(tmp_path, config_class, tie_word_embeddings, ma
     assert_weights_match(source, model)
 
 
-def write_gguf(path, model, arch: str) -> None:
-    """Write `model` as an F32 GGUF the way llama.cpp would (q/k permuted for llama)."""
+def write_gguf(path, model, arch: str, metadata=None) -> None:
+    """Write `model` as an F32 GGUF the way llama.cpp would (q/k permuted for llama);
+    `metadata(writer)`, if given, adds more keys."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
+    if metadata is not None:
+        metadata(writer)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
