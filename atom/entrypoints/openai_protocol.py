@@ -40,27 +40,43 @@ def _neutral_only(value: Any, neutral: tuple = (None, 0, {})) -> Any:
     return value
 
 
-def _lone_surrogate(value: Any, path: str = "") -> str | None:
+def _lone_surrogate(value: Any) -> str | None:
     """Where `value` (a string, or lists, dicts and models of them) holds a lone UTF-16
     surrogate, which JSON's `\\ud800` escapes allow but no tokenizer can encode."""
+    found = _find_lone_surrogate(value)
+    if found is None:
+        return None
+    keys, position = found
+    path = "".join(f"[{key!r}]" for key in reversed(keys))
+    return f"{position} of {path}" if path else position
+
+
+def _find_lone_surrogate(value: Any) -> tuple[list, str] | None:
+    """(keys from the innermost out, position) of the first lone surrogate, or None."""
     if isinstance(value, str):
         if value.isascii():
             return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as error:
-            where = f" of {path}" if path else ""
-            return f"U+{ord(value[error.start]):04X} at character {error.start}{where}"
+            return [], f"U+{ord(value[error.start]):04X} at character {error.start}"
         return None
     if isinstance(value, BaseModel):
         value = vars(value)
     if isinstance(value, dict):
-        items = [(f"{path}[{k!r}]", v) for k, v in value.items()] + [(path, k) for k in value]
+        items = [*value.items(), *((key, key) for key in value)]
     elif isinstance(value, (list, tuple)):
-        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        if set(map(type, value)) <= {int, float, bool}:  # e.g. token ids: no text, skip fast
+            return None
+        items = enumerate(value)
     else:
         return None
-    return next((f for p, v in items if (f := _lone_surrogate(v, p)) is not None), None)
+    for key, item in items:
+        found = _find_lone_surrogate(item)
+        if found is not None:
+            found[0].append(key)
+            return found
+    return None
 
 
 class _UnicodeChecked(BaseModel):
