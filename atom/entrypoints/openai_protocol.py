@@ -40,9 +40,17 @@ def _neutral_only(value: Any, neutral: tuple = (None, 0, {})) -> Any:
     return value
 
 
-def _lone_surrogate(value: Any) -> str | None:
-    """Where `value` (a string, or lists, dicts and models of them) holds a lone UTF-16
+def _valid_unicode(value: Any) -> Any:
+    """`value`, unless it (a string, or lists, dicts and models of them) holds a lone UTF-16
     surrogate, which JSON's `\\ud800` escapes allow but no tokenizer can encode."""
+    found = _lone_surrogate(value)
+    if found is not None:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {found}")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where the first lone surrogate is (e.g. "U+D800 at character 4 of [1]"), or None."""
     found = _find_lone_surrogate(value)
     if found is None:
         return None
@@ -85,11 +93,8 @@ class _UnicodeChecked(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        found = _lone_surrogate(value)
-        if found is not None:
-            raise ValueError(f"not valid Unicode text: a lone surrogate {found}")
-        return value
+    def _unicode_text(cls, value: Any) -> Any:
+        return _valid_unicode(value)
 
 
 class StreamOptions(BaseModel):
@@ -255,7 +260,7 @@ class ChatMessage(_UnicodeChecked):
         )
         if not isinstance(value, str) and not parts_ok:
             raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
-        return _UnicodeChecked._valid_unicode(value)  # here: one error, not one per union member
+        return _valid_unicode(value)  # here: one error, not one per union member
 
     @property
     def text(self) -> str:

@@ -259,7 +259,7 @@ def test_many_prompts_are_admitted_together_and_aborted_on_disconnect(server):
     aborted = 'atom_requests_finished_total{finish_reason="abort"}'
     assert after[aborted] - before[aborted] == count
     # Admitted in one command: a few engine steps in all, not one step per prompt.
-    assert server.engine.steps - steps < count // 10
+    assert server.engine.steps - steps < count // 4
 
     # All or none: a request with one prompt too long admits none of its prompts.
     ids = [[5, 6, 7]] * 3 + [[5] * (MAX_MODEL_LEN + 1)]
