@@ -224,7 +224,7 @@ def test_health_answers_while_huge_prompts_are_tokenized(server):
 
 
 # -- item 12: many prompts join at once and leave at once --------------------------------------
-def test_many_prompts_are_admitted_together_and_aborted_on_disconnect(server):
+def test_many_prompts_are_admitted_together_and_aborted_on_disconnect(server, monkeypatch):
     count = 100  # its prefill is one short step on CPU (which the aborts wait for)
     before = _metrics(server)
     steps = server.engine.steps
@@ -261,11 +261,20 @@ def test_many_prompts_are_admitted_together_and_aborted_on_disconnect(server):
     # Admitted in one command: a few engine steps in all, not one step per prompt.
     assert server.engine.steps - steps < count // 4
 
-    # All or none: a request with one prompt too long admits none of its prompts.
-    ids = [[5, 6, 7]] * 3 + [[5] * (MAX_MODEL_LEN + 1)]
-    status, error = raw_request(server, "POST", "/v1/completions", {"prompt": ids})
-    assert status == 400 and error["error"]["code"] == "context_length_exceeded"
-    assert _metrics(server)["atom_requests_total"] == after["atom_requests_total"]
+    # All or none: when the engine refuses one prompt, the ones before it are taken back.
+    real_add_request = server.llm.engine.add_request
+
+    def add_request(prompt, params):
+        if prompt == [7, 7, 7]:
+            raise ValueError("refused for the test")
+        return real_add_request(prompt, params)
+
+    monkeypatch.setattr(server.llm.engine, "add_request", add_request)
+    body = {"prompt": [[5, 6, 7], [5, 6, 8], [7, 7, 7]], "max_tokens": 50, "ignore_eos": True}
+    status, error = raw_request(server, "POST", "/v1/completions", body)
+    assert status == 400 and error["error"]["message"] == "refused for the test"
+    server.wait_idle()  # no request and no KV block left behind
+    assert _metrics(server)[aborted] - after[aborted] == 2
 
 
 # -- item 14: SIGINT ends the process cleanly --------------------------------------------------
