@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _MAX_SEED = 2**63 - 1
+# Below this a temperature means greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-38
+# overflows them to inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
 
-    temperature: 0 means greedy; otherwise in (0, 100].
+    temperature: 0 (or anything below GREEDY_TEMPERATURE) means greedy; at most 100.
     top_k: -1 (or 0) disables; otherwise >= 1.
     top_p: in (0, 1]; 1 disables.
     max_tokens: number of tokens to generate, >= 1.
@@ -40,6 +43,8 @@ class SamplingParams:
                 f"temperature must be in [0, 100] (0 = greedy), got {self.temperature}"
             )
         self.temperature = float(self.temperature)
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise ValueError(f"top_k must be an integer (-1 disables), got {self.top_k!r}")
         if self.top_k == 0:

@@ -112,20 +112,40 @@ class AsyncEngine:
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams):
         """Queue a request; returns its RequestStream. Raises ValueError on bad input
         (the engine's own validation, e.g. a prompt longer than max_model_len)."""
-        stream = RequestStream(asyncio.get_running_loop())
+        [stream] = await self.add_requests([(prompt_token_ids, params)])
+        return stream
+
+    async def add_requests(
+        self, requests: list[tuple[list[int], SamplingParams]]
+    ) -> list[RequestStream]:
+        """Queue several requests in one engine command (one step boundary for all, not
+        one each), all or none: if the engine refuses one, none stays queued."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(loop) for _ in requests]
         admitted: Future[None] = Future()
 
         def add() -> None:
-            stream.seq_id = self.engine.add_request(prompt_token_ids, params)
-            self._streams[stream.seq_id] = stream
+            try:
+                for stream, (prompt_token_ids, params) in zip(streams, requests, strict=True):
+                    stream.seq_id = self.engine.add_request(prompt_token_ids, params)
+                    self._streams[stream.seq_id] = stream
+            except BaseException:
+                for stream in streams:
+                    stream.finished = True
+                    if stream.seq_id is not None:
+                        self._streams.pop(stream.seq_id, None)
+                        if self.engine.abort(stream.seq_id):
+                            self.finished_requests["abort"] += 1
+                raise
 
         self._submit(add, admitted)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:
-            self.abort(stream)  # runs after `add` on the engine thread: nothing leaks
+            for stream in streams:
+                self.abort(stream)  # runs after `add` on the engine thread: nothing leaks
             raise
-        return stream
+        return streams
 
     def abort(self, stream: RequestStream, reason: str = "abort") -> None:
         """Stop a request (client gone: abort; stop string seen: stop); its blocks are

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 from atom.sampling_params import SamplingParams
 
@@ -31,12 +40,69 @@ def _neutral_only(value: Any, neutral: tuple = (None, 0, {})) -> Any:
     return value
 
 
+def _valid_unicode(value: Any) -> Any:
+    """`value`, unless it (a string, or lists, dicts and models of them) holds a lone UTF-16
+    surrogate, which JSON's `\\ud800` escapes allow but no tokenizer can encode."""
+    found = _lone_surrogate(value)
+    if found is not None:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {found}")
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where the first lone surrogate is (e.g. "U+D800 at character 4 of [1]"), or None."""
+    found = _find_lone_surrogate(value)
+    if found is None:
+        return None
+    keys, position = found
+    path = "".join(f"[{key!r}]" for key in reversed(keys))
+    return f"{position} of {path}" if path else position
+
+
+def _find_lone_surrogate(value: Any) -> tuple[list, str] | None:
+    """(keys from the innermost out, position) of the first lone surrogate, or None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return [], f"U+{ord(value[error.start]):04X} at character {error.start}"
+        return None
+    if isinstance(value, BaseModel):
+        value = vars(value)
+    if isinstance(value, dict):
+        items = [*value.items(), *((key, key) for key in value)]
+    elif isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= {int, float, bool}:  # e.g. token ids: no text, skip fast
+            return None
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _find_lone_surrogate(item)
+        if found is not None:
+            found[0].append(key)
+            return found
+    return None
+
+
+class _UnicodeChecked(BaseModel):
+    """Refuses text that is not valid Unicode (a 400 naming the field, not a tokenizer
+    crash); nested models check their own fields first, so the error names the deepest."""
+
+    @field_validator("*")
+    @classmethod
+    def _unicode_text(cls, value: Any) -> Any:
+        return _valid_unicode(value)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_UnicodeChecked):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(extra="forbid")
@@ -83,6 +149,13 @@ class SamplingRequest(BaseModel):
             not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)
         ):
             raise ValueError("must be a non-empty string or a list of non-empty strings")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")  # as OpenAI and vLLM
         return value
 
     @field_validator("n")
@@ -172,7 +245,7 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_UnicodeChecked):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart]
@@ -187,7 +260,7 @@ class ChatMessage(BaseModel):
         )
         if not isinstance(value, str) and not parts_ok:
             raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
-        return value
+        return _valid_unicode(value)  # here: one error, not one per union member
 
     @property
     def text(self) -> str:

@@ -7,7 +7,9 @@
     GET  /metrics               Prometheus text format
 
 One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
-batch as they arrive. Listens on loopback only unless --host says otherwise.
+batch as they arrive. Listens on loopback only unless --host says otherwise. Request
+bodies over --max-request-body-mb get a 413. Ctrl-C (SIGINT) or SIGTERM ends open streams
+with an error event, then the process exits with status 0.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 import time
@@ -40,6 +43,7 @@ from atom.entrypoints.openai_serving import (
     ClientDisconnected,
     OpenAIServing,
 )
+from atom.entrypoints.request_size import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.rendezvous import RendezvousError
 from atom.model_engine.workers import WorkerFailedError
@@ -48,7 +52,9 @@ from atom.models.loader import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
+def create_app(
+    engine: LLMEngine, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
     """The ASGI app over `engine`; the engine thread runs for the app's lifespan."""
     async_engine = AsyncEngine(engine)
     serving = OpenAIServing(async_engine, model_name)
@@ -61,10 +67,12 @@ def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
             yield
         finally:
             async_engine.shutdown()
+            serving.close()
 
     app = FastAPI(title="atom", lifespan=lifespan)
     app.state.engine = async_engine
     install_error_handlers(app)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -112,11 +120,27 @@ class Server(uvicorn.Server):
     uvicorn waits for open connections before the app's shutdown, so a long stream
     would hold Ctrl-C for the whole grace period and then be cancelled mid-write.
     Stopping the engine first ends every stream with an error event and `[DONE]`.
+
+    uvicorn also raises a caught SIGINT again once it has shut down (a KeyboardInterrupt
+    traceback); here the signal only stops the server and `run` returns, so `main` ends
+    normally. `stop_signal` names the signal that stopped it, if one did.
     """
 
     def __init__(self, app: FastAPI, **config):
         super().__init__(uvicorn.Config(app, **config))
         self.engine: AsyncEngine = app.state.engine
+        self.stop_signal: str | None = None
+        if self.config.log_level in (None, "info", logging.INFO):
+            # atom prints its own start and stop lines; uvicorn's lifecycle lines
+            # ("Waiting for application shutdown." ...) stay for --log-level debug.
+            logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.stop_signal = signal.Signals(sig).name
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for connections
+        else:
+            self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
         await asyncio.to_thread(self.engine.shutdown)
@@ -140,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model id clients send (default: --model as given, or the file's name)",
     )
     parser.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=DEFAULT_MAX_REQUEST_BYTES / (1 << 20),
+        help="larger request bodies get a 413 before they are read (MiB)",
+    )
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     return parser
@@ -160,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # IPv6
     print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
-    server = Server(
-        create_app(engine, model_name), log_level=args.log_level, timeout_graceful_shutdown=5
-    )
+    app = create_app(engine, model_name, int(args.max_request_body_mb * (1 << 20)))
+    server = Server(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()  # tensor-parallel ranks and the rendezvous store go with it
+    if server.stop_signal is not None:
+        print(f"atom: shut down ({server.stop_signal})", file=sys.stderr, flush=True)
     return 0
 
 

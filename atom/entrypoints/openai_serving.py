@@ -3,6 +3,10 @@
 A request is checked in full (model, prompt length, sampling values) before anything
 reaches the engine, so a refused request never holds a KV block. Responses are either
 one JSON body or Server-Sent Events (`data: {chunk}` lines, then `data: [DONE]`).
+
+Tokenization and chat templating run on worker threads, not on the event loop: a
+megabytes-long prompt takes seconds to tokenize, and /health and every open stream
+must keep answering meanwhile. A request's prompts join the engine in one command.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 
 import jinja2
@@ -42,12 +48,24 @@ class OpenAIServing:
         self.tokenizer = self.llm.tokenizer
         self.model_name = model_name
         self.max_model_len = self.llm.max_model_len
+        self._tokenizer_threads = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="atom-tokenizer"
+        )
+
+    def close(self) -> None:
+        """Drop queued tokenization work (the server is stopping)."""
+        self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, function: Callable, *args):
+        """`function(*args)` on a tokenizer thread (the Rust tokenizer releases the GIL)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_threads, function, *args)
 
     # -- /v1/completions -------------------------------------------------------------------
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self._check_model(request.model)
         stop = self._stop_strings(request)
-        prompt_ids = [self._prompt_ids(prompt) for prompt in request.prompts]
+        prompt_ids = await self._off_loop(self._all_prompt_ids, request.prompts)
         # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
         params = [
             self._sampling_params(request, len(ids), request.max_tokens) for ids in prompt_ids
@@ -95,7 +113,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
         stop = self._stop_strings(request)
-        ids = self._render_chat(request.template_messages())
+        ids = await self._off_loop(self._render_chat, request.template_messages())
         params = self._sampling_params(
             request, len(ids), request.requested_max_tokens, prompt_param="messages"
         )
@@ -153,6 +171,9 @@ class OpenAIServing:
         if stop and self.tokenizer is None:
             raise OpenAIError("stop strings need a tokenizer; this model has none", param="stop")
         return stop
+
+    def _all_prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [self._prompt_ids(prompt) for prompt in prompts]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -213,20 +234,13 @@ class OpenAIServing:
 
     # -- running requests ------------------------------------------------------------------
     async def _add_requests(self, prompt_ids, params) -> list[RequestStream]:
-        """Admit every prompt of a request, or none: one refused prompt aborts the rest."""
-        streams: list[RequestStream] = []
+        """Admit every prompt of a request at once, or none (one refused prompt: none)."""
         try:
-            for ids, p in zip(prompt_ids, params, strict=True):
-                streams.append(await self.engine.add_request(ids, p))
-        except BaseException as error:
-            for stream in streams:
-                self.engine.abort(stream)
-            if isinstance(error, ValueError):
-                raise OpenAIError(str(error)) from None
-            if isinstance(error, EngineDeadError):
-                raise _engine_dead(error) from None
-            raise
-        return streams
+            return await self.engine.add_requests(list(zip(prompt_ids, params, strict=True)))
+        except ValueError as error:
+            raise OpenAIError(str(error)) from None
+        except EngineDeadError as error:
+            raise _engine_dead(error) from None
 
     async def _merged_deltas(
         self, streams: list[RequestStream], stop: list[str], usage: Usage

@@ -52,9 +52,11 @@ class Server:
         )
 
 
-def run_server(llm: LLM, model_name: str):
-    """Start uvicorn on a free loopback port (bound here: no port race); returns (server, stop)."""
-    app = create_app(llm.engine, model_name)
+def run_server(llm: LLM, model_name: str, **app_options):
+    """Start uvicorn on a free loopback port (bound here: no port race); returns (server, stop).
+
+    `app_options` go to `create_app` (e.g. max_request_bytes)."""
+    app = create_app(llm.engine, model_name, **app_options)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = openai_server.Server(app, log_level="warning")
