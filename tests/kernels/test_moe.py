@@ -152,7 +152,12 @@ def test_moe_decode_benchmark_runs_and_paths_agree():
 
     argv = "--device cpu --dtype float32 --layers 2 --hidden 64 --intermediate 32"
     argv += " --experts 8 --top-k 2 --shared 1 --batch 1 5 --prefill 9 --min-seconds 0"
-    records = moe_decode.run(moe_decode.parse_args(argv.split()))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # toy ops: a busy machine's thread pool would cost seconds
+    try:
+        records = moe_decode.run(moe_decode.parse_args(argv.split()))
+    finally:
+        torch.set_num_threads(threads)
     paths = {(r["batch"], r["path"]) for r in records}
     decode = ("dense_eager", "per_expert_eager", "fused_eager")
     assert paths == {(b, p) for b in (1, 5) for p in decode} | {
