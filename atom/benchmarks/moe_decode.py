@@ -7,7 +7,7 @@ the fused one (atom/models/moe.py -> atom/kernels/moe.py), in one run.
 Shape (DeepSeek-V2-Lite): hidden 2048, 64 routed experts, 6 per token (softmax, greedy
 top-k), 2 shared experts, moe_intermediate 1408; the 26 MoE layers of its 27 (layer 0 is a
 dense MLP), random bf16 weights (28.8 GB routed, 0.9 GB shared). Only the MoE blocks run
-(router, routed and shared experts, residual add), one after the other as in a decode step;
+(an unweighted RMSNorm, router, routed and shared experts, residual add), one after the other as in a decode step;
 no attention, no norms.
 
 One JSON line per (batch, path) on stdout:
@@ -133,7 +133,12 @@ def decode_step(layers, forward, x) -> Callable[[], torch.Tensor]:
     def step():
         hidden = x
         for moe in layers:
-            hidden = hidden + forward(moe, hidden)
+            # Pre-norm as in the decoder: without it the residual grows quadratically per
+            # layer with random weights and overflows bf16 (inf - inf = NaN) by layer ~20.
+            normed = hidden * torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(
+                hidden.dtype
+            )
+            hidden = hidden + forward(moe, normed)
         return hidden
 
     return step
