@@ -26,6 +26,7 @@ from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cac
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
 from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.speculative.verify import verify_rows
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,12 @@ class ModelRunner:
         weights,
         max_model_len: int,
         tp: TensorParallelGroup | None = None,
+        extra_kv_block_bytes: int = 0,
     ):
         self.config = config
+        # Bytes per block of a cache that shares these block ids (a speculative draft
+        # model's): the budget is split so that both caches hold the same blocks.
+        self.extra_kv_block_bytes = extra_kv_block_bytes
         self.tp = tp or TensorParallelGroup.single(config.device)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
@@ -64,6 +69,7 @@ class ModelRunner:
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
                 backend=backend_for(self.model),
+                max_sampling_rows=verify_rows_per_step(config),
             )
             for index in range(config.num_micro_batches)
         ]
@@ -100,7 +106,7 @@ class ModelRunner:
         return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
 
     def _allocate_kv_cache(self) -> int:
-        block_bytes = self.kv_block_bytes()
+        block_bytes = self.kv_block_bytes() + self.extra_kv_block_bytes
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -201,6 +207,7 @@ class ModelRunner:
         placeholders = slot.publish_placeholders(step)
         sampling = step.sampling_seqs and slot.publish_sampling(step)
         logits_indices = slot.publish_logits_indices(step)
+        drafts = slot.publish_draft_tokens(step)  # speculative steps only
         with profiling.stage("publish"):
             slot.flush()
 
@@ -221,7 +228,16 @@ class ModelRunner:
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
                 return torch.empty(len(step.sampling_seqs), dtype=torch.int64, device=self.device)
+            if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
+                return verify_rows(logits, sampling, drafts)
             return self.sampler(logits, sampling)
+
+
+def verify_rows_per_step(config: Config) -> int | None:
+    """Logits rows a step may sample with speculative decoding (None: one per sequence)."""
+    if config.speculative_method is None:
+        return None
+    return config.max_num_seqs * (config.num_speculative_tokens + 1)
 
 
 def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
