@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results[name] = run_case(name, model_dir, args, prompt, **kwargs)
     reference = results.get("plain", {}).get("token_ids")
-    for name, record in results.items():
+    for record in results.values():
         tokens = record.pop("token_ids")
         if reference is not None:
             record["same_tokens_as_plain"] = tokens == reference

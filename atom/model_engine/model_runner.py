@@ -27,6 +27,7 @@ from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import verify_rows
+from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,23 @@ class ModelRunner:
             self.graphs = [DecodeGraphs(self.model, slot, sizes) for slot in self.slots]
             for graphs in self.graphs:
                 graphs.capture()
+        self.verify_graphs: list[VerifyGraphs] | None = None
+        if self.graphs is not None and config.speculative_method is not None:
+            self.verify_graphs = self._capture_verify_graphs(sizes)
 
     # -- set-up ----------------------------------------------------------------------------
+    def _capture_verify_graphs(self, sizes: list[int]) -> list[VerifyGraphs]:
+        """Speculative decoding: graphs of verify steps (k + 1 tokens per sequence)."""
+        rows = self.config.num_speculative_tokens + 1
+        tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        sizes = [s for s in sizes if s * rows <= tokens and s <= 64]
+        graphs = []
+        for slot in self.slots:
+            verify = VerifyGraphs(self.model, slot, sizes, self.config.num_speculative_tokens)
+            verify.capture()
+            graphs.append(verify)
+        return graphs
+
     def _build_model(self, weights) -> torch.nn.Module:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -211,12 +227,15 @@ class ModelRunner:
         with profiling.stage("publish"):
             slot.flush()
 
+        verify_size = self._verify_graph_size(index, batch, step)
         with profiling.stage("forward"):
             if placeholders is not None:
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
             if graph_size is not None:
                 logits = graphs.run(graph_size, step.num_seqs)
+            elif verify_size is not None:
+                logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
             else:
                 with forward_context(metadata):
                     hidden = self.model(input_ids, positions)
@@ -231,6 +250,16 @@ class ModelRunner:
             if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
                 return verify_rows(logits, sampling, drafts)
             return self.sampler(logits, sampling)
+
+    def _verify_graph_size(self, index: int, batch: ScheduledBatch, step) -> int | None:
+        """The verify graph size a speculative step replays at, or None (eager): every
+        sequence verifies exactly k drafts (so every token is a verify row)."""
+        if self.verify_graphs is None or batch.draft_token_ids is None:
+            return None
+        rows = self.config.num_speculative_tokens + 1
+        if step.num_verify_rows != step.num_tokens or step.num_tokens != rows * step.num_seqs:
+            return None
+        return self.verify_graphs[index].padded_size(step.num_seqs)
 
 
 def verify_rows_per_step(config: Config) -> int | None:

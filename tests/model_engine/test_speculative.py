@@ -141,7 +141,8 @@ def test_streamed_step_outputs_carry_every_accepted_token(target, expected):
 
 def test_seeded_random_sampling_runs_and_frees_blocks(target):
     llm = self_draft(target)
-    params = SamplingParams(temperature=0.8, max_tokens=8, seed=3, ignore_eos=True)
+    # a low temperature: the greedy drafts are likely under the target, so some are kept
+    params = SamplingParams(temperature=0.1, max_tokens=8, seed=3, ignore_eos=True)
     a = generate(llm, PROMPTS[:2], params)
     b = generate(llm, PROMPTS[:2], params)
     assert a == b and all(len(t) == 8 for t in a)
