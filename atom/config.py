@@ -90,7 +90,8 @@ class Config:
     # Speculative decoding (atom/model_engine/speculative): None = off; "ngram" = prompt
     # lookup in the sequence's own context; "draft" = a smaller model (`speculative_model`,
     # same vocabulary) proposes. Each step verifies up to `num_speculative_tokens` proposals
-    # per sequence in one target forward. Runs with synchronous scheduling.
+    # per sequence in one target forward. A step with drafts (or one whose successor may
+    # draft) completes before the next is scheduled; others overlap as usual.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
     ngram_min: int = 2  # shortest suffix the n-gram proposer matches
@@ -173,12 +174,6 @@ class Config:
             raise ValueError(
                 "speculative_method='draft' needs speculative_model (--speculative-model PATH)"
             )
-        if self.async_scheduling:
-            raise ValueError(
-                "speculative decoding runs with synchronous scheduling (the next step's "
-                "proposals need this step's accepted tokens); leave async_scheduling unset"
-            )
-        self.async_scheduling = False
         if self.tensor_parallel_size > 1 or self.num_micro_batches > 1:
             raise ValueError(
                 "speculative decoding is not supported yet with tensor parallelism or "

@@ -4,7 +4,7 @@
 
 Cases (one random prompt, greedy, ignore_eos, the same prompt for every case):
 - plain: no speculation (asynchronous scheduling, decode CUDA graphs: the default);
-- plain_sync: no speculation, synchronous scheduling (what speculation runs with);
+- plain_sync: no speculation, synchronous scheduling (what verify steps run with);
 - self_draft: the model as its own draft (same random weights), k drafts a step; every
   draft is accepted, but each draft token costs one forward of the full model;
 - ngram_random: the n-gram proposer on random text (it finds little or nothing to propose);
@@ -49,6 +49,9 @@ class ReplayProposer:
         proposal = known[seq.num_output_tokens : seq.num_output_tokens + limit]
         self._pending[seq.seq_id] = proposal
         return len(proposal)
+
+    def may_propose(self, seq) -> bool:
+        return True
 
     def propose(self, seqs, counts):
         return [self._pending.pop(s.seq_id, [])[:c] for s, c in zip(seqs, counts, strict=True)]

@@ -212,6 +212,12 @@ class LLMEngine:
         otherwise each step completes before `step` returns.
         """
         start = time.perf_counter()
+        outputs = []
+        speculator = self.speculator
+        if self._in_flight is not None and speculator is not None:
+            if speculator.needs_tokens(self._in_flight[0]):  # proposals need them now
+                in_flight, self._in_flight = self._in_flight, None
+                outputs = self._complete(*in_flight)
         with profiling.stage("schedule"):
             batch = self.scheduler.schedule()
         launched = None
@@ -221,12 +227,12 @@ class LLMEngine:
                     self.speculator.propose(batch)
             launched = (batch, self.model_runner.launch(batch))
             self.scheduler.on_launch(batch)
-        outputs = []
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
-            outputs = self._complete(*in_flight)
+            outputs += self._complete(*in_flight)
         if launched is not None:
-            if self.async_scheduling:
+            # a verify step completes at once: the next step's proposals need its tokens
+            if self.async_scheduling and batch.draft_token_ids is None:
                 self._in_flight = launched
             else:
                 outputs += self._complete(*launched)

@@ -81,4 +81,4 @@ def test_flags_build_the_speculative_config():
     )
     config = config_from_args(args)
     assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
-    assert (config.ngram_min, config.ngram_max, config.async_scheduling) == (1, 5, False)
+    assert (config.ngram_min, config.ngram_max) == (1, 5)

@@ -47,6 +47,8 @@ def generate(llm, prompts=PROMPTS, params=GREEDY):
 def test_self_draft_accepts_everything_and_matches(target, expected):
     llm = self_draft(target)
     assert generate(llm) == expected[0]
+    assert generate(llm, PROMPTS[1:2]) == expected[0][1:2]  # served from the prefix cache
+    assert llm.engine.block_manager.prefix_hit_blocks > 0
     stats = llm.engine.speculator.stats
     assert stats.proposed_tokens > 0 and stats.acceptance_rate == 1.0
     # every position accepted as often as it was proposed: drafts of 4 except near the end
@@ -109,6 +111,8 @@ def test_preemption_under_tight_memory(target, method):
     )
     assert generate(tight, prompts) == want
     assert tight.engine.scheduler.num_preemptions > 0
+    if method == "draft":  # the draft's KV state restarts with each re-admission
+        assert tight.engine.speculator.stats.acceptance_rate == 1.0
 
 
 def test_stop_token_eos_and_max_tokens_inside_an_accepted_run(target, expected):
@@ -137,6 +141,27 @@ def test_streamed_step_outputs_carry_every_accepted_token(target, expected):
     assert sum(pieces, []) == expected[0][1]
     assert max(len(p) for p in pieces) == 5  # 4 accepted drafts + 1
     assert engine.stats.generated_tokens == 20
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_asynchronous_scheduling_overlaps_steps_that_cannot_draft(target, expected, method):
+    kwargs = dict(speculative_model=target) if method == "draft" else {}
+    llm = build_llm(target, speculative_method=method, async_scheduling=True, **LEN, **kwargs)
+    overlapped = []
+    step = llm.engine.step
+
+    def spy():
+        outputs = step()
+        overlapped.append(llm.engine._in_flight is not None)
+        return outputs
+
+    llm.engine.step = spy
+    prompts = PROMPTS[:3]  # random text: the n-gram proposer can rarely match
+    assert generate(llm, prompts) == expected[0][:3]
+    if method == "ngram":  # steps whose successor cannot draft stay in flight
+        assert any(overlapped)
+    else:  # every decode drafts: nothing overlaps after the prefill
+        assert llm.engine.speculator.stats.acceptance_rate == 1.0
 
 
 def test_seeded_random_sampling_runs_and_frees_blocks(target):
@@ -191,7 +216,6 @@ def test_trim_returns_draft_blocks_and_the_page_table_follows():
         (dict(speculative_model="x"), "speculative_method"),
         (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(speculative_method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
-        (dict(speculative_method="ngram", async_scheduling=True), "synchronous"),
         (dict(speculative_method="ngram", num_micro_batches=2), "micro-batches"),
     ],
 )

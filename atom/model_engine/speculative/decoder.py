@@ -1,6 +1,8 @@
 """What the engine calls for speculative decoding (one object, built from the Config).
 
-Per step (synchronous scheduling: a step's proposals need the previous step's tokens):
+Per step (a step's proposals need the previous step's tokens, so a step with drafts
+completes before the next is scheduled; with asynchronous scheduling a step whose
+successor cannot draft, `needs_tokens` False, stays in flight as usual):
 
     scheduler.lookahead = decoder.lookahead  # before scheduling: drafts each decode may get
     batch = scheduler.schedule()             # 1 + drafts tokens per decode, blocks for them
@@ -62,12 +64,24 @@ class SpeculativeDecoder:
     def lookahead(self, seq: Sequence) -> int:
         """Drafts `seq` may verify this step: at most k, never past max_tokens or
         max_model_len (the step emits drafts + 1 tokens at most)."""
+        if seq.pending_token is not None:  # its last token is still on the device
+            return 0
         limit = min(
             self.k,
             seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - len(seq) - 1,
         )
         return self.proposer.lookahead(seq, limit) if limit > 0 else 0
+
+    def needs_tokens(self, batch: ScheduledBatch) -> bool:
+        """Whether the step after `batch` (still in flight) may draft for one of its
+        sequences once their tokens are known: then the engine completes `batch` before
+        scheduling (asynchronous scheduling otherwise goes on, with no drafts for them)."""
+        return any(
+            self.proposer.may_propose(seq)
+            for seq, _ in batch.sampled or ()
+            if seq.pending_token is not None and not seq.finishing
+        )
 
     def propose(self, batch: ScheduledBatch) -> None:
         """Fill `batch.draft_token_ids` (left None when no sequence drafts: a plain step)."""

@@ -65,6 +65,9 @@ class DraftModelProposer:
     def lookahead(self, seq: Sequence, limit: int) -> int:
         return limit
 
+    def may_propose(self, seq: Sequence) -> bool:
+        return True  # every decode drafts: steps never overlap
+
     def _valid(self, seq: Sequence) -> int:
         version, computed = self._computed.get(seq, (None, 0))
         return computed if version == seq.block_version else 0

@@ -10,6 +10,10 @@ draft model can write its own KV into them:
 2. `propose(seqs, counts)` after scheduling: exactly `counts[i]` draft tokens for seqs[i].
 3. `on_verified(seq, position, num_drafts, num_accepted)` after the verify step: the
    first new token sits at `position`; the first `num_accepted` drafts were kept.
+
+`may_propose(seq)`: with asynchronous scheduling, whether `seq` (its last token still on
+the device) could get drafts once that token is known; False lets the next step be
+scheduled without waiting for it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class Proposer(Protocol):
     def lookahead(self, seq: Sequence, limit: int) -> int: ...
 
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]: ...
+
+    def may_propose(self, seq: Sequence) -> bool: ...
 
     def on_verified(
         self, seq: Sequence, position: int, num_drafts: int, num_accepted: int
@@ -48,8 +54,9 @@ class NgramProposer:
         self._pending: dict[int, list[int]] = {}  # seq_id -> proposal of this step
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
+        """The known tokens of `seq` (a placeholder at the end is left out)."""
         entry = self._history.get(seq)
-        n = len(seq.token_ids)
+        n = len(seq.token_ids) - (seq.pending_token is not None)
         if entry is None or entry[1] > n:
             entry = [np.empty(max(2 * n, 64), np.int64), 0]
             self._history[seq] = entry
@@ -86,6 +93,24 @@ class NgramProposer:
                 begin = int(starts[-1]) + n
                 return tokens[begin : begin + limit].tolist()
         return []
+
+    def may_propose(self, seq: Sequence) -> bool:
+        """Any next token t could complete a match only if the context's last
+        `min_n - 1` tokens occur earlier (a match of n ending at t needs its first
+        n - 1 tokens there); with min_n = 1 any t might match."""
+        if self.min_n == 1:
+            return True
+        tokens = self._tokens(seq)
+        length, n = len(tokens), self.min_n - 1
+        if length <= n:
+            return False
+        suffix = tokens[length - n :]
+        starts = np.flatnonzero(tokens[: length - n] == suffix[0])
+        for offset in range(1, n):
+            if not starts.size:
+                break
+            starts = starts[tokens[starts + offset] == suffix[offset]]
+        return bool(starts.size)
 
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
         pending, self._pending = self._pending, {}
