@@ -360,7 +360,7 @@ class LLM:
         try:
             while any(not s.is_finished for s in seqs):
                 outputs = engine.step()
-                generated += len(outputs)
+                generated += sum(len(o.new_token_ids) for o in outputs)
                 done = sum(1 for o in outputs if o.finished)
                 if done:
                     bar.update(done)
