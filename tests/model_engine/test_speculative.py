@@ -131,6 +131,15 @@ def test_stop_token_eos_and_max_tokens_inside_an_accepted_run(target, expected):
     assert out.token_ids == reference[:7] and out.finish_reason == "length"
 
 
+def test_drafts_stop_at_max_model_len(target):
+    prompt = random_prompts(23, [110])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    want = build_llm(target, **LEN).generate([prompt], params, use_tqdm=False)[0]
+    got = self_draft(target).generate([prompt], params, use_tqdm=False)[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 128 - 110
+    assert got.finish_reason == want.finish_reason == "length"
+
+
 def test_streamed_step_outputs_carry_every_accepted_token(target, expected):
     llm = self_draft(target)
     engine = llm.engine
@@ -217,6 +226,7 @@ def test_trim_returns_draft_blocks_and_the_page_table_follows():
         (dict(speculative_method="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
         (dict(speculative_method="ngram", ngram_min=3, ngram_max=2), "ngram_min"),
         (dict(speculative_method="ngram", num_micro_batches=2), "micro-batches"),
+        (dict(speculative_method="ngram", tensor_parallel_size=2), "tensor parallelism"),
     ],
 )
 def test_bad_speculative_config_is_refused(kwargs, message):
