@@ -20,6 +20,7 @@ _DTYPES = {
 
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 def default_device() -> str:
@@ -86,6 +87,16 @@ class Config:
     nnodes: int = 1
     node_rank: int = 0
     distributed_timeout_s: float = 1800.0  # rendezvous and collectives
+    # Speculative decoding (atom/model_engine/speculative): None = off; "ngram" = prompt
+    # lookup in the sequence's own context; "draft" = a smaller model (`speculative_model`,
+    # same vocabulary) proposes. Each step verifies up to `num_speculative_tokens` proposals
+    # per sequence in one target forward. A step with drafts (or one whose successor may
+    # draft) completes before the next is scheduled; others overlap as usual.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2  # shortest suffix the n-gram proposer matches
+    ngram_max: int = 4  # longest suffix tried first
+    speculative_model: str | None = None  # the draft model (method "draft")
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -110,6 +121,7 @@ class Config:
             self.h2d_checked = envs.h2d_checked()
         if self.profiler_dir is None:
             self.profiler_dir = envs.torch_profiler_dir()
+        self._validate_speculation()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:
@@ -135,6 +147,38 @@ class Config:
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         self._validate_parallelism()
+
+    def _validate_speculation(self) -> None:
+        method = self.speculative_method
+        if method is None:
+            if self.speculative_model is not None:
+                raise ValueError(
+                    "speculative_model is set but speculative_method is not; pass "
+                    "speculative_method='draft' (--speculative-method draft)"
+                )
+            return
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} or None, "
+                f"got {method!r}"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"ngram_min and ngram_max must satisfy 1 <= min <= max, got "
+                f"{self.ngram_min} and {self.ngram_max}"
+            )
+        if method == "draft" and not self.speculative_model:
+            raise ValueError(
+                "speculative_method='draft' needs speculative_model (--speculative-model PATH)"
+            )
+        if self.tensor_parallel_size > 1 or self.num_micro_batches > 1:
+            raise ValueError(
+                "speculative decoding is not supported yet with tensor parallelism or "
+                "micro-batches (tensor_parallel_size and num_micro_batches must be 1)"
+            )
 
     def _validate_parallelism(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes

@@ -70,6 +70,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="rendezvous port; 0 (default) = any free port, single node only",
     )
+    parser.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="proposals verified per sequence and step (speculative decoding)",
+    )
+    parser.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram matched")
+    parser.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched")
+    parser.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft model for --speculative-method draft (same vocabulary as --model)",
+    )
     parser.add_argument("--nnodes", type=int, default=1, help="nodes sharing the ranks")
     parser.add_argument(
         "--node-rank",
@@ -100,4 +119,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         master_port=args.master_port,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        speculative_model=args.speculative_model,
     )

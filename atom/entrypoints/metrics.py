@@ -94,4 +94,31 @@ def render_metrics(engine: AsyncEngine, model_name: str) -> str:
         "Host-to-device bytes of the latest step.",
         engine.last_step_h2d_bytes,
     )
+    speculator = llm.speculator
+    if speculator is not None:  # speculative decoding (atom/model_engine/speculative)
+        spec = speculator.stats
+        one(
+            "atom_spec_decode_num_drafts_total",
+            "counter",
+            "Sequence-steps that verified speculative drafts.",
+            spec.num_drafts,
+        )
+        one(
+            "atom_spec_decode_num_draft_tokens_total",
+            "counter",
+            "Draft tokens proposed and verified.",
+            spec.proposed_tokens,
+        )
+        one(
+            "atom_spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Draft tokens accepted by the target.",
+            spec.accepted_tokens,
+        )
+        metric(
+            "atom_spec_decode_num_accepted_tokens_per_pos_total",
+            "counter",
+            "Accepted draft tokens by position in the draft (0 = the first draft).",
+            [(f',position="{i}"', n) for i, n in enumerate(spec.accepted_per_position)],
+        )
     return "\n".join(lines) + "\n"

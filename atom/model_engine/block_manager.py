@@ -170,6 +170,20 @@ class BlockManager:
         self._num_free -= max(needed, 0)
         return max(needed, 0)
 
+    def trim(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Return the tail blocks `seq` holds beyond its computed tokens plus
+        `num_new_tokens` (blocks reserved for rejected speculative drafts); returns how
+        many. They hold no computed token, so no hash: they go back like fresh blocks."""
+        keep = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        surplus = len(seq.block_table) - keep
+        for _ in range(surplus):
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, f"block {block_id} is shared"
+            block.ref_count = 0
+            self._free[block_id] = None
+        return max(surplus, 0)
+
     def register_computed(self, seq: Sequence) -> None:
         """Publish digests of blocks that became full of computed tokens."""
         if not self.enable_prefix_caching:

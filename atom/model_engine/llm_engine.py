@@ -16,6 +16,8 @@ from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
+from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
+from atom.model_engine.speculative.draft_model import draft_config, draft_kv_block_bytes
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
@@ -100,10 +102,18 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source or open_model(self.model_path))
         self.max_model_len = resolve_max_model_len(config, hf)
+        draft_hf = self._draft_hf_config() if config.speculative_method == "draft" else None
         if config.tensor_parallel_size > 1:  # spawned ranks load their own weight shards
             self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
         else:
-            self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
+            extra = 0
+            if draft_hf is not None:
+                extra = draft_kv_block_bytes(
+                    draft_hf, config.block_size, config.torch_dtype.itemsize
+                )
+            self.model_runner = ModelRunner(
+                config, hf, weights, self.max_model_len, extra_kv_block_bytes=extra
+            )
         try:
             self.max_model_len = fit_max_model_len(
                 config, self.max_model_len, self.model_runner.num_kvcache_blocks
@@ -121,6 +131,13 @@ class LLMEngine:
             self.max_model_len,
             self._eos_token_ids(),
         )
+        self.speculator: SpeculativeDecoder | None = None
+        if config.speculative_method is not None:
+            draft_runner = None
+            if draft_hf is not None:
+                draft_runner = self._draft_runner(draft_hf)
+            self.speculator = make_decoder(config, self.max_model_len, draft_runner)
+            self.scheduler.lookahead = self.speculator.lookahead
         self.requests: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self.async_scheduling = config.async_scheduling
@@ -131,6 +148,29 @@ class LLMEngine:
         stop = getattr(self.model_runner, "shutdown", None)
         if stop is not None:
             stop()
+
+    # -- speculative decoding (atom/model_engine/speculative) -------------------------------
+    def _draft_hf_config(self):
+        path = self.config.speculative_model
+        draft_hf = read_config(path)
+        if draft_hf.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(
+                f"the draft model {path} has a vocabulary of {draft_hf.vocab_size} tokens, "
+                f"the target {self.hf_config.vocab_size}: speculation needs the same vocabulary"
+            )
+        if getattr(draft_hf, "max_position_embeddings", self.max_model_len) < self.max_model_len:
+            raise ValueError(
+                f"the draft model {path} serves {draft_hf.max_position_embeddings} positions, "
+                f"fewer than max_model_len {self.max_model_len}; lower --max-model-len"
+            )
+        return draft_hf
+
+    def _draft_runner(self, draft_hf) -> ModelRunner:
+        config = draft_config(self.config, self.model_runner.num_kvcache_blocks)
+        weights = None
+        if config.load_format != "dummy":
+            weights = open_model(config.model).weights()
+        return ModelRunner(config, draft_hf, weights, self.max_model_len)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -206,19 +246,31 @@ class LLMEngine:
         otherwise each step completes before `step` returns.
         """
         start = time.perf_counter()
+        outputs = []
+        speculator = self.speculator
+        if self._in_flight is not None and speculator is not None:
+            if speculator.needs_tokens(self._in_flight[0]):  # proposals need them now
+                in_flight, self._in_flight = self._in_flight, None
+                outputs = self._complete(*in_flight)
         with profiling.stage("schedule"):
             batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
+            if self.speculator is not None:
+                with profiling.stage("propose"):
+                    self.speculator.propose(batch)
             launched = (batch, self.model_runner.launch(batch))
             self.scheduler.on_launch(batch)
-        outputs = []
+        # a verify step completes at once: the next step's proposals need its tokens
+        keep_in_flight = (
+            launched is not None and self.async_scheduling and batch.draft_token_ids is None
+        )
         in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
         try:
             if in_flight is not None:
-                outputs = self._complete(*in_flight)
+                outputs += self._complete(*in_flight)
                 in_flight = None
-            if launched is not None and not self.async_scheduling:
+            if launched is not None and not keep_in_flight:
                 outputs += self._complete(*launched)
         except BaseException:
             # The tokens of the step read (and of the step launched after it, whose inputs
@@ -226,7 +278,7 @@ class LLMEngine:
             self._fail([step[0] for step in (in_flight, launched) if step is not None])
             raise
         if launched is not None:
-            if self.async_scheduling:
+            if keep_in_flight:
                 self._in_flight = launched
             self.stats.record(batch, time.perf_counter() - start)
         return outputs
@@ -246,15 +298,19 @@ class LLMEngine:
 
     def _complete(self, batch, handle) -> list[StepOutput]:
         tokens = handle.result()
+        if batch.draft_token_ids is not None:  # rows of a verify step: accept, roll back
+            tokens = self.speculator.on_verified(batch, tokens)
         updated = self.scheduler.on_complete(batch, tokens)
-        self.stats.generated_tokens += len(updated)
+        emitted = batch.emitted
         outputs = []
         for seq in updated:
             finished = seq.is_finished
             if finished:
                 self.requests.pop(seq.seq_id, None)
             reason = seq.finish_reason.value if finished else None
-            outputs.append(StepOutput(seq.seq_id, [seq.last_token_id], finished, reason))
+            new = emitted[seq.seq_id] if emitted is not None else [seq.last_token_id]
+            self.stats.generated_tokens += len(new)
+            outputs.append(StepOutput(seq.seq_id, new, finished, reason))
         return outputs
 
     def decode(self, token_ids: list[int]) -> str:
@@ -361,7 +417,7 @@ class LLM:
         try:
             while any(not s.is_finished for s in seqs):
                 outputs = engine.step()
-                generated += len(outputs)
+                generated += sum(len(o.new_token_ids) for o in outputs)
                 done = sum(1 for o in outputs if o.finished)
                 if done:
                     bar.update(done)

@@ -26,6 +26,8 @@ from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cac
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
 from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.speculative.verify import verify_rows
+from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -39,8 +41,12 @@ class ModelRunner:
         weights,
         max_model_len: int,
         tp: TensorParallelGroup | None = None,
+        extra_kv_block_bytes: int = 0,
     ):
         self.config = config
+        # Bytes per block of a cache that shares these block ids (a speculative draft
+        # model's): the budget is split so that both caches hold the same blocks.
+        self.extra_kv_block_bytes = extra_kv_block_bytes
         self.tp = tp or TensorParallelGroup.single(config.device)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
@@ -64,6 +70,7 @@ class ModelRunner:
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
                 backend=backend_for(self.model),
+                max_sampling_rows=verify_rows_per_step(config),
             )
             for index in range(config.num_micro_batches)
         ]
@@ -76,6 +83,9 @@ class ModelRunner:
             self.graphs = [DecodeGraphs(self.model, slot, sizes) for slot in self.slots]
             for graphs in self.graphs:
                 graphs.capture()
+        self.verify_graphs: list[VerifyGraphs] | None = None
+        if self.graphs is not None and config.speculative_method is not None:
+            self.verify_graphs = self._capture_verify_graphs(sizes)
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""
@@ -83,6 +93,18 @@ class ModelRunner:
         return sum(p.copies for p in publishers), sum(p.bytes for p in publishers)
 
     # -- set-up ----------------------------------------------------------------------------
+    def _capture_verify_graphs(self, sizes: list[int]) -> list[VerifyGraphs]:
+        """Speculative decoding: graphs of verify steps (k + 1 tokens per sequence)."""
+        rows = self.config.num_speculative_tokens + 1
+        tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        sizes = [s for s in sizes if s * rows <= tokens and s <= 64]
+        graphs = []
+        for slot in self.slots:
+            verify = VerifyGraphs(self.model, slot, sizes, self.config.num_speculative_tokens)
+            verify.capture()
+            graphs.append(verify)
+        return graphs
+
     def _build_model(self, weights) -> torch.nn.Module:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -105,7 +127,7 @@ class ModelRunner:
         return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
 
     def _allocate_kv_cache(self) -> int:
-        block_bytes = self.kv_block_bytes()
+        block_bytes = self.kv_block_bytes() + self.extra_kv_block_bytes
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -206,15 +228,19 @@ class ModelRunner:
         placeholders = slot.publish_placeholders(step)
         sampling = step.sampling_seqs and slot.publish_sampling(step)
         logits_indices = slot.publish_logits_indices(step)
+        drafts = slot.publish_draft_tokens(step)  # speculative steps only
         with profiling.stage("publish"):
             slot.flush()
 
+        verify_size = self._verify_graph_size(index, batch, step)
         with profiling.stage("forward"):
             if placeholders is not None:
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
             if graph_size is not None:
                 logits = graphs.run(graph_size, step.num_seqs)
+            elif verify_size is not None:
+                logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
             else:
                 with forward_context(metadata):
                     hidden = self.model(input_ids, positions)
@@ -226,7 +252,26 @@ class ModelRunner:
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
                 return torch.empty(len(step.sampling_seqs), dtype=torch.int64, device=self.device)
+            if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
+                return verify_rows(logits, sampling, drafts)
             return self.sampler(logits, sampling)
+
+    def _verify_graph_size(self, index: int, batch: ScheduledBatch, step) -> int | None:
+        """The verify graph size a speculative step replays at, or None (eager): every
+        sequence verifies exactly k drafts (so every token is a verify row)."""
+        if self.verify_graphs is None or batch.draft_token_ids is None:
+            return None
+        rows = self.config.num_speculative_tokens + 1
+        if step.num_verify_rows != step.num_tokens or step.num_tokens != rows * step.num_seqs:
+            return None
+        return self.verify_graphs[index].padded_size(step.num_seqs)
+
+
+def verify_rows_per_step(config: Config) -> int | None:
+    """Logits rows a step may sample with speculative decoding (None: one per sequence)."""
+    if config.speculative_method is None:
+        return None
+    return config.max_num_seqs * (config.num_speculative_tokens + 1)
 
 
 def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:

@@ -176,6 +176,8 @@ class PageTable:
                 else:
                     ids.extend(table[start:])
                 entry.length = len(table)
+            elif count < 0:  # returned blocks (speculative drafts): columns past it unread
+                entry.length = len(table)
         self._stage([], deltas)
 
     def _relayout(self, seqs) -> None:
@@ -206,6 +208,8 @@ class PageTable:
                     entry.position = row
                 if len(table) > entry.length:
                     deltas.add(row, entry.length, table[entry.length :], entry.host_row)
+                    entry.length = len(table)
+                elif len(table) < entry.length:  # returned blocks: nothing to send
                     entry.length = len(table)
             positions.append(entry)
         self.entries, self.positions = kept, positions

@@ -47,6 +47,9 @@ class PreparedStep:
     needs_top_p: bool
     gathers_logits: bool  # only some rows' hidden states reach the LM head
     num_placeholders: int  # input tokens still on the device (filled from the last step)
+    # Speculative verification: logits rows of the step (a drafting sequence has one per
+    # draft plus one); `draft_token_ids` holds each row's draft (-1: none). 0 = no drafts.
+    num_verify_rows: int = 0
 
 
 class RunnerSlot:
@@ -62,12 +65,15 @@ class RunnerSlot:
         h2d_backend: str = "direct",
         h2d_checked: bool = True,
         backend: PagedAttentionBackend | None = None,
+        max_sampling_rows: int | None = None,
     ):
         self.index = index
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         seqs, tokens = max_num_seqs, max(max_num_tokens, max_num_seqs)
+        # logits rows per step: one per sampling sequence, more when drafts are verified
+        rows = min(max_sampling_rows or seqs, tokens)
         specs = [
             BufferSpec("input_ids", (tokens,), torch.int64, 0),
             BufferSpec("positions", (tokens,), torch.int64, 0),
@@ -78,10 +84,12 @@ class RunnerSlot:
             # then (row, start, block ids) deltas [n | rows | starts | offsets | ids].
             BufferSpec("page_moves", (1 + 3 * seqs,), torch.int32, 0),
             BufferSpec("page_deltas", (3 * seqs + 2 + seqs * max_blocks_per_seq,), torch.int32, 0),
-            BufferSpec("logits_indices", (seqs,), torch.int64, 0),
-            BufferSpec("temperatures", (seqs,), torch.float32, 0.0),
-            BufferSpec("top_k", (seqs,), torch.int64, vocab_size),
-            BufferSpec("top_p", (seqs,), torch.float32, 1.0),
+            BufferSpec("logits_indices", (rows,), torch.int64, 0),
+            BufferSpec("temperatures", (rows,), torch.float32, 0.0),
+            BufferSpec("top_k", (rows,), torch.int64, vocab_size),
+            BufferSpec("top_p", (rows,), torch.float32, 1.0),
+            # Speculative verification: the draft each logits row is checked against.
+            BufferSpec("draft_token_ids", (rows,), torch.int64, -1),
             # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
             BufferSpec("placeholder_dst", (seqs,), torch.int64, 0),
             BufferSpec("placeholder_src", (seqs,), torch.int64, 0),
@@ -139,20 +147,20 @@ class RunnerSlot:
 
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_new, out=cu[1:])
+        drafts = batch.draft_token_ids  # speculative: tokens to verify after the last one
         if batch.is_decode_only:
             positions = starts
             ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num_seqs)
         else:
             stage(self.cu_seqlens_q, num_seqs + 1)[:] = cu
             positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
-            ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    s.token_ids[a:b]
-                    for s, a, b in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
-                ),
-                np.int64,
-                num_tokens,
+            pieces = (
+                s.token_ids[a:b]
+                for s, a, b in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
             )
+            if drafts is not None:
+                pieces = (p + d for p, d in zip(pieces, drafts, strict=True))
+            ids = np.fromiter(itertools.chain.from_iterable(pieces), np.int64, num_tokens)
         placeholders = [
             (row, seq.pending_token[1])
             for row, seq in enumerate(seqs)
@@ -168,9 +176,14 @@ class RunnerSlot:
         stage(self.positions, padded_tokens)[:num_tokens] = positions
         stage(self.context_lens, padded)[:num_seqs] = ends
 
+        num_verify_rows = 0
         if batch.is_decode_only:  # every row computes its last token: every row samples
             sampling_seqs = seqs
             gathers_logits = False
+        elif drafts is not None:
+            sampling_seqs, gathers_logits, num_verify_rows = self._stage_verify_rows(
+                seqs, drafts, ends, cu, num_tokens
+            )
         else:
             lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, num_seqs)
             sample_rows = np.flatnonzero(ends == lengths)
@@ -212,7 +225,32 @@ class RunnerSlot:
             needs_top_p=needs_top_p,
             gathers_logits=gathers_logits,
             num_placeholders=len(placeholders),
+            num_verify_rows=num_verify_rows,
         )
+
+    def _stage_verify_rows(self, seqs, drafts, ends, cu, num_tokens):
+        """Logits rows of a step with drafts: a sampling sequence with d drafts reads its
+        last d + 1 rows (the last real token's and each draft's); row j is checked against
+        draft j + 1, its last row against nothing (-1). Returns (sampling sequences, one
+        entry per row; whether the LM head gathers rows; number of rows)."""
+        stage = self.publisher.stage
+        counts = np.fromiter((len(d) for d in drafts), np.int64, len(seqs))
+        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
+        sample = np.flatnonzero(ends - counts == lengths).tolist()
+        sampling_seqs, rows, checked = [], [], []
+        for i in sample:
+            d = int(counts[i])
+            last = int(cu[i + 1]) - 1
+            sampling_seqs += [seqs[i]] * (d + 1)
+            rows.extend(range(last - d, last + 1))
+            checked += drafts[i]
+            checked.append(-1)
+        n = len(rows)
+        gathers_logits = n > 0 and n != num_tokens
+        if gathers_logits:
+            stage(self.logits_indices, n)[:] = rows
+        stage(self.draft_token_ids, n)[:] = checked
+        return sampling_seqs, gathers_logits, n
 
     # -- publication at the first consumer -------------------------------------------------
     def publish_model_inputs(self, step: PreparedStep):
@@ -234,6 +272,13 @@ class RunnerSlot:
         n = step.num_placeholders
         with profiling.stage("publish.placeholders"):
             return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
+
+    def publish_draft_tokens(self, step: PreparedStep) -> torch.Tensor | None:
+        """The draft each logits row is verified against (speculative steps), or None."""
+        if not step.num_verify_rows:
+            return None
+        with profiling.stage("publish.verify"):
+            return self._publish(self.draft_token_ids, step.num_verify_rows)
 
     def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor | None:
         """Rows of the hidden states the LM head reads, or None when it reads all."""

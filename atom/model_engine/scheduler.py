@@ -12,6 +12,7 @@ recompute cheap).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from atom.model_engine.block_manager import BlockManager
@@ -33,6 +34,12 @@ class ScheduledBatch:
     layout: int | None = None
     grown: list[Sequence] | None = None
     step: int | None = None
+    # Speculative decoding (atom/model_engine/speculative): draft slots reserved per
+    # sequence (num_new_tokens includes them), the proposals filling them (set before the
+    # launch; None = nothing to verify), and after on_complete each sequence's new tokens.
+    num_draft_tokens: list[int] | None = None
+    draft_token_ids: list[list[int]] | None = None
+    emitted: dict[int, list[int]] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -45,7 +52,8 @@ class ScheduledBatch:
     def samples(self, index: int) -> bool:
         """Whether seqs[index] reaches its last token this step (and so samples one)."""
         seq = self.seqs[index]
-        return seq.num_computed_tokens + self.num_new_tokens[index] == len(seq)
+        drafts = self.num_draft_tokens[index] if self.num_draft_tokens else 0
+        return seq.num_computed_tokens + self.num_new_tokens[index] - drafts == len(seq)
 
 
 class Scheduler:
@@ -68,6 +76,8 @@ class Scheduler:
         self._steps = 0
         self._layout = 0
         self._last_seqs: list[Sequence] = []
+        # Speculative decoding: draft tokens a decode may add to its step (0 = none).
+        self.lookahead: Callable[[Sequence], int] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,6 +103,8 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if self.lookahead is not None and seq.num_uncomputed_tokens == 1:
+                num_new = min(1 + self.lookahead(seq), budget)
             while not bm.can_grow(seq, num_new):
                 victim = self.running[-1]
                 budget += chosen.pop(victim, 0)
@@ -103,6 +115,8 @@ class Scheduler:
                 continue
             if bm.grow(seq, num_new):
                 grown.append(seq)
+            elif self.lookahead is not None and bm.trim(seq, num_new):
+                grown.append(seq)  # returned the blocks of drafts it no longer needs
             chosen[seq] = num_new
             budget -= num_new
 
@@ -138,7 +152,7 @@ class Scheduler:
             self._layout += 1
             self._last_seqs = seqs
         self._steps += 1
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             seqs,
             [chosen[s] for s in seqs],
             num_decodes,
@@ -146,6 +160,11 @@ class Scheduler:
             grown=grown,
             step=self._steps,
         )
+        if self.lookahead is not None:
+            batch.num_draft_tokens = [
+                chosen[s] - 1 if s.num_uncomputed_tokens == 1 else 0 for s in seqs
+            ]
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -187,13 +206,24 @@ class Scheduler:
         for (seq, position), token in zip(batch.sampled, sampled, strict=True):
             if seq.status == SequenceStatus.FINISHED:  # aborted, or stopped a step earlier
                 continue
-            seq.token_ids[position] = token
+            # Speculative steps give a list: the accepted drafts, then one more token.
+            tokens = token if isinstance(token, list) else (token,)
+            seq.token_ids[position] = tokens[0]
             if seq.pending_token is not None and seq.pending_token[0] == position:
                 seq.pending_token = None
             updated.append(seq)
-            reason = self._finish_reason(seq, token, position + 1)
+            end = position + 1
+            reason = self._finish_reason(seq, tokens[0], end)
+            for extra in tokens[1:]:  # synchronous steps only: no placeholder follows
+                if reason is not None:
+                    break
+                seq.token_ids.append(extra)
+                end += 1
+                reason = self._finish_reason(seq, extra, end)
+            if batch.emitted is not None:
+                batch.emitted[seq.seq_id] = seq.token_ids[position:end]
             if reason is not None:
-                del seq.token_ids[position + 1 :]  # a placeholder of a step still in flight
+                del seq.token_ids[end:]  # a placeholder of a step still in flight
                 self.finish(seq, reason)
         for seq in batch.seqs:
             if seq.status != SequenceStatus.FINISHED:

@@ -38,3 +38,36 @@ def test_first_32_greedy_tokens_match_hf(smollm2_llm):
         assert got.token_ids == want, chat
     assert sum(len(w) for w in expected) >= 4 * 16  # the comparison covered real text
     assert any("Paris" in o.text for o in outputs)
+
+
+COPY_TEXT = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, "
+    "and of having nothing to do."
+)
+COPY_CHATS = [
+    f"Repeat the following text word for word.\n\n{COPY_TEXT}",
+    "def add(a, b):\n    return a + b\n\nRewrite this Python function exactly as it is.",
+]
+
+
+def test_ngram_speculation_is_exact_and_accepts_on_copying_prompts(smollm2_llm):
+    """Greedy SmolLM2 with the n-gram proposer equals plain decoding on prompts that make it
+    copy text, and accepts most of what it proposes there. The engine of the parity test is
+    reused (loading the GGUF again would cost a minute): the proposer is attached to it."""
+    from atom.model_engine.speculative.decoder import SpeculativeDecoder
+    from atom.model_engine.speculative.proposers import NgramProposer
+
+    prompts = [smollm2_llm.chat_prompt([{"role": "user", "content": c}]) for c in COPY_CHATS]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = [o.token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    engine = smollm2_llm.engine
+    speculator = SpeculativeDecoder(NgramProposer(2, 4), 4, engine.max_model_len)
+    engine.speculator, engine.scheduler.lookahead = speculator, speculator.lookahead
+    try:
+        outputs = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        engine.speculator = engine.scheduler.lookahead = None
+    assert [o.token_ids for o in outputs] == plain
+    assert "Alice was" in outputs[0].text
+    stats = speculator.stats
+    assert stats.proposed_tokens >= 16 and stats.acceptance_rate > 0.3, vars(stats)

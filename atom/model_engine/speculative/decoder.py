@@ -1,0 +1,127 @@
+"""What the engine calls for speculative decoding (one object, built from the Config).
+
+Per step (a step's proposals need the previous step's tokens, so a step with drafts
+completes before the next is scheduled; with asynchronous scheduling a step whose
+successor cannot draft, `needs_tokens` False, stays in flight as usual):
+
+    scheduler.lookahead = decoder.lookahead  # before scheduling: drafts each decode may get
+    batch = scheduler.schedule()             # 1 + drafts tokens per decode, blocks for them
+    decoder.propose(batch)                   # batch.draft_token_ids
+    handle = runner.launch(batch)            # one forward verifies every row
+    emitted = decoder.on_verified(batch, handle.result())  # KV rollback, counters
+    scheduler.on_complete(batch, emitted)    # appends, stop/EOS checks inside the run
+
+KV rollback: the verify step wrote KV for every draft; a sequence that kept `a` of its
+`d` drafts moves `num_computed_tokens` back by `d - a`, so the next step overwrites the
+rejected slots. Blocks reserved for rejected drafts stay with the sequence while its next
+step needs them and return to the pool when it does not (`BlockManager.trim`, called by
+the scheduler); the page table only ever sees blocks that a forward writes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from atom.config import Config
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import Sequence, SequenceStatus
+from atom.model_engine.speculative.proposers import NgramProposer, Proposer
+from atom.model_engine.speculative.verify import accepted_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class SpeculationStats:
+    """Cumulative counters (the server's /metrics reads them)."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_drafts = 0  # sequence-steps that verified at least one draft
+        self.proposed_tokens = 0
+        self.accepted_tokens = 0
+        self.emitted_tokens = 0  # tokens of drafting sequence-steps (accepted + 1 each)
+        self.accepted_per_position = [0] * num_speculative_tokens  # draft j+1 kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.proposed_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        self.emitted_tokens += num_accepted + 1
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+class SpeculativeDecoder:
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int):
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.stats = SpeculationStats(num_speculative_tokens)
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Drafts `seq` may verify this step: at most k, never past max_tokens or
+        max_model_len (the step emits drafts + 1 tokens at most)."""
+        if seq.pending_token is not None:  # its last token is still on the device
+            return 0
+        limit = min(
+            self.k,
+            seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - len(seq) - 1,
+        )
+        return self.proposer.lookahead(seq, limit) if limit > 0 else 0
+
+    def needs_tokens(self, batch: ScheduledBatch) -> bool:
+        """Whether the step after `batch` (still in flight) may draft for one of its
+        sequences once their tokens are known: then the engine completes `batch` before
+        scheduling (asynchronous scheduling otherwise goes on, with no drafts for them)."""
+        return any(
+            self.proposer.may_propose(seq)
+            for seq, _ in batch.sampled or ()
+            if seq.pending_token is not None and not seq.finishing
+        )
+
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Fill `batch.draft_token_ids` (left None when no sequence drafts: a plain step)."""
+        counts = batch.num_draft_tokens
+        if not counts or not any(counts):
+            return
+        drafts = self.proposer.propose(batch.seqs, counts)
+        for seq, draft, count in zip(batch.seqs, drafts, counts, strict=True):
+            if len(draft) != count:
+                raise RuntimeError(
+                    f"the proposer gave {len(draft)} drafts for sequence {seq.seq_id}, "
+                    f"{count} were scheduled"
+                )
+        batch.draft_token_ids = drafts
+        batch.emitted = {}
+
+    def on_verified(self, batch: ScheduledBatch, result) -> list[list[int]]:
+        """From the verify rows' (tokens, accepted) to each sampling sequence's new tokens;
+        moves each drafting sequence's computed count back past its rejected drafts."""
+        tokens, accepted = result
+        index = {seq: i for i, seq in enumerate(batch.seqs)}
+        drafts = [batch.draft_token_ids[index[seq]] for seq, _ in batch.sampled]
+        emitted = accepted_tokens(drafts, tokens, accepted)
+        for (seq, position), draft, new in zip(batch.sampled, drafts, emitted, strict=True):
+            if not draft or seq.status == SequenceStatus.FINISHED:
+                continue
+            num_accepted = len(new) - 1
+            seq.num_computed_tokens -= len(draft) - num_accepted
+            self.stats.record(len(draft), num_accepted)
+            self.proposer.on_verified(seq, position, len(draft), num_accepted)
+        return emitted
+
+
+def make_decoder(config: Config, max_model_len: int, draft_runner=None) -> SpeculativeDecoder:
+    k = config.num_speculative_tokens
+    if config.speculative_method == "ngram":
+        proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    else:
+        from atom.model_engine.speculative.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
+    logger.info("speculative decoding: %s, %d tokens per step", config.speculative_method, k)
+    return SpeculativeDecoder(proposer, k, max_model_len)

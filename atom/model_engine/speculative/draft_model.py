@@ -1,0 +1,164 @@
+"""The draft-model proposer: a smaller model with the target's vocabulary guesses ahead.
+
+The draft runs on a ModelRunner of its own (its model, its runner slot with its own
+buffers, publisher and page table, its decode CUDA graphs) and its own KV cache tensors
+with the target's number of blocks, addressed by the target sequence's block ids: the
+draft's KV of position p lives at the same slot as the target's, in the draft's tensors.
+The target's scheduler reserves the blocks (1 + drafts positions per step), so the draft
+never allocates anything.
+
+Per step and drafting sequence with L tokens and d drafts:
+1. catch up: compute the draft KV of the positions it has not seen ([computed, L), in
+   chunks of the step budget) and take its greedy token at L - 1: draft 1;
+2. d - 1 decode steps, each feeding the previous draft back on the device (the runner's
+   placeholder fix-up, no host round trip) and taking the next greedy token.
+The draft's KV is valid for real tokens only: after the verify step kept `a` drafts, it
+holds positions < L + min(a, d - 1). A sequence freed and re-admitted (preemption;
+`block_version` bumped) starts again from 0.
+
+Proposals are greedy (one-hot q), which is what the rejection sampler assumes.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+
+from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from atom.sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+class _DraftView:
+    """A target sequence as the draft runner sees it (what RunnerSlot.prepare reads)."""
+
+    __slots__ = (
+        "seq_id", "token_ids", "num_computed_tokens", "block_table", "block_version",
+        "pending_token", "sampling_params",
+    )  # fmt: skip
+
+    def __init__(self, seq: Sequence, token_ids: list[int], num_computed: int, pending=None):
+        self.seq_id = seq.seq_id
+        self.token_ids = token_ids
+        self.num_computed_tokens = num_computed
+        self.block_table = seq.block_table  # the target's block ids
+        self.block_version = seq.block_version
+        self.pending_token = pending
+        self.sampling_params = _GREEDY
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class DraftModelProposer:
+    def __init__(self, runner, max_num_batched_tokens: int):
+        self.runner = runner  # a ModelRunner over the draft model (greedy, synchronous)
+        self.budget = max_num_batched_tokens
+        # seq -> (block_version, positions whose draft KV is valid)
+        self._computed: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.draft_forwards = 0  # draft runner launches (tests, benchmarks)
+
+    def lookahead(self, seq: Sequence, limit: int) -> int:
+        return limit
+
+    def may_propose(self, seq: Sequence) -> bool:
+        return True  # every decode drafts: steps never overlap
+
+    def _valid(self, seq: Sequence) -> int:
+        version, computed = self._computed.get(seq, (None, 0))
+        return computed if version == seq.block_version else 0
+
+    def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
+        active = [(s, c) for s, c in zip(seqs, counts, strict=True) if c > 0]
+        drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
+        if active:
+            first = self._catch_up([s for s, _ in active])
+            for (seq, _), token in zip(active, first, strict=True):
+                drafts[seq.seq_id].append(token)
+            self._decode_chain(active, drafts)
+        return [
+            drafts.get(s.seq_id, []) if c > 0 else [] for s, c in zip(seqs, counts, strict=True)
+        ]
+
+    def _launch(self, views, num_new):
+        decodes = 0
+        for view, n in zip(views, num_new, strict=True):
+            if n != 1 or len(view) - view.num_computed_tokens != 1:
+                break
+            decodes += 1
+        self.draft_forwards += 1
+        return self.runner.launch(ScheduledBatch(views, num_new, decodes))
+
+    def _catch_up(self, seqs: list[Sequence]) -> list[int]:
+        """Draft KV of every unseen position; returns each sequence's first draft."""
+        views = [_DraftView(s, s.token_ids, self._valid(s)) for s in seqs]
+        first: dict[int, int] = {}
+        while len(first) < len(views):
+            budget, batch, num_new = self.budget, [], []
+            for view in views:
+                left = len(view) - view.num_computed_tokens
+                if left == 0 or budget == 0:
+                    continue
+                n = min(left, budget)
+                batch.append(view)
+                num_new.append(n)
+                budget -= n
+            tokens = self._launch(batch, num_new).result()
+            samplers = []
+            for view, n in zip(batch, num_new, strict=True):
+                view.num_computed_tokens += n
+                if view.num_computed_tokens == len(view):
+                    samplers.append(view)
+            for view, token in zip(samplers, tokens, strict=True):
+                first[view.seq_id] = token
+        for seq, view in zip(seqs, views, strict=True):
+            self._computed[seq] = (seq.block_version, view.num_computed_tokens)
+        return [first[s.seq_id] for s in seqs]
+
+    def _decode_chain(self, active, drafts: dict[int, list[int]]) -> None:
+        """Drafts 2..d: decode steps whose input is the previous draft (on the device)."""
+        handles, rows = [], {}  # rows: seq_id -> row in the previous launch's tokens
+        for step in range(2, max(c for _, c in active) + 1):
+            views = []
+            for seq, count in active:
+                if count < step:
+                    continue
+                ids = seq.token_ids + drafts[seq.seq_id]
+                pending = None
+                if step > 2:  # the previous draft is still on the device
+                    pending = (len(ids) + step - 3, rows[seq.seq_id])
+                    ids = ids + [PLACEHOLDER_TOKEN] * (step - 2)
+                views.append(_DraftView(seq, ids, len(ids) - 1, pending))
+            handles.append((views, self._launch(views, [1] * len(views))))
+            rows = {view.seq_id: row for row, view in enumerate(views)}
+        for views, handle in handles:
+            for view, token in zip(views, handle.result(), strict=True):
+                drafts[view.seq_id].append(token)
+
+    def on_verified(self, seq: Sequence, position: int, num_drafts: int, num_accepted: int):
+        self._computed[seq] = (seq.block_version, position + min(num_accepted, num_drafts - 1))
+
+
+def draft_config(config, num_blocks: int):
+    """The draft runner's Config: the target's, over the draft model and the target's
+    number of KV blocks, without speculation of its own."""
+    return replace(
+        config,
+        model=config.speculative_model,
+        num_kvcache_blocks=num_blocks,
+        speculative_method=None,
+        speculative_model=None,
+        async_scheduling=False,
+    )
+
+
+def draft_kv_block_bytes(hf_config, block_size: int, dtype_bytes: int) -> int:
+    """KV bytes of one block of an MHA draft model (sizes the target's cache budget)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * block_size
