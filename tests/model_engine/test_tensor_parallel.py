@@ -22,6 +22,7 @@ import torch
 from atom.distributed import ShardingError
 from atom.model_engine.llm_engine import LLM
 from atom.model_engine.rendezvous import PortInUseError, Rendezvous
+from atom.model_engine.sequence import FinishReason
 from atom.model_engine.step_messages import SequenceMirror, StepEncoder
 from atom.model_engine.workers import WorkerFailedError
 from atom.sampling_params import SamplingParams
@@ -207,8 +208,8 @@ def test_killed_rank_is_reported_and_everything_stops(tiny_model_dirs):
     runner = llm.engine.model_runner
     pids, port = runner.workers.pids, runner.port
     engine = llm.engine
-    for prompt in random_prompts(8, [5, 9, 17]):
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    seqs = [engine.requests[engine.add_request(p, params)] for p in random_prompts(8, [5, 9, 17])]
     for _ in range(3):
         engine.step()
     os.kill(pids[1], signal.SIGKILL)
@@ -220,8 +221,12 @@ def test_killed_rank_is_reported_and_everything_stops(tiny_model_dirs):
     error = caught.value
     assert error.rank == 1 and "SIGKILL" in str(error), str(error)
     assert not any(pid_alive(pid) for pid in pids)
+    # The requests of the lost steps end with reason "error", without placeholder tokens.
+    assert all(s.finish_reason == FinishReason.ERROR and -1 not in s.token_ids for s in seqs)
+    late = engine.add_request(random_prompts(9, [4])[0], params)
     with pytest.raises(WorkerFailedError):  # the engine stays failed, it does not hang
         engine.step()
+    engine.abort(late)
     llm.shutdown()  # idempotent
     with Rendezvous.start(world_size=2, master_port=port) as again:  # the port is free
         assert again.spec.port == port
