@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from atom.model_engine.sequence import Sequence
+from atom.model_engine.state_slots import StateSlots
 
 
 class Block:
@@ -31,12 +32,21 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Per-sequence state (atom/model_engine/state_slots.py): one slot per admitted
+        # sequence, handed out in `admit` and returned in `free` with the blocks.
+        self.state_slots = state_slots
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
@@ -84,6 +94,8 @@ class BlockManager:
         """Whether `seq` can start with `prefix` reused and `num_new_tokens` computed."""
         revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0)
         needed = self.blocks_for(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
         return needed + revived <= self.num_free_blocks
 
     # -- mutations ------------------------------------------------------------------------
@@ -92,6 +104,8 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
         self.prefix_queried_blocks += max(0, (len(seq) - 1) // self.block_size)
         self.prefix_hit_blocks += len(prefix)
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.allocate()
         for block_id in prefix:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -150,4 +164,7 @@ class BlockManager:
                 self._free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
         seq.block_version += 1

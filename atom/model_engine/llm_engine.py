@@ -16,6 +16,7 @@ from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import FinishReason, Sequence
+from atom.model_engine.state_slots import StateSlots
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
@@ -77,8 +78,20 @@ class LLMEngine:
             self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
         else:
             self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
+        num_state_slots = getattr(self.model_runner, "num_state_slots", 0)
+        prefix_caching = config.enable_prefix_caching
+        if num_state_slots and prefix_caching:
+            logger.info(
+                "prefix caching is off for %s: its per-sequence state (sliding window, "
+                "compressor) is not cached with the blocks",
+                getattr(hf, "model_type", "this model"),
+            )
+            prefix_caching = False
         self.block_manager = BlockManager(
-            self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
+            self.model_runner.num_kvcache_blocks,
+            config.block_size,
+            prefix_caching,
+            StateSlots(num_state_slots) if num_state_slots else None,
         )
         self.scheduler = Scheduler(
             self.block_manager,
