@@ -30,6 +30,7 @@ from atom.kernels.decode_attention import (  # noqa: E402
     paged_decode_attention_reference,
 )
 from atom.kernels.kv_cache import store_kvcache, store_kvcache_reference  # noqa: E402
+from atom.kernels.moe import fused_moe, routed_experts_reference  # noqa: E402
 from atom.kernels.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
     paged_prefill_attention_reference,
@@ -41,12 +42,14 @@ __all__ = [
     "HAS_TRITON",
     "apply_rotary",
     "apply_rotary_reference",
+    "fused_moe",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefill_attention",
     "paged_prefill_attention_reference",
     "rms_norm",
     "rms_norm_reference",
+    "routed_experts_reference",
     "silu_and_mul",
     "silu_and_mul_reference",
     "store_kvcache",

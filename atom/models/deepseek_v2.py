@@ -16,7 +16,8 @@ against):
 The rotated rope output is laid out de-interleaved (evens then odds, as HF V3): q and k
 get the same permutation, so every dot product equals HF V2's interleaved layout.
 Experts are stacked per layer ([E, 2I, H] and [E, H, I]); checkpoints store them one
-expert at a time (HF `save_pretrained`) or stacked, both load.
+expert at a time (HF `save_pretrained`) or stacked, both load. The routed experts run through
+atom/models/moe.py (sorted by expert, no host sync on CUDA, the same path under graphs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.nn import functional as F
 from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm
+from atom.models.moe import routed_experts
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -259,27 +261,10 @@ class DeepseekMoE(nn.Module):
         shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = DeepseekMLP(hidden, inter * shared) if shared else None
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.experts.down_proj[e])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            # CUDA-graph capture (decode): no data-dependent shapes; every expert runs on
-            # every token and unchosen ones are weighted by zero.
-            dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
-            dense.scatter_(1, ids, weights)
-            for e in range(self.num_experts):
-                out += (self._expert(e, x) * dense[:, e, None]).to(x.dtype)
-        else:  # experts in order, each on the tokens that chose it (HF's loop)
-            for e in range(self.num_experts):
-                tokens, slots = torch.where(ids == e)
-                if tokens.numel() == 0:
-                    continue
-                y = self._expert(e, x[tokens]) * weights[tokens, slots, None]
-                out.index_add_(0, tokens, y.to(x.dtype))
+        # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync
+        out = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

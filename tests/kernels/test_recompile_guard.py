@@ -19,6 +19,7 @@ from atom.kernels import (
     decode_attention,
     kv_cache,
     mla,
+    moe,
     page_table,
     prefill_attention,
     rmsnorm,
@@ -119,6 +120,17 @@ KERNELS = {
             "stride_out_batch",
             "stride_out_head",
         ],
+    ),
+    # MoE: alignment of the (token, k) pairs by expert, then the two grouped GEMMs; the
+    # number of used rows is read from device memory, the rest is geometry.
+    (moe, "_moe_align_kernel"): (["num_pairs"], []),
+    (moe, "_moe_gate_up_kernel"): (
+        ["num_pairs"],
+        ["swiglu_limit", "stride_x", "stride_gate_up_expert", "stride_gate_up_row", "stride_out"],
+    ),
+    (moe, "_moe_down_kernel"): (
+        ["num_pairs"],
+        ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
     ),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
@@ -444,3 +456,44 @@ def test_paged_mla_decode_one_variant():
         mla.paged_mla_decode(q_latent[:3], q_rope[:3], cache, tables, lens, scale)
 
     assert_one_variant(mla, ["_paged_mla_decode_kernel"], run)
+
+
+def _moe_inputs(num_tokens, num_experts=16, top_k=4, hidden=256, intermediate=128):
+    generator = _generator()
+    scores = torch.rand(num_tokens, num_experts, device=DEVICE, generator=generator)
+    weights, ids = scores.topk(top_k, dim=-1)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=BF16, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, device=DEVICE, dtype=BF16)
+    down = torch.randn(num_experts, hidden, intermediate, device=DEVICE, dtype=BF16)
+    return x, weights, ids, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swiglu_limit", [None, 10.0])
+def test_fused_moe_one_variant(swiglu_limit):
+    """Fixed tiles: one variant of each kernel over the token sweep."""
+    x, weights, ids, gate_up, down = _moe_inputs(max(SWEEP))
+    tiles = moe.MoeTiles(16, 64, 64)
+
+    def run(n):
+        moe.fused_moe(x[:n], weights[:n], ids[:n], gate_up, down, swiglu_limit, tiles=tiles)
+
+    kernels = ["_moe_align_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"]
+    assert_one_variant(moe, kernels, run)
+
+
+@pytest.mark.gpu
+def test_fused_moe_default_tiles_one_variant_per_tile_choice():
+    """The default tiles change with pairs per expert (decode vs prefill): one variant of
+    each GEMM per distinct choice, nothing more."""
+    x, weights, ids, gate_up, down = _moe_inputs(max(SWEEP))
+    num_experts, top_k = gate_up.shape[0], ids.shape[1]
+    choices = len({moe.default_tiles(n * top_k, num_experts) for n in SWEEP})
+    assert choices > 1
+
+    def run(n):
+        moe.fused_moe(x[:n], weights[:n], ids[:n], gate_up, down)
+
+    kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
+    history = variants_over_sweep(moe, kernels, run)
+    assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)

@@ -1,0 +1,445 @@
+"""Routed experts of an MoE layer: a Triton grouped GEMM over (token, k) pairs sorted by
+expert, beside its torch reference.
+
+Shapes and dtypes (T tokens, k experts per token, E experts, hidden H, intermediate I):
+    x             [T, H] fp32/bf16/fp16, unit stride inside a row
+    topk_weights  [T, k] fp32 (the routers' dtype) or x's dtype
+    topk_ids      [T, k] int32/int64, ids in [0, E)
+    gate_up_proj  [E, 2I, H] x's dtype: gate rows [0, I), up rows [I, 2I)
+    down_proj     [E, H, I] x's dtype
+    out           [T, H] x's dtype
+
+    out[t] = sum_j topk_weights[t, j] * down[e] @ act(gate_up[e] @ x[t]),  e = topk_ids[t, j]
+    act(gate | up) = SiLU(gate) * up; with swiglu_limit L (DeepSeek-V4) gate is clamped to
+    at most L and up to [-L, L] first.
+
+The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph capturable):
+1. ``_moe_align_kernel`` (one program): pair p = t * k + j goes to its expert's segment of
+   ``sorted_pairs``; every segment is padded to a multiple of BLOCK_M with the value
+   ``num_pairs`` (no pair), so each BLOCK_M block of rows belongs to one expert
+   (``block_experts``, -1 past the used rows, whose count is ``num_padded``). Buffers have
+   fixed sizes for a given T: at most ``T * k + E * (BLOCK_M - 1)`` rows.
+2. ``_moe_gate_up_kernel``: per (row block, column tile) gathers the block's x rows, runs
+   both the gate and the up GEMM against its expert's weights and writes act(gate | up) in
+   x's dtype, [T * k, I] by pair.
+3. ``_moe_down_kernel``: the down GEMM of those rows times the routing weight, [T * k, H].
+4. The sum over k (torch).
+Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
+past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
+grid. Geometry (constexpr): H, I, E, k, tiles. Weight offsets are int64 (E * 2I * H passes
+2^31 for DeepSeek-V3).
+
+Numerics: the reference follows HF transformers' expert loop (DeepseekV2Experts,
+DeepseekV4Experts): GEMMs in x's dtype, the product with the routing weight in the weight's
+dtype rounded to x's dtype, the per-token sum in x's dtype in ascending expert order. The
+kernels accumulate in fp32 and round where HF rounds (GEMM outputs, SiLU, products), but
+sum the k contributions in fp32 and round once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from atom.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+
+# -- alignment: pairs sorted by expert, padded to BLOCK_M per expert ---------------------------
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_align_kernel(
+    topk_ids_ptr,  # [num_pairs] expert of pair p = t * k + j
+    sorted_pairs_ptr,  # out [max_padded] int32: pairs by expert, padding = num_pairs
+    block_experts_ptr,  # out [max_blocks] int32: expert of each BLOCK_M rows, -1 past the end
+    num_padded_ptr,  # out [1] int32: rows in use (a multiple of BLOCK_M)
+    num_pairs,
+    NUM_EXPERTS: tl.constexpr,
+    EXPERTS_P2: tl.constexpr,  # next_power_of_2(NUM_EXPERTS)
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,  # pairs (rows, blocks) per iteration
+):
+    # One program; every phase reads only its inputs (no phase reads another's stores).
+    experts = tl.arange(0, EXPERTS_P2)
+    real_expert = (experts < NUM_EXPERTS)[None, :]
+    max_padded = num_pairs + NUM_EXPERTS * (BLOCK_M - 1)
+    max_blocks = (max_padded + BLOCK_M - 1) // BLOCK_M
+
+    counts = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & real_expert
+        counts += tl.sum(hit.to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+
+    # expert of a block = how many segments end at or before its first row
+    for start in range(0, max_blocks, BLOCK):
+        blocks = start + tl.arange(0, BLOCK)
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(first_row < total, expert, -1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < max_blocks)
+
+    # rows outside every [start, start + count) hold no pair
+    for start in range(0, max_padded, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        used = (rows[:, None] >= starts[None, :]) & (rows[:, None] < (starts + counts)[None, :])
+        is_pair = tl.sum(used.to(tl.int32), axis=1) > 0
+        padding = tl.full((BLOCK,), 0, tl.int32) + num_pairs
+        tl.store(sorted_pairs_ptr + rows, padding, mask=(rows < max_padded) & ~is_pair)
+
+    # a pair's row: its expert's start + how many earlier pairs chose that expert
+    seen = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        pairs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]) & real_expert
+        hits = hit.to(tl.int32)
+        rank = tl.cumsum(hits, axis=0) - 1 + seen[None, :]
+        row = tl.sum(tl.where(hit, starts[None, :] + rank, 0), axis=1)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=tl.sum(hits, axis=1) > 0)
+        seen += tl.sum(hits, axis=0)
+
+
+def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(rows, blocks) of the alignment buffers: fixed for a given number of pairs."""
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    return max_padded, -(-max_padded // block_m)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted_pairs [max_padded] int32, block_experts [max_blocks] int32, num_padded [1]
+    int32) of ``topk_ids`` [T, k] on its device, without a host sync (see the module doc)."""
+    if not use_triton(topk_ids):
+        return moe_align_reference(topk_ids, num_experts, block_m)
+    ids = topk_ids.reshape(-1)  # a view of torch.topk's contiguous output
+    num_pairs = ids.numel()
+    max_padded, max_blocks = moe_align_size(num_pairs, num_experts, block_m)
+    device = topk_ids.device
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    experts_p2 = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](
+        ids,
+        sorted_pairs,
+        block_experts,
+        num_padded,
+        num_pairs,
+        NUM_EXPERTS=num_experts,
+        EXPERTS_P2=experts_p2,
+        BLOCK_M=block_m,
+        BLOCK=max(16, min(256, 8192 // experts_p2)),  # about 8K one-hot entries per step
+        num_warps=8,
+    )
+    return sorted_pairs, block_experts, num_padded
+
+
+def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Pure-torch ``moe_align`` (same buffers, same values)."""
+    ids = topk_ids.reshape(-1).long()
+    num_pairs = ids.numel()
+    max_padded, max_blocks = moe_align_size(num_pairs, num_experts, block_m)
+    counts = torch.bincount(ids, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(ids, stable=True)
+    rank = torch.arange(num_pairs, device=ids.device) - (counts.cumsum(0) - counts)[ids[order]]
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[(ends - padded)[ids[order]] + rank] = order.to(torch.int32)
+    first_rows = torch.arange(max_blocks, device=ids.device) * block_m
+    block_experts = torch.searchsorted(ends, first_rows, right=True)
+    block_experts = torch.where(first_rows < ends[-1], block_experts, -1).to(torch.int32)
+    return sorted_pairs, block_experts, ends[-1:].to(torch.int32)
+
+
+# -- the grouped GEMMs ---------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gate_up_kernel(
+    x_ptr,  # [T, H]
+    gate_up_ptr,  # [E, 2I, H]
+    out_ptr,  # [T * k, I] act(gate | up) by pair
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    swiglu_limit,
+    stride_x,
+    stride_gate_up_expert,
+    stride_gate_up_row,
+    stride_out,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32), else "tf32" (unused for bf16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Program (m, n): rows [m * BLOCK_M, ...) of sorted_pairs (one expert), out columns
+    # [n * BLOCK_N, ...) of both the gate and the up half.
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTERMEDIATE
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_x
+    gate_rows = (
+        gate_up_ptr
+        + expert * stride_gate_up_expert
+        + offs_n.to(tl.int64)[None, :] * stride_gate_up_row
+    )
+    up_rows = gate_rows + INTERMEDIATE * stride_gate_up_row
+
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < HIDDEN
+        a = tl.load(x_rows + k[None, :], mask=is_pair[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)  # rounded like the GEMM's output in torch
+    up = acc_up.to(dtype).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out, (silu * up).to(dtype), mask=is_pair[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_down_kernel(
+    hidden_ptr,  # [T * k, I] by pair
+    down_ptr,  # [E, H, I]
+    topk_weights_ptr,  # [T * k]
+    out_ptr,  # [T * k, H] by pair, times its routing weight
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    num_pairs,
+    stride_hidden,
+    stride_down_expert,
+    stride_down_row,
+    stride_out,
+    HIDDEN: tl.constexpr,
+    INTERMEDIATE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Program (m, n): rows [m * BLOCK_M, ...) of sorted_pairs, out columns [n * BLOCK_N, ...).
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    pair_rows = pairs.to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    hidden_rows = hidden_ptr + pair_rows[:, None] * stride_hidden
+    down_rows = (
+        down_ptr + expert * stride_down_expert + offs_n.to(tl.int64)[None, :] * stride_down_row
+    )
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTERMEDIATE, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < INTERMEDIATE
+        a = tl.load(hidden_rows + k[None, :], mask=is_pair[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(down_rows + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0).to(tl.float32)
+    y = acc.to(dtype).to(tl.float32) * weight[:, None]
+    out = out_ptr + pair_rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out, y.to(dtype), mask=is_pair[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile geometry of the grouped GEMMs (constexpr: one compiled variant each)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+    """Rows per block from the pairs an expert gets on average: 16 for decode batches
+    (weight-bandwidth bound, little padding), larger for prefill (reuse of weight tiles)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return MoeTiles(16, 64, 128)
+    if per_expert <= 64:
+        return MoeTiles(32, 64, 64)
+    return MoeTiles(64, 128, 64, num_warps=8)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    swiglu_limit: float | None = None,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
+    torch reference otherwise. No host sync; fixed buffer sizes for a given T."""
+    if not use_triton(x):
+        return routed_experts_reference(
+            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit
+        )
+    num_tokens, hidden = x.shape
+    num_experts, two_intermediate, _ = gate_up_proj.shape
+    intermediate = two_intermediate // 2
+    top_k = topk_ids.shape[1]
+    assert gate_up_proj.shape == (num_experts, 2 * intermediate, hidden), gate_up_proj.shape
+    assert down_proj.shape == (num_experts, hidden, intermediate), down_proj.shape
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    assert x.stride(1) == gate_up_proj.stride(2) == down_proj.stride(2) == 1
+    assert gate_up_proj.dtype == down_proj.dtype == x.dtype
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    num_pairs = num_tokens * top_k
+    tiles = tiles or default_tiles(num_pairs, num_experts)
+    sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, tiles.block_m)
+    num_blocks = block_experts.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+    hidden_states = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
+    block_n = min(tiles.block_n, max(16, triton.next_power_of_2(intermediate)))
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
+        x,
+        gate_up_proj,
+        hidden_states,
+        sorted_pairs,
+        block_experts,
+        num_padded,
+        num_pairs,
+        0.0 if swiglu_limit is None else float(swiglu_limit),
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        hidden_states.stride(0),
+        HIDDEN=hidden,
+        INTERMEDIATE=intermediate,
+        TOP_K=top_k,
+        HAS_LIMIT=swiglu_limit is not None,
+        DOT_PRECISION=precision,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(hidden))),
+        **launch,
+    )
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    block_n = min(tiles.block_n, max(16, triton.next_power_of_2(hidden)))
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        hidden_states,
+        down_proj,
+        topk_weights.reshape(-1),
+        per_pair,
+        sorted_pairs,
+        block_experts,
+        num_padded,
+        num_pairs,
+        hidden_states.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        per_pair.stride(0),
+        HIDDEN=hidden,
+        INTERMEDIATE=intermediate,
+        DOT_PRECISION=precision,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(intermediate))),
+        **launch,
+    )
+    if top_k == 1:
+        return per_pair
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+# -- the torch reference -------------------------------------------------------------------------
+
+
+def swiglu_reference(gate_up: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> SiLU(gate) * up, gate clamped to <= L and up to [-L, L]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return F.silu(gate) * up
+
+
+def routed_experts_reference(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """Pure-torch routed experts: the (token, k) pairs sorted by expert, one GEMM pair per
+    expert segment (work proportional to T * k). Reads the segment sizes on the host, so it
+    is not CUDA-graph capturable; ``fused_moe`` is."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    # stable: inside an expert, pairs stay in token order (each token picks an expert once)
+    order = torch.argsort(flat_ids, stable=True)
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order, None]
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        hidden = swiglu_reference(F.linear(x[tokens[rows]], gate_up_proj[expert]), swiglu_limit)
+        y = F.linear(hidden, down_proj[expert]) * weights[rows]
+        # one add per expert, in expert order, like HF (one index_add_ over all the pairs
+        # rounds a bf16 sum differently)
+        out.index_add_(0, tokens[rows], y.to(x.dtype))
+        start += count
+    return out

@@ -1,0 +1,38 @@
+"""Routed experts of a mixture-of-experts layer, shared by every MoE family (DeepSeek-V2/V3,
+DeepSeek-V4).
+
+``routed_experts`` does work proportional to ``num_tokens * top_k`` and never syncs the host
+on CUDA: there it runs atom/kernels/moe.py's Triton grouped GEMM over tokens sorted by expert
+(fixed-size buffers, so eager mode and CUDA-graph capture take the same path); on CPU it runs
+the torch reference of the same math (one GEMM per expert segment, in expert order, as HF's
+expert loop, so fp32 outputs equal HF's bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels.moe import fused_moe, routed_experts_reference
+
+
+def routed_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` as ``[T, H]`` in x's dtype.
+
+    x [T, H]; topk_weights [T, k] (fp32 from the routers, or x's dtype); topk_ids [T, k]
+    integer ids in [0, E); gate_up_proj [E, 2I, H] (gate rows then up rows); down_proj
+    [E, H, I]. An expert is ``down @ (SiLU(gate) * up)`` with ``gate, up = gate_up @ x``; with
+    ``swiglu_limit`` (DeepSeek-V4) gate is clamped to at most the limit and up to
+    [-limit, limit] before the activation.
+    """
+    if x.is_cuda:
+        return fused_moe(x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
+    return routed_experts_reference(
+        x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit
+    )
