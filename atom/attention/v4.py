@@ -302,9 +302,15 @@ class V4Attention(nn.Module):
         return pool.view(-1, dim)[entry_rows(table, ids, ratio, block_size, num_blocks)[0]]
 
     def _profile(self, q, kv, positions, sinks):
-        pos = positions.long()
-        valid = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-        return attend_with_sink(q, kv, valid, sinks, self.scale)
+        """Memory profiling run (positions 0..T-1, no cache): window attention only, in
+        the prefill's query chunks, so its peak matches a real prefill's."""
+        out = torch.empty_like(q)
+        for c in range(0, q.shape[0], QUERY_CHUNK):
+            c_end = min(c + QUERY_CHUNK, q.shape[0])
+            out[c:c_end] = self._attend_chunk(
+                q[c:c_end], (kv, 0), None, None, None, sinks, 0, c, c_end, 0
+            )
+        return out
 
 
 def _rows(inputs: CompressorInputs, a: int, b: int) -> CompressorInputs:

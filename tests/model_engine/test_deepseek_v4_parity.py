@@ -160,7 +160,10 @@ def test_chunked_prefill_and_preemption(v4_dirs):
 
 
 @pytest.mark.parametrize("h2d_backend", ["direct", "packed"])
-def test_batch_of_eight_mixed_lengths(v4_dirs, h2d_backend):
+def test_batch_of_eight_mixed_lengths(v4_dirs, h2d_backend, monkeypatch):
+    import atom.attention.v4
+
+    monkeypatch.setattr(atom.attention.v4, "QUERY_CHUNK", 16)  # prefill over several chunks
     path = v4_dirs["b"]
     llm = build_llm(path, num_kvcache_blocks=64, max_num_batched_tokens=48, h2d_backend=h2d_backend)
     assert _tokens(llm, MIXED) == _hf(path, MIXED)
@@ -226,3 +229,18 @@ def test_cuda_fp32_greedy_matches_hf(v4_dirs):
     llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
                     cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm) == _hf(path)
+
+
+def test_memory_profiling_forward_runs_without_a_cache(v4_dirs, monkeypatch):
+    """The CUDA sizing run (no blocks, no state slots yet) goes through every layer."""
+    import atom.attention.v4
+    from atom.forward_context import AttentionMetadata, forward_context
+
+    monkeypatch.setattr(atom.attention.v4, "QUERY_CHUNK", 128)
+    llm = build_llm(v4_dirs["a"], num_kvcache_blocks=8)
+    model = llm.engine.model_runner.model
+    n = 300  # more than one query chunk
+    dense = AttentionMetadata(None, None, None, None, n, False)
+    with torch.no_grad(), forward_context(dense):
+        hidden = model(torch.randint(3, VOCAB, (n,)), torch.arange(n))
+    assert hidden.shape == (n, 32) and torch.isfinite(hidden).all()
