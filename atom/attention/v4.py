@@ -36,6 +36,7 @@ from atom.kernels.v4_attention import (
     write_window_reference,
 )
 from atom.kernels.v4_compressor import (
+    compressor_decode,
     compressor_decode_reference,
     entry_rows,
     pool_entries,
@@ -189,7 +190,8 @@ class V4Attention(nn.Module):
         )  # fmt: skip
 
     def _emit_decode(self, inputs, state_kv, state_gate, pool, meta, positions):
-        compressor_decode_reference(
+        emit = compressor_decode if inputs.kv.is_cuda else compressor_decode_reference
+        emit(
             state_kv, state_gate, inputs.kv, inputs.gate, inputs.position_bias,
             inputs.norm_weight, inputs.eps, self.compress_cos, self.compress_sin,
             meta.state_slots, positions, meta.block_tables, pool, self.ratio, self.overlap,

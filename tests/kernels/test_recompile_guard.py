@@ -26,6 +26,7 @@ from atom.kernels import (
     rotary,
     scatter,
     v4_attention,
+    v4_compressor,
 )
 from tests.kernels.recompile_guard import (
     SWEEP,
@@ -136,6 +137,10 @@ KERNELS = {
     # DeepSeek-V4: the window-ring write (rows from the grid) and the one-pass decode over
     # window + entries + sink (entry count and page-table width are runtime).
     (v4_attention, "_write_window_kernel"): (["num_rows"], ["stride_kv_row"]),
+    (v4_compressor, "_compressor_decode_kernel"): (
+        ["num_rows", "stride_tables_row"],
+        ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row", "num_blocks"],
+    ),
     (v4_attention, "_v4_decode_kernel"): (
         ["num_entries", "stride_tables_row"],
         [
@@ -543,3 +548,32 @@ def test_v4_window_write_and_decode_one_variant():
         )  # fmt: skip
 
     assert_one_variant(v4_attention, ["_write_window_kernel", "_v4_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap,ratio", [(True, 4), (False, 128)])
+def test_v4_compressor_decode_one_variant(overlap, ratio):
+    dim, slots, block_size = 512, 8, 16
+    width = 2 * dim if overlap else dim
+    rows = 2 * ratio if overlap else ratio
+    state_kv = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
+    state_gate = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
+    pool = torch.zeros(4097, max(1, block_size // ratio), dim, device=DEVICE, dtype=BF16)
+    kv = torch.randn(max(SWEEP), width, device=DEVICE, dtype=BF16)
+    bias = torch.randn(ratio, width, device=DEVICE)
+    weight = torch.ones(dim, device=DEVICE)
+    cos, sin = torch.randn(2, 8192, 32, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        state = torch.randint(
+            -1, slots, (n,), device=DEVICE, dtype=torch.int32, generator=generator
+        )
+        positions = torch.randint(0, 8000, (n,), device=DEVICE, generator=generator)
+        tables = _block_tables(n, 8192, 4096)
+        v4_compressor.compressor_decode(
+            state_kv, state_gate, kv[:n], kv[:n], bias, weight, 1e-6, cos, sin, state,
+            positions, tables, pool, ratio, overlap, block_size,
+        )  # fmt: skip
+
+    assert_one_variant(v4_compressor, ["_compressor_decode_kernel"], run)

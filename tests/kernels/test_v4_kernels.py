@@ -12,6 +12,7 @@ from atom.kernels.v4_attention import (
     write_window,
     write_window_reference,
 )
+from atom.kernels.v4_compressor import compressor_decode, compressor_decode_reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -92,3 +93,47 @@ def test_decode_attention_bf16_matches_reference():
     expected = v4_decode_attention_reference(*args, scale=512**-0.5)
     got = v4_decode_attention(*args, scale=512**-0.5)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize(
+    "overlap,ratio,length", [(True, 4, 1), (True, 4, 23), (False, 8, 37), (False, 16, 70)]
+)
+def test_compressor_decode_matches_reference(device, dtype, overlap, ratio, length):
+    """Token by token over a whole sequence (lengths 1 and non-multiples of the ratio),
+    with a padded row beside it: same state, same pool."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bf16 runs on CUDA")
+    torch.manual_seed(ratio + length)
+    dim, rope_half, block_size = 32, 4, 16
+    width = 2 * dim if overlap else dim
+    rows = 2 * ratio if overlap else ratio
+    kv = torch.randn(length, width, device=device, dtype=dtype)
+    gate = torch.randn(length, width, device=device, dtype=dtype)
+    bias = torch.randn(ratio, width, device=device)
+    weight = torch.rand(dim, device=device) + 0.5
+    cos, sin = torch.randn(2, 256, rope_half, device=device)
+    num_blocks = -(-length // block_size) + 2
+    table = torch.randperm(num_blocks, device=device)[None].int()
+    tables = torch.cat([table, table])
+    states = [torch.zeros(3, rows, width, device=device, dtype=dtype) for _ in range(4)]
+    pools = [
+        torch.zeros(num_blocks + 1, max(1, block_size // ratio), dim, device=device, dtype=dtype)
+        for _ in range(2)
+    ]
+    slots = torch.tensor([1, -1], device=device, dtype=torch.int32)
+    for t in range(length):
+        step_kv, step_gate = torch.stack([kv[t], kv[t]]), torch.stack([gate[t], gate[t]])
+        positions = torch.tensor([t, 0], device=device)
+        for fn, (s_kv, s_gate), pool in (
+            (compressor_decode_reference, states[:2], pools[0]),
+            (compressor_decode, states[2:], pools[1]),
+        ):
+            fn(s_kv, s_gate, step_kv, step_gate, bias, weight, 1e-6, cos, sin, slots,
+               positions, tables, pool, ratio, overlap, block_size)  # fmt: skip
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(states[2][:2], states[0][:2], rtol=0, atol=0)
+    torch.testing.assert_close(pools[1][:-1].float(), pools[0][:-1].float(), **tolerance)
