@@ -42,7 +42,12 @@ from atom.kernels.v4_compressor import (
     pool_entries,
     rows_per_block,
 )
-from atom.kernels.v4_indexer import index_scores, indexer_topk_decode_reference, select_topk
+from atom.kernels.v4_indexer import (
+    index_scores,
+    indexer_topk_decode,
+    indexer_topk_decode_reference,
+    select_topk,
+)
 
 QUERY_CHUNK = 512  # prefill queries attended at once (memory: chunk x heads x keys)
 
@@ -176,7 +181,8 @@ class V4Attention(nn.Module):
                 indexer.compressor, self.index_state_kv, self.index_state_gate,
                 self.index_pool, meta, positions,
             )  # fmt: skip
-            entry_ids = indexer_topk_decode_reference(
+            topk = indexer_topk_decode if on_gpu else indexer_topk_decode_reference
+            entry_ids = topk(
                 indexer.q, indexer.weights, self.index_pool, tables, positions,
                 meta.context_lens, self.ratio, block_size, self.index_topk, max_entries,
             )  # fmt: skip

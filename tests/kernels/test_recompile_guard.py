@@ -27,6 +27,7 @@ from atom.kernels import (
     scatter,
     v4_attention,
     v4_compressor,
+    v4_indexer,
 )
 from tests.kernels.recompile_guard import (
     SWEEP,
@@ -137,6 +138,10 @@ KERNELS = {
     # DeepSeek-V4: the window-ring write (rows from the grid) and the one-pass decode over
     # window + entries + sink (entry count and page-table width are runtime).
     (v4_attention, "_write_window_kernel"): (["num_rows"], ["stride_kv_row"]),
+    (v4_indexer, "_index_scores_kernel"): (
+        ["max_entries", "stride_tables_row"],
+        ["num_blocks", "scale", "stride_q_row", "stride_q_head", "stride_weights_row"],
+    ),
     (v4_compressor, "_compressor_decode_kernel"): (
         ["num_rows", "stride_tables_row"],
         ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row", "num_blocks"],
@@ -577,3 +582,22 @@ def test_v4_compressor_decode_one_variant(overlap, ratio):
         )  # fmt: skip
 
     assert_one_variant(v4_compressor, ["_compressor_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_index_scores_one_variant():
+    heads, dim = 64, 128
+    pool = torch.randn(4097, 4, dim, device=DEVICE, dtype=BF16)
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    weights = torch.randn(64, heads, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        rows = min(n, 64)
+        tables = _block_tables(rows, 4 * n, 4096)
+        positions = torch.randint(0, 4 * n, (rows,), device=DEVICE, generator=generator)
+        lens = (positions + 1).int()
+        v4_indexer.indexer_topk_decode(q[:rows], weights[:rows], pool, tables, positions, lens,
+                                       4, 16, 512, n)  # fmt: skip
+
+    assert_one_variant(v4_indexer, ["_index_scores_kernel"], run)

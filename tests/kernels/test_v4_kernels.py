@@ -13,6 +13,7 @@ from atom.kernels.v4_attention import (
     write_window_reference,
 )
 from atom.kernels.v4_compressor import compressor_decode, compressor_decode_reference
+from atom.kernels.v4_indexer import indexer_topk_decode, indexer_topk_decode_reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -137,3 +138,27 @@ def test_compressor_decode_matches_reference(device, dtype, overlap, ratio, leng
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(states[2][:2], states[0][:2], rtol=0, atol=0)
     torch.testing.assert_close(pools[1][:-1].float(), pools[0][:-1].float(), **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "positions,max_entries,topk", [([0, 5], 4, 2), ([3, 40, 17], 12, 4), ([4000, 1], 1024, 64)]
+)
+def test_indexer_topk_decode_matches_reference(device, positions, max_entries, topk):
+    torch.manual_seed(max_entries + topk)
+    heads, dim, ratio, block_size = 16, 32, 4, 16
+    rows = len(positions)
+    positions = torch.tensor(positions, device=device)
+    context_lens = (positions + 1).int()
+    context_lens[-1] = 0  # a padded row: nothing visible
+    width = max_entries * ratio // block_size + 1
+    num_blocks = rows * width + 1
+    tables = torch.randperm(num_blocks - 1, device=device)[: rows * width].view(rows, width).int()
+    pool = torch.randn(num_blocks + 1, block_size // ratio, dim, device=device)
+    q = torch.randn(rows, heads, dim, device=device)
+    weights = torch.randn(rows, heads, device=device)
+    args = (q, weights, pool, tables, positions, context_lens, ratio, block_size, topk, max_entries)
+    expected = indexer_topk_decode_reference(*args)
+    got = indexer_topk_decode(*args)
+    assert torch.equal(got, expected), (got, expected)
+    assert (got[-1] == -1).all()
