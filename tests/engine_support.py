@@ -1,7 +1,8 @@
 """Tiny random HF models and engines over them, shared by the engine and entrypoint tests.
 
 Every engine built through `build_llm` is checked after each test (fixture in
-tests/conftest.py): with no request alive, every KV block must be free.
+tests/conftest.py): with no request alive, every KV block (and every per-sequence state
+slot, DeepSeek-V4) must be free.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def no_leaked_blocks():
             assert not llm.engine.has_unfinished(), "a test left requests in the engine"
             assert bm.num_free_blocks == bm.num_blocks, (
                 f"leaked KV blocks: {bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} in use"
+            )
+            slots = bm.state_slots
+            assert slots is None or slots.num_free == slots.num_slots, (
+                f"leaked state slots: {slots.num_slots - slots.num_free} in use"
             )
     finally:
         del _ENGINES[start:]

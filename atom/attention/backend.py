@@ -23,6 +23,25 @@ class PagedAttentionBackend:
         # Decode metadata holds the same views at a given padded size every step: reuse it.
         self._decode_metadata: dict[int, AttentionMetadata] = {}
 
+    # Backends with per-step buffers of their own (V4: each row's state slot) declare them
+    # here; the slot allocates them with its others and `stage` fills them in `prepare`.
+    def buffer_specs(self, max_num_seqs: int, max_num_tokens: int) -> list:
+        return []
+
+    def stage(self, slot, seqs, stage) -> None:
+        """Write this backend's staged buffers for `seqs` (numpy views via `stage`)."""
+
+    def graph_metadata(self, slot, size: int) -> AttentionMetadata:
+        """The metadata a decode CUDA graph of `size` rows is captured with (fixed views)."""
+        return AttentionMetadata(
+            slot_mapping=slot.slot_mapping[:size],
+            context_lens=slot.context_lens.device[:size],
+            block_tables=slot.page_table.device_rows[:size],
+            cu_seqlens_q=None,
+            max_seqlen_q=1,
+            is_decode=True,
+        )
+
     def build_metadata(self, slot, step, publish) -> AttentionMetadata:
         seqs = step.num_seqs
         padded = step.padded_seqs or seqs
@@ -82,7 +101,13 @@ class MLABackend(PagedAttentionBackend):
     name = "mla"
 
 
-BACKENDS = {"mha": MHABackend, "mla": MLABackend}
+def _v4_backend() -> PagedAttentionBackend:
+    from atom.attention.v4 import V4Backend  # v4.py builds on this module
+
+    return V4Backend()
+
+
+BACKENDS = {"mha": MHABackend, "mla": MLABackend, "v4": _v4_backend}
 
 
 def backend_for(model) -> PagedAttentionBackend:

@@ -26,6 +26,7 @@ from array import array
 import numpy as np
 
 from atom.model_engine.sequence import Sequence
+from atom.model_engine.state_slots import StateSlots
 
 ROOT_HASH = b"atom-prefix-cache-v1"  # the parent digest of a sequence's first block
 
@@ -38,12 +39,21 @@ def chain_hash(parent: bytes | None, token_ids) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        state_slots: StateSlots | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Per-sequence state (atom/model_engine/state_slots.py): one slot per admitted
+        # sequence, handed out in `admit` and returned in `free` with the blocks.
+        self.state_slots = state_slots
         # zeros/empty only reserve memory: pages are touched when blocks are first used.
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         # Freed-block list: index num_blocks is the sentinel (head = _next[sentinel]).
@@ -106,6 +116,8 @@ class BlockManager:
         """Whether `seq` can start with `prefix` reused and `num_new_tokens` computed."""
         revived = sum(1 for b in prefix if self.ref_counts[b] == 0)
         needed = self.blocks_for(len(prefix) * self.block_size + num_new_tokens) - len(prefix)
+        if self.state_slots is not None and self.state_slots.num_free == 0:
+            return False
         return needed + revived <= self.num_free_blocks
 
     # -- the free list ---------------------------------------------------------------------
@@ -142,6 +154,8 @@ class BlockManager:
         assert not seq.block_table and seq.num_computed_tokens == 0, seq
         self.prefix_queried_blocks += max(0, (len(seq) - 1) // self.block_size)
         self.prefix_hit_blocks += len(prefix)
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.allocate()
         for block_id in prefix:
             if self.ref_counts[block_id] == 0:  # revived from the freed list
                 self._unlink(block_id)
@@ -178,10 +192,12 @@ class BlockManager:
         surplus = len(seq.block_table) - keep
         for _ in range(surplus):
             block_id = seq.block_table.pop()
-            block = self.blocks[block_id]
-            assert block.ref_count == 1 and block.hash is None, f"block {block_id} is shared"
-            block.ref_count = 0
-            self._free[block_id] = None
+            assert self.ref_counts[block_id] == 1 and block_id not in self._block_hash, (
+                f"block {block_id} is shared"
+            )
+            self.ref_counts[block_id] = 0
+            self._push_freed(block_id)
+            self._num_free += 1
         return max(surplus, 0)
 
     def register_computed(self, seq: Sequence) -> None:
@@ -211,4 +227,7 @@ class BlockManager:
                 self._num_free += 1
         seq.block_table = []
         seq.block_hashes = []
+        if seq.state_slot is not None:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = None
         seq.block_version += 1

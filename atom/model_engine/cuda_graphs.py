@@ -35,15 +35,7 @@ class DecodeGraphs:
         return self.batch_sizes[index] if index < len(self.batch_sizes) else None
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        slot = self.slot
-        return AttentionMetadata(
-            slot_mapping=slot.slot_mapping[:size],
-            context_lens=slot.context_lens.device[:size],
-            block_tables=slot.page_table.device_rows[:size],
-            cu_seqlens_q=None,
-            max_seqlen_q=1,
-            is_decode=True,
-        )
+        return self.slot.backend.graph_metadata(self.slot, size)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -9,6 +9,9 @@ per token and kv head (atom/kernels/kv_cache.py says why). Each layer gets views
 MLA layers (atom/attention/mla.py, recognised by their ``latent_dim``) keep one latent row
 per token instead of K and V: ``data`` is ``[num_layers, num_blocks, block_size,
 kv_lora_rank + rope_dim]`` and each layer gets ``latent_cache``. fp8 is not supported there.
+
+DeepSeek-V4 layers (atom/attention/v4.py) keep compressed entries per block and a
+per-sequence state (window ring, compressor rows) per state slot; v4.py lays them out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.attention.v4 import allocate_v4_cache, is_v4, v4_block_bytes
 from atom.kernels.kv_cache import FP8_DTYPE
 
 
@@ -42,6 +46,8 @@ def _check_mla_dtype(cache_dtype: torch.dtype) -> None:
 
 def kv_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
     """Bytes of one KV block over all layers, scales included."""
+    if is_v4(layers):
+        return v4_block_bytes(layers, block_size, cache_dtype)
     if _is_mla(layers):  # one latent row per token and layer
         _check_mla_dtype(cache_dtype)
         return sum(a.latent_dim * cache_dtype.itemsize for a in layers) * block_size
@@ -54,14 +60,24 @@ def kv_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
 
 @dataclass
 class KVCache:
-    data: torch.Tensor
+    data: torch.Tensor | list[torch.Tensor]  # V4: its pools and state tensors
     scales: torch.Tensor | None  # fp8 only
 
 
 def allocate_kv_cache(
-    layers, num_blocks: int, block_size: int, cache_dtype: torch.dtype, device: torch.device
+    layers,
+    num_blocks: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+    num_state_slots: int = 0,
 ) -> KVCache:
     """Allocate the cache and bind each layer's views (every layer has the same shape)."""
+    if is_v4(layers):
+        tensors = allocate_v4_cache(
+            layers, num_blocks, block_size, num_state_slots, cache_dtype, device
+        )
+        return KVCache(tensors, None)
     if _is_mla(layers):
         return _allocate_latent_cache(layers, num_blocks, block_size, cache_dtype, device)
     first = layers[0]

@@ -18,6 +18,7 @@ from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
 from atom.model_engine.speculative.draft_model import draft_config, draft_kv_block_bytes
+from atom.model_engine.state_slots import StateSlots
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
@@ -121,8 +122,20 @@ class LLMEngine:
         except ValueError:
             self.shutdown()
             raise
+        num_state_slots = getattr(self.model_runner, "num_state_slots", 0)
+        prefix_caching = config.enable_prefix_caching
+        if num_state_slots and prefix_caching:
+            logger.info(
+                "prefix caching is off for %s: its per-sequence state (sliding window, "
+                "compressor) is not cached with the blocks",
+                getattr(hf, "model_type", "this model"),
+            )
+            prefix_caching = False
         self.block_manager = BlockManager(
-            self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching
+            self.model_runner.num_kvcache_blocks,
+            config.block_size,
+            prefix_caching,
+            StateSlots(num_state_slots) if num_state_slots else None,
         )
         self.scheduler = Scheduler(
             self.block_manager,

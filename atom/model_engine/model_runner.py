@@ -18,6 +18,7 @@ import torch
 
 from atom import profiling
 from atom.attention.backend import backend_for
+from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
 from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
@@ -56,6 +57,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
         self.model = self._build_model(weights)
+        # Per-sequence state rows (V4: window rings, compressor rows), one per running
+        # sequence; the BlockManager hands them out (atom/model_engine/state_slots.py).
+        self.num_state_slots = config.max_num_seqs if is_v4(self.model.attention_layers) else 0
         self.sampler = Sampler()
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
@@ -128,12 +132,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         block_bytes = self.kv_block_bytes() + self.extra_kv_block_bytes
+        state_bytes = 0
+        if self.num_state_slots:
+            layers, dtype = self.model.attention_layers, self._kv_cache_dtype()
+            state_bytes = v4_state_bytes(layers, self.num_state_slots, dtype)
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
-            num_blocks = self._blocks_from_free_memory(block_bytes)
+            num_blocks = self._blocks_from_free_memory(block_bytes, reserved=state_bytes)
         else:
-            num_blocks = self.config.kv_cache_memory_bytes // block_bytes
+            num_blocks = (self.config.kv_cache_memory_bytes - state_bytes) // block_bytes
         num_blocks = self.tp.min_across(num_blocks)  # every rank must hold the same blocks
         if num_blocks < 1:
             raise RuntimeError(
@@ -146,6 +154,7 @@ class ModelRunner:
             self.block_size,
             self._kv_cache_dtype(),
             self.device,
+            num_state_slots=self.num_state_slots,
         )
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",
@@ -157,7 +166,7 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def _blocks_from_free_memory(self, block_bytes: int) -> int:
+    def _blocks_from_free_memory(self, block_bytes: int, reserved: int = 0) -> int:
         """Size the cache from what is left after a peak-sized forward (profiling run)."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -173,7 +182,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         used = total - free
         activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        budget = total * self.config.gpu_memory_utilization - used - activations
+        budget = total * self.config.gpu_memory_utilization - used - activations - reserved
         del hidden
         torch.cuda.empty_cache()
         return max(0, int(budget // block_bytes))

@@ -74,6 +74,7 @@ class RunnerSlot:
         seqs, tokens = max_num_seqs, max(max_num_tokens, max_num_seqs)
         # logits rows per step: one per sampling sequence, more when drafts are verified
         rows = min(max_sampling_rows or seqs, tokens)
+        self.backend = backend or MHABackend()
         specs = [
             BufferSpec("input_ids", (tokens,), torch.int64, 0),
             BufferSpec("positions", (tokens,), torch.int64, 0),
@@ -93,6 +94,7 @@ class RunnerSlot:
             # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
             BufferSpec("placeholder_dst", (seqs,), torch.int64, 0),
             BufferSpec("placeholder_src", (seqs,), torch.int64, 0),
+            *self.backend.buffer_specs(seqs, tokens),
         ]
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
         self.publisher = self.h2d.publisher
@@ -101,7 +103,6 @@ class RunnerSlot:
         for name, buffer in self.h2d.buffers.items():
             setattr(self, name, buffer)
         self.page_table = PageTable(self, seqs, max_blocks_per_seq, device, checked=h2d_checked)
-        self.backend = backend or MHABackend()
         # Derived on the device from the page table (backend.derive_views), never uploaded;
         # -1 (write nothing) wherever a padded CUDA-graph batch has no token.
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
@@ -175,6 +176,7 @@ class RunnerSlot:
         stage(self.input_ids, padded_tokens)[:num_tokens] = ids
         stage(self.positions, padded_tokens)[:num_tokens] = positions
         stage(self.context_lens, padded)[:num_seqs] = ends
+        self.backend.stage(self, seqs, stage)
 
         num_verify_rows = 0
         if batch.is_decode_only:  # every row computes its last token: every row samples

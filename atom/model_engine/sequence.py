@@ -45,6 +45,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_version = 0  # bumped when the blocks are freed (page-table rows go stale)
         self.block_hashes: list[int] = []  # chained hashes of full computed blocks
+        self.state_slot: int | None = None  # per-sequence state (V4), owned like the blocks
         self.num_preemptions = 0
         # (position in token_ids, row in the launching step's sampled tokens) while the
         # last token is a placeholder; see Scheduler.on_launch.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from atom.models.deepseek_v2 import DeepseekV2ForCausalLM
+from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atom.models.llama import LlamaForCausalLM
 
 MODELS = {
@@ -10,6 +11,7 @@ MODELS = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }
 
 BY_MODEL_TYPE = {
@@ -17,6 +19,7 @@ BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 

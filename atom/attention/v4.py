@@ -1,0 +1,376 @@
+"""DeepSeek-V4 attention backend ("v4"): sliding window + compressed entries + sink.
+
+Every V4 layer attends its last `sliding_window` positions; compressed layers also attend
+compressed entries: HCA (ratio 128) all of them, CSA (ratio 4, overlapping windows) the
+`index_topk` the lightning indexer picks. Math and layouts: atom/kernels/v4_*.py;
+the memory layout and bytes per token: docs/architecture.md ("DeepSeek-V4 memory").
+
+Memory has two owners:
+- per sequence, a *state slot* (atom/model_engine/state_slots.py, handed out and freed with
+  the sequence's KV blocks): the sliding-window ring of every layer and each compressed
+  layer's partial-window compressor (and indexer) rows. Bounded by the window, not the
+  context.
+- per block of the shared page table: the compressed entries (and CSA's indexer keys),
+  `rows_per_block = max(1, block_size // ratio)` rows per block. No second block table:
+  the backend reads the rows `PageTable.publish` gives every backend.
+
+Decode (one token per sequence) uses static shapes only (CUDA-graph capturable); prefill
+(any other step: chunked, mixed) runs per sequence in torch on both devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atom.attention.backend import PagedAttentionBackend
+from atom.forward_context import AttentionMetadata, get_forward_context
+from atom.h2d.slot_buffers import BufferSpec
+from atom.kernels.v4_attention import (
+    attend_with_sink,
+    v4_decode_attention,
+    v4_decode_attention_reference,
+    write_window,
+    write_window_reference,
+)
+from atom.kernels.v4_compressor import (
+    compressor_decode,
+    compressor_decode_reference,
+    entry_rows,
+    pool_entries,
+    rows_per_block,
+)
+from atom.kernels.v4_indexer import (
+    index_scores,
+    indexer_topk_decode,
+    indexer_topk_decode_reference,
+    select_topk,
+)
+
+QUERY_CHUNK = 512  # prefill queries attended at once (memory: chunk x heads x keys)
+
+
+@dataclass
+class V4AttentionMetadata(AttentionMetadata):
+    """AttentionMetadata plus each row's state slot ([num_seqs] int32, -1 = padding)."""
+
+    state_slots: torch.Tensor | None = None
+
+
+class V4Backend(PagedAttentionBackend):
+    """The paged rows and slot mapping of every backend, plus the rows' state slots."""
+
+    name = "v4"
+
+    def buffer_specs(self, max_num_seqs: int, max_num_tokens: int) -> list[BufferSpec]:
+        return [BufferSpec("state_slots", (max_num_seqs,), torch.int32, -1)]
+
+    def stage(self, slot, seqs, stage) -> None:
+        stage(slot.state_slots, len(seqs))[:] = [seq.state_slot for seq in seqs]
+
+    def build_metadata(self, slot, step, publish) -> V4AttentionMetadata:
+        base = super().build_metadata(slot, step, publish)
+        padded = step.padded_seqs or step.num_seqs
+        return V4AttentionMetadata(
+            **vars(base), state_slots=publish(slot.state_slots, step.num_seqs, padded)
+        )
+
+    def graph_metadata(self, slot, size: int) -> V4AttentionMetadata:
+        slot.state_slots.device.fill_(-1)  # padding at capture: touch only the scratch slot
+        base = super().graph_metadata(slot, size)
+        return V4AttentionMetadata(**vars(base), state_slots=slot.state_slots.device[:size])
+
+
+@dataclass
+class CompressorInputs:
+    """One compressed branch's projections of this step's tokens and its parameters."""
+
+    kv: torch.Tensor  # [T, width] raw kv projection
+    gate: torch.Tensor  # [T, width] raw gate projection
+    position_bias: torch.Tensor  # [ratio, width] fp32
+    norm_weight: torch.Tensor  # [dim] fp32
+    eps: float
+
+
+@dataclass
+class IndexerInputs:
+    compressor: CompressorInputs  # the indexer's own compressor (index_head_dim)
+    q: torch.Tensor  # [T, index_heads, index_head_dim], rotated
+    weights: torch.Tensor  # [T, index_heads] fp32, already scaled by index_heads^-0.5
+
+
+class V4Attention(nn.Module):
+    """One V4 layer's cache and attention. Bound tensors (atom/model_engine/kv_cache.py):
+    ``ring`` always; with a compressor ``state_kv``/``state_gate`` and ``pool``; CSA also
+    ``index_state_kv``/``index_state_gate`` and ``index_pool``."""
+
+    def __init__(self, config, layer_type: str, rope_tables, max_model_len: int):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window
+        self.scale = self.head_dim**-0.5
+        self.max_model_len = max_model_len
+        self.ratio = 0 if layer_type == "sliding_attention" else config.compress_rates[layer_type]
+        self.overlap = layer_type == "compressed_sparse_attention"
+        self.index_head_dim = config.index_head_dim if self.overlap else 0
+        self.index_topk = config.index_topk
+        self.compress_cos, self.compress_sin = rope_tables  # [max_position, rope_dim // 2]
+        self.block_size = 0  # bound with the tensors by the KV cache allocation
+        for name in ("ring", "state_kv", "state_gate", "pool"):
+            setattr(self, name, torch.empty(0))
+        for name in ("index_state_kv", "index_state_gate", "index_pool"):
+            setattr(self, name, torch.empty(0))
+
+    # -- layout (used by the KV cache allocation) ------------------------------------------
+    def block_bytes(self, block_size: int, itemsize: int) -> int:
+        if not self.ratio:
+            return 0
+        rows = rows_per_block(block_size, self.ratio)
+        return rows * (self.head_dim + self.index_head_dim) * itemsize
+
+    def state_shapes(self) -> dict[str, tuple[int, int]]:
+        """Per state slot: name -> (rows, width)."""
+        shapes = {"ring": (self.window, self.head_dim)}
+        if self.ratio:
+            rows = 2 * self.ratio if self.overlap else self.ratio
+            width = 2 * self.head_dim if self.overlap else self.head_dim
+            shapes["state_kv"] = shapes["state_gate"] = (rows, width)
+        if self.overlap:
+            shapes["index_state_kv"] = shapes["index_state_gate"] = (
+                2 * self.ratio,
+                2 * self.index_head_dim,
+            )
+        return shapes
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        sinks: torch.Tensor,
+        compressor: CompressorInputs | None,
+        indexer: IndexerInputs | None,
+    ) -> torch.Tensor:
+        """q [T, H, D] and kv [T, D] rotated -> attention output [T, H, D] (not un-rotated)."""
+        meta = get_forward_context().attention
+        if meta.block_tables is None:  # memory profiling: window-only, no cache
+            return self._profile(q, kv, positions, sinks)
+        if meta.is_decode:
+            return self._decode(q, kv, positions, sinks, compressor, indexer, meta)
+        return self._prefill(q, kv, positions, sinks, compressor, indexer, meta)
+
+    def _decode(self, q, kv, positions, sinks, compressor, indexer, meta):
+        slots, tables = meta.state_slots, meta.block_tables
+        block_size = self.block_size
+        on_gpu = q.is_cuda  # Triton on CUDA, the torch references on CPU
+        (write_window if on_gpu else write_window_reference)(self.ring, kv, slots, positions)
+        attend = v4_decode_attention if on_gpu else v4_decode_attention_reference
+        if not self.ratio:
+            return attend(
+                q, self.ring, slots, positions, meta.context_lens, None, None, tables, 1,
+                block_size, sinks, self.scale,
+            )  # fmt: skip
+        self._emit_decode(compressor, self.state_kv, self.state_gate, self.pool, meta, positions)
+        max_entries = -(-self.max_model_len // self.ratio)
+        if indexer is not None:
+            self._emit_decode(
+                indexer.compressor, self.index_state_kv, self.index_state_gate,
+                self.index_pool, meta, positions,
+            )  # fmt: skip
+            topk = indexer_topk_decode if on_gpu else indexer_topk_decode_reference
+            entry_ids = topk(
+                indexer.q, indexer.weights, self.index_pool, tables, positions,
+                meta.context_lens, self.ratio, block_size, self.index_topk, max_entries,
+            )  # fmt: skip
+        else:
+            ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
+            visible = ids < ((positions.long() + 1) // self.ratio)[:, None]
+            entry_ids = torch.where(visible, ids, -1)
+        return attend(
+            q, self.ring, slots, positions, meta.context_lens, self.pool, entry_ids, tables,
+            self.ratio, block_size, sinks, self.scale,
+        )  # fmt: skip
+
+    def _emit_decode(self, inputs, state_kv, state_gate, pool, meta, positions):
+        emit = compressor_decode if inputs.kv.is_cuda else compressor_decode_reference
+        emit(
+            state_kv, state_gate, inputs.kv, inputs.gate, inputs.position_bias,
+            inputs.norm_weight, inputs.eps, self.compress_cos, self.compress_sin,
+            meta.state_slots, positions, meta.block_tables, pool, self.ratio, self.overlap,
+            self.block_size,
+        )  # fmt: skip
+
+    def _prefill(self, q, kv, positions, sinks, compressor, indexer, meta):
+        """Per sequence (torch): window over ring + new tokens, entries closed so far."""
+        cu = meta.cu_seqlens_q.tolist()  # host reads: the prefill path is not graphed
+        ends = meta.context_lens[: len(cu) - 1].tolist()
+        slots = meta.state_slots[: len(cu) - 1].tolist()
+        out = torch.zeros_like(q)
+        for row, (end, slot) in enumerate(zip(ends, slots, strict=True)):
+            a, b = cu[row], cu[row + 1]
+            if b == a:
+                continue
+            start = end - (b - a)
+            table = meta.block_tables[row : row + 1]
+            window = self._window_prefill(kv[a:b], slot, start, end)
+            entries = index_keys = None
+            if self.ratio:
+                entries = self._emit_prefill(
+                    _rows(compressor, a, b), self.state_kv, self.state_gate, self.pool,
+                    slot, start, end, table,
+                )  # fmt: skip
+                if indexer is not None:
+                    index_keys = self._emit_prefill(
+                        _rows(indexer.compressor, a, b), self.index_state_kv,
+                        self.index_state_gate, self.index_pool, slot, start, end, table,
+                    )  # fmt: skip
+            for c in range(0, b - a, QUERY_CHUNK):  # bounded memory for long prompts
+                c_end = min(c + QUERY_CHUNK, b - a)
+                out[a + c : a + c_end] = self._attend_chunk(
+                    q[a + c : a + c_end], window, entries, index_keys, indexer, sinks,
+                    start, start + c, start + c_end, a,
+                )  # fmt: skip
+        return out
+
+    def _attend_chunk(self, q, window, entries, index_keys, indexer, sinks, start, qs, qe, a):
+        """Queries at positions [qs, qe) of a sequence whose step began at `start`:
+        their window keys (from `window`, positions [first, end)) and visible entries."""
+        keys, first = window
+        lo = max(first, qs - self.window + 1)
+        keys = keys[lo - first : qe - first]
+        key_pos = torch.arange(lo, qe, device=q.device)
+        query_pos = torch.arange(qs, qe, device=q.device)
+        valid = (key_pos[None, :] <= query_pos[:, None]) & (
+            key_pos[None, :] > query_pos[:, None] - self.window
+        )
+        if entries is not None:
+            ids = torch.arange(entries.shape[0], device=q.device)
+            visible = ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
+            if index_keys is not None:
+                rows = slice(a + qs - start, a + qe - start)
+                scores = index_scores(indexer.q[rows], index_keys, indexer.weights[rows])
+                chosen = select_topk(scores, visible, self.index_topk)
+                picked = torch.zeros(qe - qs, entries.shape[0] + 1, dtype=torch.bool)
+                picked = picked.to(q.device)
+                picked.scatter_(1, torch.where(chosen < 0, entries.shape[0], chosen), True)
+                visible = picked[:, :-1]
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            valid = torch.cat([valid, visible], dim=1)
+        return attend_with_sink(q, keys, valid, sinks, self.scale)
+
+    def _window_prefill(self, kv, slot: int, start: int, end: int):
+        """(keys [end - first, D] at positions [first, end), first): the ring's positions
+        before `start`, then the new ones; the ring then keeps the last `window` ones."""
+        first = max(0, start - self.window + 1)
+        past = torch.arange(first, start, device=kv.device)
+        keys = torch.cat([self.ring[slot, past % self.window].to(kv.dtype), kv])
+        keep = torch.arange(max(start, end - self.window), end, device=kv.device)
+        self.ring[slot, keep % self.window] = kv[keep - start].to(self.ring.dtype)
+        return keys, first
+
+    def _emit_prefill(self, inputs, state_kv, state_gate, pool, slot, start, end, table):
+        """Pool the windows closing in [start, end), store them, keep the partial window's
+        rows in the state; returns every entry of the sequence so far [end // ratio, dim]."""
+        ratio, size, device = self.ratio, state_kv.shape[1], inputs.kv.device
+        dim = pool.shape[-1]
+        block_size = self.block_size
+        base = max(0, (start // ratio) * ratio - (ratio if self.overlap else 0))
+        held = torch.arange(base, start, device=device) % size
+        kv = torch.cat([state_kv[slot, held], inputs.kv.to(state_kv.dtype)])
+        gate = torch.cat([state_gate[slot, held], inputs.gate.to(state_gate.dtype)])
+        keep = torch.arange(max(start, end - size), end, device=device)
+        state_kv[slot, keep % size] = kv[keep - base]
+        state_gate[slot, keep % size] = gate[keep - base]
+        first, last = start // ratio, end // ratio
+        num_blocks = pool.shape[0] - 1
+        if last > first:
+            windows = torch.arange(first, last, device=device)
+            offsets = windows[:, None] * ratio + torch.arange(ratio, device=device) - base
+            bias = inputs.position_bias
+            kv_rows = kv[offsets]
+            gate_rows = gate[offsets].float() + bias
+            if self.overlap:
+                previous = (offsets - ratio).clamp(min=0)
+                ca_gate = gate[previous][..., :dim].float() + bias[:, :dim]
+                ca_gate = ca_gate.masked_fill((windows == 0)[:, None, None], float("-inf"))
+                kv_rows = torch.cat([kv[previous][..., :dim], kv_rows[..., dim:]], dim=1)
+                gate_rows = torch.cat([ca_gate, gate_rows[..., dim:]], dim=1)
+            starts = windows * ratio
+            entries = pool_entries(
+                kv_rows, gate_rows, inputs.norm_weight, inputs.eps,
+                self.compress_cos[starts], self.compress_sin[starts],
+            )  # fmt: skip
+            rows = entry_rows(table, windows[None], ratio, block_size, num_blocks)[0]
+            pool.view(-1, dim)[rows] = entries.to(pool.dtype)
+        ids = torch.arange(last, device=device)[None]
+        return pool.view(-1, dim)[entry_rows(table, ids, ratio, block_size, num_blocks)[0]]
+
+    def _profile(self, q, kv, positions, sinks):
+        """Memory profiling run (positions 0..T-1, no cache): window attention only, in
+        the prefill's query chunks, so its peak matches a real prefill's."""
+        out = torch.empty_like(q)
+        for c in range(0, q.shape[0], QUERY_CHUNK):
+            c_end = min(c + QUERY_CHUNK, q.shape[0])
+            out[c:c_end] = self._attend_chunk(
+                q[c:c_end], (kv, 0), None, None, None, sinks, 0, c, c_end, 0
+            )
+        return out
+
+
+def _rows(inputs: CompressorInputs, a: int, b: int) -> CompressorInputs:
+    return CompressorInputs(
+        inputs.kv[a:b], inputs.gate[a:b], inputs.position_bias, inputs.norm_weight, inputs.eps
+    )
+
+
+# -- the cache allocation (atom/model_engine/kv_cache.py delegates V4 layers here) --------
+def is_v4(layers) -> bool:
+    return bool(layers) and isinstance(layers[0], V4Attention)
+
+
+def _check_dtype(cache_dtype: torch.dtype) -> None:
+    if cache_dtype.itemsize < 2:
+        raise ValueError(
+            "kv_cache_dtype='fp8' is not supported for DeepSeek-V4 (v4 backend); use 'auto'"
+        )
+
+
+def v4_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
+    """Bytes of one page-table block: the compressed entries (and indexer keys) it holds."""
+    _check_dtype(cache_dtype)
+    return max(1, sum(a.block_bytes(block_size, cache_dtype.itemsize) for a in layers))
+
+
+def v4_state_bytes(layers, num_state_slots: int, cache_dtype: torch.dtype) -> int:
+    """Bytes of the per-sequence state (window rings, compressor rows), scratch slot too."""
+    per_slot = sum(r * w for a in layers for r, w in a.state_shapes().values())
+    return per_slot * (num_state_slots + 1) * cache_dtype.itemsize
+
+
+def allocate_v4_cache(layers, num_blocks, block_size, num_state_slots, cache_dtype, device):
+    """Bind each layer's ring / state rows (num_state_slots + 1: the last is scratch for
+    padded rows) and entry pools (num_blocks + 1: the last block is scratch)."""
+    _check_dtype(cache_dtype)
+    tensors = []
+    for layer in layers:
+        layer.block_size = block_size
+        for name, (rows, width) in layer.state_shapes().items():
+            state = torch.zeros(num_state_slots + 1, rows, width, dtype=cache_dtype, device=device)
+            setattr(layer, name, state)
+            tensors.append(state)
+        if layer.ratio:
+            rows = rows_per_block(block_size, layer.ratio)
+            layer.pool = torch.zeros(
+                num_blocks + 1, rows, layer.head_dim, dtype=cache_dtype, device=device
+            )
+            tensors.append(layer.pool)
+            if layer.overlap:
+                layer.index_pool = torch.zeros(
+                    num_blocks + 1, rows, layer.index_head_dim, dtype=cache_dtype, device=device
+                )
+                tensors.append(layer.index_pool)
+    return tensors

@@ -1,0 +1,439 @@
+"""DeepSeek-V4 text model (HF transformers' `DeepseekV4ForCausalLM`, same config keys and
+weight names, so a `save_pretrained` directory loads).
+
+- attention: q LoRA (q_a_proj -> q_a_norm -> q_b_proj) and a weightless per-head RMS norm
+  on q; one KV head read as both K and V; partial interleaved rope on the trailing
+  channels ("main" rope on sliding layers, "compress" rope (YaRN, attention factor 1) on
+  compressed layers and their entries), the inverse rope on the output; a learned sink
+  per head; grouped output projection (o_groups x o_lora_rank, then o_b_proj). The cache
+  and the attention itself are the v4 backend's (atom/attention/v4.py).
+- mHC hyper-connections: `hc_mult` residual streams, mixed by Sinkhorn-projected weights
+  around each block, collapsed by the head before the final norm.
+- MoE: `sqrtsoftplus` scores, e_score_correction_bias for the choice only,
+  routed_scaling_factor; hash layers route by `tid2eid[input_ids]`; a shared expert;
+  SwiGLU clamp `swiglu_limit` on the routed and shared experts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention
+from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
+from atom.kernels.v4_rope import rope_tables
+from atom.models.deepseek_v2 import _yarn_inv_freq
+from atom.models.moe import routed_experts
+
+
+class FP32RMSNorm(nn.Module):
+    """RMSNorm with an fp32 weight, multiplied in fp32 and cast once (HF V4)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * y).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _inv_freq(config, kind: str) -> torch.Tensor:
+    params = config.rope_parameters[kind]
+    dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+    theta = float(params["rope_theta"])
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if rope_type == "yarn":
+        inv_freq, factor = _yarn_inv_freq(dim, theta, params, config.max_position_embeddings)
+        if factor != 1.0:
+            raise ValueError("DeepSeek-V4 YaRN must have attention_factor 1")
+        return inv_freq
+    raise ValueError(f"unsupported rope type {rope_type!r} for DeepSeek-V4 (default, yarn)")
+
+
+class Compressor(nn.Module):
+    """Projections of one compressed branch (HF `compressor` / `compressor.indexer`)."""
+
+    def __init__(self, config, dim: int, ratio: int, overlap: bool):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.eps = config.rms_norm_eps
+        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.kv_norm = FP32RMSNorm(dim, config.rms_norm_eps)
+
+    def inputs(self, hidden: torch.Tensor) -> CompressorInputs:
+        return CompressorInputs(
+            self.kv_proj(hidden),
+            self.gate_proj(hidden),
+            self.position_bias,
+            self.kv_norm.weight,
+            self.eps,
+        )
+
+
+class Indexer(Compressor):
+    def __init__(self, config, ratio: int):
+        super().__init__(config, config.index_head_dim, ratio, overlap=True)
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+
+    def indexer_inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
+        q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
+        weights = self.scorer.weights_proj(hidden).float() * self.num_heads**-0.5
+        return IndexerInputs(self.inputs(hidden), rope(q, cos, sin), weights)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, tables: dict, max_model_len: int):
+        super().__init__()
+        layer_type = config.layer_types[layer_idx]
+        self.rope_kind = "main" if layer_type == "sliding_attention" else "compress"
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.o_groups, self.eps = config.o_groups, config.rms_norm_eps
+        hidden, heads_dim = config.hidden_size, self.num_heads * self.head_dim
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_norm = FP32RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
+        self.kv_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.kv_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_a_proj = nn.Linear(
+            heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, bias=False
+        )
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.compressor = None
+        if layer_type != "sliding_attention":
+            ratio = config.compress_rates[layer_type]
+            overlap = layer_type == "compressed_sparse_attention"
+            self.compressor = Compressor(config, self.head_dim, ratio, overlap)
+            if overlap:
+                self.compressor.indexer = Indexer(config, ratio)
+        self.tables = tables
+        self.attn = V4Attention(config, layer_type, tables["compress"], max_model_len)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        cos_table, sin_table = self.tables[self.rope_kind]
+        cos, sin = cos_table[positions], sin_table[positions]
+        q_residual = self.q_a_norm(self.q_a_proj(hidden))
+        q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
+        q = rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = rope(self.kv_norm(self.kv_proj(hidden))[:, None, :], cos, sin)[:, 0]
+        compressor = indexer = None
+        if self.compressor is not None:
+            compressor = self.compressor.inputs(hidden)
+            if hasattr(self.compressor, "indexer"):
+                c_cos, c_sin = self.tables["compress"]
+                indexer = self.compressor.indexer.indexer_inputs(
+                    hidden, q_residual, c_cos[positions], c_sin[positions]
+                )
+        out = self.attn(q, kv, positions, self.sinks, compressor, indexer)
+        out = rope(out, cos, -sin)
+        grouped = out.reshape(-1, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
+        weight = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])
+        grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        return self.o_b_proj(grouped.flatten(1))
+
+
+class HyperConnection(nn.Module):
+    """mHC weights of one block: (post [T, N], comb [T, N, N], collapsed input [T, D])."""
+
+    def __init__(self, config):
+        super().__init__()
+        n = self.hc_mult = config.hc_mult
+        self.iters, self.hc_eps, self.eps = (
+            config.hc_sinkhorn_iters,
+            config.hc_eps,
+            config.rms_norm_eps,
+        )
+        self.fn = nn.Parameter(
+            torch.zeros((2 + n) * n, n * config.hidden_size, dtype=torch.float32)
+        )
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor):
+        n = self.hc_mult
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.eps)
+        mixes = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n)
+        comb = torch.softmax(comb, dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+class HyperHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        n = config.hc_mult
+        self.eps, self.hc_eps = config.rms_norm_eps, config.hc_eps
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * config.hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        hidden, inter, experts = (
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.n_routed_experts,
+        )
+        self.top_k, self.limit = config.num_experts_per_tok, config.swiglu_limit
+        self.routed_scaling_factor = config.routed_scaling_factor
+        if config.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"DeepSeek-V4: scoring_func {config.scoring_func!r} (sqrtsoftplus)")
+        self.is_hash = config.mlp_layer_types[layer_idx] == "hash_moe"
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(experts, hidden))
+        if self.is_hash:
+            self.gate.register_buffer(
+                "tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long)
+            )
+        else:
+            self.gate.register_buffer(
+                "e_score_correction_bias", torch.zeros(experts, dtype=torch.float32)
+            )
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
+        self.experts.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
+        self.shared_experts = SwiGLUMLP(hidden, inter, self.limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        scores = F.softplus(F.linear(x, self.gate.weight)).sqrt()
+        if self.is_hash:
+            ids = self.gate.tid2eid[input_ids]
+        else:
+            choice = scores + self.gate.e_score_correction_bias
+            ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        routed = routed_experts(
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit
+        )
+        return routed + self.shared_experts(x)
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, tables: dict, max_model_len: int):
+        super().__init__()
+        self.self_attn = DeepseekV4Attention(config, layer_idx, tables, max_model_len)
+        self.mlp = DeepseekV4MoE(config, layer_idx)
+        self.input_layernorm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(self, streams, positions, input_ids):
+        """streams [T, hc_mult, D] -> the same."""
+        dtype = streams.dtype
+        post, comb, collapsed = self.attn_hc(streams)
+        out = self.self_attn(positions, self.input_layernorm(collapsed))
+        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
+        post, comb, collapsed = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config, max_model_len: int):
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        max_position = max(max_model_len, 1)
+        # cos/sin tables shared by every layer (not parameters; HF keeps them as buffers)
+        self.tables = {
+            kind: tuple(
+                t.to(self.embed_tokens.weight.device)
+                for t in rope_tables(_inv_freq(config, kind), max_position)
+            )
+            for kind in ("main", "compress")
+        }
+        self.layers = nn.ModuleList(
+            DeepseekV4DecoderLayer(config, i, self.tables, max_model_len)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    attention_backend = "v4"  # the ModelRunner gives its slots a V4Backend
+
+    def __init__(self, config, max_position: int | None = None, tp=None):
+        super().__init__()
+        self.validate_tensor_parallel(config, 1 if tp is None else tp.world_size)
+        self.config = config
+        self.model = DeepseekV4Model(config, max_position or config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def validate_tensor_parallel(config, world_size: int) -> None:
+        if world_size > 1:
+            raise ShardingError(
+                "deepseek_v4: tensor parallelism is not supported yet; run with "
+                "--tensor-parallel-size 1"
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def attention_layers(self) -> list[V4Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in: HF module names, or the DeepSeek names HF's
+        `save_pretrained` writes for V4 (`attn.wq_a`, `ffn.experts.N.w1`, ...; see
+        `hf_name`). Every parameter and routing buffer must be set; MTP layers are skipped."""
+        targets = dict(self.named_parameters(remove_duplicate=False))
+        targets.update(self.named_buffers())
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        inter = self.config.moe_intermediate_size
+        loaded = set()
+        for source, tensor in weights:
+            if source.startswith("mtp.") or ".mtp." in source or "rotary_emb" in source:
+                continue
+            name = source if source in targets else hf_name(source)
+            if name == "lm_head.weight" and tied:
+                continue
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
+                target = f"{prefix}.down_proj" if part == "w2" else f"{prefix}.gate_up_proj"
+                if target not in targets or index >= targets[target].shape[0]:
+                    raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
+                dest = targets[target].data[index]
+                if part != "w2":
+                    dest = dest.narrow(0, 0 if part == "w1" else inter, inter)
+                _copy(dest, tensor, source)
+                loaded.add(f"{target}#{index}.{part}")
+                continue
+            if name not in targets:
+                raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
+            _copy(targets[name].data, tensor, source)
+            loaded.add(name)
+        expected = set()
+        for name, target in targets.items():
+            if tied and name == "lm_head.weight":
+                continue
+            parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in loaded:
+                expected |= {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def _copy(dest: torch.Tensor, tensor: torch.Tensor, source: str) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+
+
+# HF transformers' V4 conversion mapping (conversion_mapping.py, "deepseek_v4"), in order.
+_RENAMES = [
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "model.embed_tokens.weight"),
+    (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)", r"model.hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def hf_name(name: str) -> str:
+    """The HF module name of a DeepSeek-named V4 checkpoint tensor (experts stay per expert:
+    `...mlp.experts.N.w1/w2/w3.weight`, stacked by `load_weights`)."""
+    for pattern, replacement in _RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
