@@ -89,7 +89,10 @@ def _colliding_first_block(block: tuple[int, ...]) -> tuple[int, ...]:
     """Other tokens whose hash((None, tokens)) equals hash((None, block)) mod 2**61 - 1,
     so hash((that, next_block)) collides for every next block: a collision of the chain."""
     h = hash((None, block))
-    target = h + _M61 if h + _M61 < (1 << 63) else h - _M61
+    # another int with the same hash: step away from zero by the modulus, keeping the sign
+    # (an int hashes to sign(n) * (|n| mod 2**61 - 1))
+    step = _M61 if h >= 0 else -_M61
+    target = h + step if -(1 << 63) <= h + step < (1 << 63) else h - step
     inner = _lane_for([hash(None)], 2, target)
     for first in range(1000):
         last = _lane_for([first, *block[1:-1]], len(block), inner)
