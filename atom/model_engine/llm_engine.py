@@ -55,7 +55,8 @@ def resolve_max_model_len(config: Config, hf_config) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: Config | None = None, **kwargs):
+    def __init__(self, config: Config | None = None, model_runner=None, **kwargs):
+        """`model_runner`: one already started (a data-parallel replica's ranks)."""
         self.config = config = config or Config(**kwargs)
         if config.node_rank > 0:
             raise ValueError(
@@ -73,7 +74,9 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(source or open_model(self.model_path))
         self.max_model_len = resolve_max_model_len(config, hf)
-        if config.tensor_parallel_size > 1:  # spawned ranks load their own weight shards
+        if model_runner is not None:
+            self.model_runner = model_runner
+        elif config.ranks_per_replica > 1:  # spawned ranks load their own weight shards
             self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
         else:
             self.model_runner = ModelRunner(config, hf, weights, self.max_model_len)
