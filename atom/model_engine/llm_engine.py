@@ -246,7 +246,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         config = kwargs.pop("config", None) or Config(model=model, **kwargs)
-        self.engine = LLMEngine(config)
+        from atom.model_engine.data_parallel import build_engine  # it imports this module
+
+        self.engine = build_engine(config)  # replicas when data_parallel_size > 1
         self.tokenizer = self.engine.tokenizer
         self._profiler: profiling.TraceRecorder | None = None
 
