@@ -8,8 +8,8 @@ client of it; each replica's process group lives under its own key prefix
 (`RendezvousSpec.replica_spec`), and on CUDA replica r's ranks take the GPUs after those
 of replicas 0..r-1.
 
-A request goes to the least-loaded replica (running + waiting requests; the lowest index
-on a tie), so `LLM.generate` splits a batch of prompts across the replicas and still
+A request goes to the least-loaded replica (running + waiting requests; on a tie the one
+that has served fewer, then the lowest index), so `LLM.generate` splits a batch of prompts across the replicas and still
 returns the outputs in input order (it collects them by request). `step` steps every
 replica that has work, each in its own thread (the threads mostly wait on their ranks'
 pipes), and returns their outputs together.
@@ -105,7 +105,12 @@ class DataParallelEngine:
         self, prompt: str | list[int], sampling_params: SamplingParams | None = None
     ) -> int:
         self._raise_if_failed()
-        replica = min(range(len(self.replicas)), key=self.load)
+        # Least loaded; on a tie the one that has served fewer requests, then the lowest
+        # index (so one-at-a-time traffic alternates too).
+        replica = min(
+            range(len(self.replicas)),
+            key=lambda i: (self.load(i), self.replicas[i].stats.requests, i),
+        )
         seq_id = self.replicas[replica].add_request(prompt, sampling_params)
         self._replica_of[seq_id] = replica
         return seq_id

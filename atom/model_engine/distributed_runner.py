@@ -18,6 +18,7 @@ on spawned ranks yet (they run eagerly).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import pickle
@@ -215,7 +216,10 @@ def run_model_rank(local_rank, spec: RendezvousSpec, conn, config, model_path, m
         hf_config, weights = read_config(model_path), None
     else:
         source = open_model(model_path)
-        hf_config, weights = source.hf_config, source.weights()
+        hf_config = source.hf_config
+        holds = getattr(model_class(hf_config), "stage_holds", None)
+        wanted = None if pp is None or holds is None else functools.partial(holds, hf_config, pp)
+        weights = source.weights(wanted)  # a pipeline stage reads only its own tensors
     # Validated by the engine already: copy without re-validating the per-rank device.
     rank_config = copy.copy(config)
     rank_config.device = device

@@ -129,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = config
+        self.pp = pp
         tp = tp or TensorParallelGroup.single()
         self.validate_tensor_parallel(config, tp.world_size)
         max_position = max_position or config.max_position_embeddings
@@ -174,19 +175,20 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(layer, MissingLayer)
         ]
 
-    def _holds(self, name: str) -> bool:
-        """Whether this pipeline stage keeps the checkpoint tensor `name`."""
+    @staticmethod
+    def stage_holds(config, pp: PipelineGroup | None, name: str) -> bool:
+        """Whether pipeline stage `pp` keeps the checkpoint tensor `name` (a rank reads
+        only those: the loader skips the others without dequantizing them)."""
+        if pp is None:
+            return True
         if name.startswith("model.layers."):
-            index = int(name.split(".")[2])
-            return not isinstance(self.model.layers[index], MissingLayer)
+            start, end = pp.layer_range(config.num_hidden_layers)
+            return start <= int(name.split(".")[2]) < end
         if name.startswith("model.embed_tokens."):
-            return self.model.embed_tokens is not None or (
-                self.tie_word_embeddings and self.lm_head is not None
-            )
-        if name.startswith("model.norm."):
-            return self.model.norm is not None
-        if name.startswith("lm_head."):
-            return self.lm_head is not None
+            tied = bool(getattr(config, "tie_word_embeddings", False))
+            return pp.is_first or (tied and pp.is_last)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return pp.is_last
         return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -195,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or not self._holds(name):
+            if "rotary_emb.inv_freq" in name or not self.stage_holds(self.config, self.pp, name):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue

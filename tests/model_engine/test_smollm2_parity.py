@@ -38,3 +38,17 @@ def test_first_32_greedy_tokens_match_hf(smollm2_llm):
         assert got.token_ids == want, chat
     assert sum(len(w) for w in expected) >= 4 * 16  # the comparison covered real text
     assert any("Paris" in o.text for o in outputs)
+
+
+def test_pipeline_parallel_pp2_equals_pp1(smollm2_llm):
+    """Two stages of 15 layers on spawned ranks (each reads only its stage's tensors)
+    generate the single-process engine's tokens; the tied LM head is on stage 1."""
+    prompts = [smollm2_llm.chat_prompt([{"role": "user", "content": c}]) for c in CHATS[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = [o.token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    llm = build_llm(smollm2_llm.engine.model_path, pipeline_parallel_size=2, max_model_len=256)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+    finally:
+        llm.shutdown()
