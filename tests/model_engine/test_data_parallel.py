@@ -12,6 +12,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from atom.model_engine.data_parallel import DataParallelEngine
 from atom.model_engine.rendezvous import Rendezvous
@@ -84,3 +85,18 @@ def test_dp2_equals_dp1_serves_both_replicas_then_a_killed_rank_is_named(tiny_mo
     with Rendezvous.start(world_size=2, master_port=port) as again:  # the port is free
         assert again.spec.port == port
     assert set(multiprocessing.active_children()) <= before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_dp2_equals_dp1_in_fp32(tiny_model_dirs):
+    """Replica 0 on cuda:0, replica 1 on cuda:1; fp32 so both agree token for token."""
+    prompts = random_prompts(22, [1, 9, 40, 129])
+    kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=512, max_num_seqs=8)
+    expected = token_ids(build_llm(tiny_model_dirs["llama"], **kwargs), prompts)
+    llm = build_llm(tiny_model_dirs["llama"], data_parallel_size=2, **kwargs)
+    try:
+        assert token_ids(llm, prompts) == expected
+        assert [replica.stats.requests for replica in llm.engine.replicas] == [2, 2]
+    finally:
+        llm.shutdown()

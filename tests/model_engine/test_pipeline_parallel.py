@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+import torch
 import transformers
 
 from atom.distributed import PipelineError, stage_layer_range
@@ -29,8 +30,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 @pytest.fixture(scope="module")
 def three_layer_llama(tmp_path_factory):
     """Three layers: two stages split them unevenly (layers 0-1, then 2)."""
-    import torch
-
     torch.manual_seed(7)
     config = transformers.LlamaConfig(
         **dict(TINY, num_hidden_layers=3, vocab_size=49152, bos_token_id=1, eos_token_id=2)
@@ -126,5 +125,19 @@ def test_pp2_by_tp2_with_tied_embeddings_equals_one_rank(tiny_model_dirs):
         assert token_ids(llm, prompts) == expected
         stats = llm.engine.model_runner.rank_stats()
         assert [(s["stage"], s["tp_rank"]) for s in stats] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_pp2_equals_pp1_in_fp32(three_layer_llama):
+    """NCCL send/recv between cuda:0 (stage 0) and cuda:1 (stage 1), 2 micro-batches."""
+    prompts = random_prompts(15, [1, 9, 40, 129])
+    kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=512, max_num_seqs=8)
+    expected = token_ids(build_llm(three_layer_llama, **kwargs), prompts)
+    llm = build_llm(three_layer_llama, pipeline_parallel_size=2, **kwargs)
+    try:
+        assert token_ids(llm, prompts) == expected
     finally:
         llm.shutdown()
