@@ -215,7 +215,7 @@ class ModelRunner:
         pp.wait_sends()
         if pp.is_first and num_sampled and shared and not pp.is_last:
             sampled = pp.recv_tokens_from_last(num_sampled)
-        if sampled is None or not self.answers_engine and not self.config.async_scheduling:
+        if sampled is None or (not self.answers_engine and not self.config.async_scheduling):
             return StepHandle(None, None)
         self._last_sampled = sampled
         return StepHandle.of(sampled)

@@ -223,9 +223,10 @@ def init_parallel_groups(
         return world, None
     size = spec.tensor_parallel_size
     stage, tp_rank = divmod(world.rank, size)
-    # Every rank creates every stage's group, in the same order (torch.distributed's rule).
-    groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
-    group = groups[stage] if size > 1 else None
+    group = None
+    if size > 1:  # every rank creates every stage's group, in order (torch.distributed's rule)
+        groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
+        group = groups[stage]
     tp = TensorParallelGroup(tp_rank, size, group, device)
     return tp, PipelineGroup(stage, stages, tp_rank, size, device, dist.group.WORLD)
 

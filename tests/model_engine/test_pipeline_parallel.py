@@ -89,7 +89,7 @@ def test_pp2_equals_pp1_then_a_killed_stage_is_named(three_layer_llama):
         # both stages followed the same batches, so their revisions agree slot by slot.
         tables = [s["page_tables"] for s in stats]
         assert all(cpu == gpu for stage in tables for cpu, gpu in stage), tables
-        assert tables[0] == tables[1] and sum(cpu for cpu, _ in tables[0]) > 4, tables
+        assert tables[0] == tables[1] and all(cpu > 0 for cpu, _ in tables[0]), tables
         assert all(s["steps"] == engine.stats.steps for s in stats)
 
         for prompt in random_prompts(13, [5, 9, 17]):
