@@ -71,14 +71,21 @@ class Config:
     h2d_backend: str | None = None
     # Full per-buffer publication checks (None: ATOM_H2D_CHECKED; tests turn it on).
     h2d_checked: bool | None = None
-    # Run each batch as this many micro-batches, each on its own runner slot (1 or 2).
-    num_micro_batches: int = 1
+    # Run each batch as this many micro-batches, each on its own runner slot: 1 or 2
+    # (two-batch overlap); under pipeline parallelism 1..8, default (None) one per stage.
+    num_micro_batches: int | None = None
     # Where profiler traces go (None: ATOM_TORCH_PROFILER_DIR; profiling off if neither).
     profiler_dir: str | None = None
     load_format: str = "auto"  # "dummy": random weights in the checkpoint's shapes (benchmarks)
     skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
     # Tensor parallelism: N spawned ranks, each holding 1/N of the heads, MLP and vocabulary.
     tensor_parallel_size: int = 1
+    # Pipeline parallelism: the decoder layers split into P contiguous stages, each on its
+    # own ranks (P x tensor_parallel_size ranks in all); micro-batches overlap the stages.
+    pipeline_parallel_size: int = 1
+    # Data parallelism: D engine replicas (each with its own TP x PP ranks, spawned even
+    # when that is one rank), requests routed to the least-loaded one.
+    data_parallel_size: int = 1
     # Where the ranks meet (a TCPStore the engine binds before spawning them). One node:
     # master_port 0 = any free port. Several nodes: node 0 hosts the store at
     # master_addr:master_port (a fixed port), nodes 1.. join it; each runs N / nnodes ranks.
@@ -121,7 +128,6 @@ class Config:
             self.h2d_checked = envs.h2d_checked()
         if self.profiler_dir is None:
             self.profiler_dir = envs.torch_profiler_dir()
-        self._validate_speculation()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:
@@ -130,8 +136,6 @@ class Config:
             pass
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_micro_batches not in (1, 2):
-            raise ValueError(f"num_micro_batches must be 1 or 2, got {self.num_micro_batches}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -147,6 +151,7 @@ class Config:
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         self._validate_parallelism()
+        self._validate_speculation()  # after num_micro_batches is resolved
 
     def _validate_speculation(self) -> None:
         method = self.speculative_method
@@ -174,24 +179,47 @@ class Config:
             raise ValueError(
                 "speculative_method='draft' needs speculative_model (--speculative-model PATH)"
             )
-        if self.tensor_parallel_size > 1 or self.num_micro_batches > 1:
+        if self.ranks_per_replica > 1 or self.num_micro_batches > 1:
             raise ValueError(
-                "speculative decoding is not supported yet with tensor parallelism or "
-                "micro-batches (tensor_parallel_size and num_micro_batches must be 1)"
+                "speculative decoding is not supported yet with tensor or pipeline "
+                "parallelism or micro-batches (tensor_parallel_size, pipeline_parallel_size "
+                "and num_micro_batches must be 1)"
             )
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Ranks of one engine replica: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _validate_parallelism(self) -> None:
         tp, nnodes = self.tensor_parallel_size, self.nnodes
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-            raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}")
+        pp, dp = self.pipeline_parallel_size, self.data_parallel_size
+        for name, value in (
+            ("tensor_parallel_size", tp),
+            ("pipeline_parallel_size", pp),
+            ("data_parallel_size", dp),
+            ("nnodes", nnodes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        micro = self.num_micro_batches
+        if micro is None:
+            micro = self.num_micro_batches = pp
+        most = 8 if pp > 1 else 2
+        if isinstance(micro, bool) or not isinstance(micro, int) or not 1 <= micro <= most:
+            raise ValueError(
+                f"num_micro_batches must be an integer in [1, {most}]"
+                f"{' under pipeline parallelism' if pp > 1 else ''}, got {micro!r}"
+            )
         if not 0 <= self.node_rank < nnodes:
             raise ValueError(f"node_rank must be in [0, {nnodes}), got {self.node_rank}")
-        if tp % nnodes:
+        if dp > 1 and nnodes > 1:
+            raise ValueError("data parallelism over several nodes is not supported yet")
+        ranks = tp * pp
+        if ranks % nnodes:
             raise ValueError(
-                f"tensor_parallel_size {tp} must be a multiple of nnodes {nnodes} "
-                "(every node runs the same number of ranks)"
+                f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp} = {ranks}) must "
+                f"be a multiple of nnodes {nnodes} (every node runs the same number of ranks)"
             )
         if not 0 <= self.master_port <= 65535:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port}")
@@ -202,15 +230,16 @@ class Config:
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
-        if tp > 1 and self.device.startswith("cuda"):
+        if ranks * dp > 1 and self.device.startswith("cuda"):
             if self.device != "cuda":
                 raise ValueError(
-                    f"with tensor parallelism each rank uses cuda:<local rank>; pass "
-                    f"device='cuda', not {self.device!r}"
+                    f"with tensor, pipeline or data parallelism each rank uses "
+                    f"cuda:<local rank>; pass device='cuda', not {self.device!r}"
                 )
-            local, found = tp // nnodes, torch.cuda.device_count()
+            local, found = ranks * dp // nnodes, torch.cuda.device_count()
             if local > found:
                 raise ValueError(
-                    f"tensor_parallel_size {tp} over {nnodes} node(s) needs {local} GPUs per "
-                    f"node, this node has {found}"
+                    f"{dp} replica(s) of tensor_parallel_size {tp} x pipeline_parallel_size "
+                    f"{pp} over {nnodes} node(s) need {local} GPUs per node, this node has "
+                    f"{found}"
                 )

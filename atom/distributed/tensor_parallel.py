@@ -75,13 +75,15 @@ class TensorParallelGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        # group_dst / group_src: ranks inside the group (a pipeline stage's group does not
+        # start at global rank 0).
+        dist.gather(x, parts, group=self.group, group_dst=0)
         return torch.cat(parts, dim=dim) if self.is_first else None
 
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (in place on the others)."""
         if self.world_size > 1:
-            dist.broadcast(x, src=0, group=self.group)
+            dist.broadcast(x, group=self.group, group_src=0)
         return x
 
     def min_across(self, value: int) -> int:

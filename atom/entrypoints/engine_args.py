@@ -60,6 +60,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over N ranks (spawned processes; one GPU each on CUDA)",
     )
     parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="split the decoder layers into P stages on their own ranks (P x TP ranks)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="D engine replicas, each on its own TP x PP ranks; requests go to the least loaded",
+    )
+    parser.add_argument(
+        "--num-micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per step (runner slots): 1-2, or 1-8 with pipeline parallelism "
+        "(default: one per pipeline stage)",
+    )
+    parser.add_argument(
         "--master-addr",
         default="127.0.0.1",
         help="multi-node: address of node-rank 0, which hosts the rendezvous store",
@@ -115,6 +136,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seed=args.seed,
         h2d_backend=args.h2d_backend,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        num_micro_batches=args.num_micro_batches,
         master_addr=args.master_addr,
         master_port=args.master_port,
         nnodes=args.nnodes,

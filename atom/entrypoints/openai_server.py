@@ -44,6 +44,7 @@ from atom.entrypoints.openai_serving import (
     OpenAIServing,
 )
 from atom.entrypoints.request_size import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
+from atom.model_engine.data_parallel import build_engine
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.rendezvous import RendezvousError
 from atom.model_engine.workers import WorkerFailedError
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         sock = bind_socket(args.host, args.port)  # first: a busy port fails before the load
-        engine = LLMEngine(config_from_args(args))
+        engine = build_engine(config_from_args(args))  # data parallelism: replicas
     except (ValueError, ModelLoadError, OSError, RendezvousError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,33 +1,40 @@
-"""DistributedRunner: the engine's ModelRunner when `tensor_parallel_size` > 1.
+"""DistributedRunner: the engine's ModelRunner when the model runs on spawned ranks
+(`tensor_parallel_size` or `pipeline_parallel_size` > 1, or a data-parallel replica).
 
 The engine process keeps the scheduler and runs no model. Before it spawns anything it
-binds the rendezvous store (rendezvous.py); then every tensor-parallel rank is a spawned
-worker (workers.py) running `run_model_rank`: join the process group, load its shard of
-the weights, allocate its KV cache (num_kv_heads / N heads), then loop — receive the
-step's message (step_messages.py), update its mirror of the sequences, run the same
-ModelRunner step as every other rank. Rank 0 samples and sends the tokens back.
+binds the rendezvous store (rendezvous.py); then every rank is a spawned worker
+(workers.py) running `run_model_rank`: join the process group (its stage's
+tensor-parallel group and, with several stages, its PipelineGroup), load its shard of its
+stage's weights, allocate its KV cache (its stage's layers, num_kv_heads / N heads),
+then loop — receive the step's message (step_messages.py), update its mirror of the
+sequences, run its ModelRunner step. Every rank of every stage receives every message, so
+each stage's runner slots and page tables follow the same batches on their own. Rank 0
+(tensor-parallel rank 0 of the first stage) sends the tokens back.
 
-On CUDA rank r of a node uses `cuda:{local_rank}`; decode CUDA graphs are not captured
-under tensor parallelism yet (the ranks run eagerly).
+On CUDA local rank r uses `cuda:{first_device + r}`; decode CUDA graphs are not captured
+on spawned ranks yet (they run eagerly).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import pickle
+import time
 
 import torch
 
 from atom.config import Config
+from atom.distributed import PipelineError
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.rendezvous import (
     Rendezvous,
     RendezvousSpec,
     backend_for,
     destroy_process_group,
-    init_process_group,
+    init_parallel_groups,
 )
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.step_messages import SequenceMirror, StepEncoder
@@ -36,16 +43,34 @@ from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
+STATS = b"stats"  # asks every rank for its counters (and resets them)
 
-def start_rendezvous(config: Config) -> Rendezvous:
+
+def validate_parallelism(config: Config, hf_config) -> None:
+    """Fail before spawning anything if the model does not split over the ranks."""
+    cls = model_class(hf_config)
+    cls.validate_tensor_parallel(hf_config, config.tensor_parallel_size)
+    stages = config.pipeline_parallel_size
+    if stages > 1:
+        check = getattr(cls, "validate_pipeline_parallel", None)
+        if check is None:
+            raise PipelineError(
+                f"{hf_config.model_type}: pipeline parallelism is not supported for this model "
+                "yet; run with --pipeline-parallel-size 1"
+            )
+        check(hf_config, stages)
+
+
+def start_rendezvous(config: Config, world_size: int | None = None) -> Rendezvous:
     return Rendezvous.start(
-        world_size=config.tensor_parallel_size,
+        world_size=world_size or config.ranks_per_replica,
         backend=backend_for(config.device),
         master_addr=config.master_addr,
         master_port=config.master_port,
         nnodes=config.nnodes,
         node_rank=config.node_rank,
         timeout_s=config.distributed_timeout_s,
+        pipeline_parallel_size=config.pipeline_parallel_size,
     )
 
 
@@ -54,28 +79,63 @@ class DistributedRunner:
     whose `result()` is the sampled tokens; `num_kvcache_blocks`; `h2d_totals()`;
     `shutdown()`."""
 
-    def __init__(self, config: Config, model_path: str, hf_config, max_model_len: int):
-        # Fail before spawning anything if the model does not split over the ranks.
-        model_class(hf_config).validate_tensor_parallel(hf_config, config.tensor_parallel_size)
-        rendezvous = start_rendezvous(config)
+    def __init__(
+        self,
+        config: Config,
+        model_path: str,
+        hf_config,
+        max_model_len: int,
+        rendezvous: Rendezvous | None = None,
+        wait: bool = True,
+    ):
+        """`rendezvous`: a data-parallel replica's view of the shared store (default: bind
+        one of its own). `wait=False` returns once spawned; call `wait_ready()`."""
+        validate_parallelism(config, hf_config)
+        rendezvous = rendezvous or start_rendezvous(config)
         self.port = rendezvous.spec.port
+        self.spec = rendezvous.spec
+        self.config = config
         self.workers = WorkerGroup(
-            run_model_rank, rendezvous, args=(config, model_path, max_model_len)
+            run_model_rank,
+            rendezvous,
+            args=(config, model_path, max_model_len),
+            name="atom-rank" if self.spec.replica is None else f"atom-dp{self.spec.replica}",
         )
+        self.num_kvcache_blocks: int | None = None
+        self.encoder = StepEncoder()
+        self._h2d_totals = (0, 0)  # rank 0's, as of the latest step read
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         try:
             infos = self.workers.wait_ready()
         except BaseException:
             self.workers.shutdown(timeout_s=1.0)
             raise
         self.num_kvcache_blocks = infos[0]["num_kvcache_blocks"]
-        self.encoder = StepEncoder()
-        self._h2d_totals = (0, 0)  # rank 0's, as of the latest step read
         logger.info(
-            "tensor parallelism: %d ranks (pids %s), rendezvous at %s",
-            config.tensor_parallel_size,
+            "%s%d ranks (tensor %d x pipeline %d, pids %s), rendezvous at %s",
+            "" if self.spec.replica is None else f"replica {self.spec.replica}: ",
+            self.spec.world_size,
+            self.spec.tensor_parallel_size,
+            self.spec.pipeline_parallel_size,
             self.workers.pids,
-            rendezvous.spec.address,
+            self.spec.address,
         )
+
+    def rank_stats(self) -> list[dict]:
+        """Every local rank's counters since the last call (steps, seconds in steps,
+        seconds blocked on the previous/next stage, seconds between steps, page-table
+        revisions per runner slot), in rank order; the counters restart."""
+        self.workers.send(STATS)
+        stats = []
+        for local_rank in range(len(self.workers.conns)):
+            kind, value = self.workers.receive(local_rank)[:2]
+            if kind != "stats":
+                raise RuntimeError(f"rank {self.workers.ranks[local_rank]} sent {kind!r}")
+            stats.append(value)
+        return stats
 
     def launch(self, batch: ScheduledBatch) -> RemoteStepHandle:
         message = self.encoder.encode(batch)
@@ -112,45 +172,94 @@ class RemoteStepHandle:
         return self._tokens
 
 
-def _rank_device(config: Config, local_rank: int) -> str:
+def _rank_device(config: Config, spec: RendezvousSpec, local_rank: int) -> str:
     if config.device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        return f"cuda:{local_rank}"
+        index = spec.first_device + local_rank
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
     return "cpu"
 
 
+class _RankCounters:
+    """What `rank_stats` reports: where a rank's time went since the last report."""
+
+    def __init__(self, pp):
+        self.pp = pp
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.step_seconds = 0.0  # from a step's message to its end (waits included)
+        self.between_seconds = 0.0  # waiting for the next message (after the first step)
+        if self.pp is not None:
+            self.pp.wait_seconds = 0.0
+
+    def report(self, runner: ModelRunner) -> dict:
+        pp, tp = self.pp, runner.tp
+        return {
+            "stage": 0 if pp is None else pp.stage,
+            "tp_rank": tp.rank,
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
+            "wait_seconds": 0.0 if pp is None else pp.wait_seconds,
+            "between_seconds": self.between_seconds,
+            "page_tables": [
+                (slot.page_table.cpu_revision, slot.page_table.gpu_revision)
+                for slot in runner.slots
+            ],
+        }
+
+
 def run_model_rank(local_rank, spec: RendezvousSpec, conn, config, model_path, max_model_len):
-    """One tensor-parallel rank (a spawned process); see the module docstring."""
+    """One rank (a spawned process); see the module docstring."""
     from atom.models.loader import open_model, read_config
 
-    device = _rank_device(config, local_rank)
+    device = _rank_device(config, spec, local_rank)
     if device == "cpu":  # share the cores instead of each rank taking them all
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
-    tp = init_process_group(spec, local_rank, device)
+        ranks = spec.ranks_per_node * config.data_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    tp, pp = init_parallel_groups(spec, local_rank, device)
     # No try/finally around the process group: on an exception the error must reach the
     # engine first (a teardown after a peer died may block); the process exits right after.
     if config.load_format == "dummy":
         hf_config, weights = read_config(model_path), None
     else:
         source = open_model(model_path)
-        hf_config, weights = source.hf_config, source.weights()
+        hf_config = source.hf_config
+        holds = getattr(model_class(hf_config), "stage_holds", None)
+        wanted = None if pp is None or holds is None else functools.partial(holds, hf_config, pp)
+        weights = source.weights(wanted)  # a pipeline stage reads only its own tensors
     # Validated by the engine already: copy without re-validating the per-rank device.
     rank_config = copy.copy(config)
     rank_config.device = device
     rank_config.enforce_eager = True  # no CUDA graphs across ranks yet
-    runner = ModelRunner(rank_config, hf_config, weights, max_model_len, tp)
+    runner = ModelRunner(rank_config, hf_config, weights, max_model_len, tp, pp)
     conn.send(("ready", {"num_kvcache_blocks": runner.num_kvcache_blocks}))
     mirror = SequenceMirror()
+    counters = _RankCounters(pp)
+    clock = time.perf_counter
+    waited_from = None  # when the rank began waiting for the next step (None: not timed)
     while True:
         payload = conn.recv_bytes()
         if payload == SHUTDOWN:
             break
+        if payload == STATS:
+            conn.send(("stats", counters.report(runner)))
+            counters.reset()
+            waited_from = None
+            continue
+        start = clock()
+        if waited_from is not None:
+            counters.between_seconds += start - waited_from
         batch = mirror.apply(pickle.loads(payload))
         handle = runner.launch(batch)
         mirror.on_launch(batch)
         tokens = handle.result()
-        if tp.is_first:
+        if runner.answers_engine:
             conn.send(("result", tokens, runner.h2d_totals()))
+        waited_from = clock()
+        counters.steps += 1
+        counters.step_seconds += waited_from - start
     destroy_process_group()
 
 

@@ -85,7 +85,8 @@ def fit_max_model_len(config: Config, max_model_len: int, num_blocks: int) -> in
 
 
 class LLMEngine:
-    def __init__(self, config: Config | None = None, **kwargs):
+    def __init__(self, config: Config | None = None, model_runner=None, **kwargs):
+        """`model_runner`: one already started (a data-parallel replica's ranks)."""
         self.config = config = config or Config(**kwargs)
         if config.node_rank > 0:
             raise ValueError(
@@ -104,7 +105,9 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(source or open_model(self.model_path))
         self.max_model_len = resolve_max_model_len(config, hf)
         draft_hf = self._draft_hf_config() if config.speculative_method == "draft" else None
-        if config.tensor_parallel_size > 1:  # spawned ranks load their own weight shards
+        if model_runner is not None:
+            self.model_runner = model_runner
+        elif config.ranks_per_replica > 1:  # spawned ranks load their own weight shards
             self.model_runner = DistributedRunner(config, self.model_path, hf, self.max_model_len)
         else:
             extra = 0
@@ -366,7 +369,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         config = kwargs.pop("config", None) or Config(model=model, **kwargs)
-        self.engine = LLMEngine(config)
+        from atom.model_engine.data_parallel import build_engine  # it imports this module
+
+        self.engine = build_engine(config)  # replicas when data_parallel_size > 1
         self.tokenizer = self.engine.tokenizer
         self._profiler: profiling.TraceRecorder | None = None
 

@@ -8,6 +8,14 @@ Under tensor parallelism every rank runs the same ModelRunner step on its shard 
 model (built with the rank's TensorParallelGroup); rank 0 alone samples. Without a group
 (a caller building a ModelRunner directly) it is a single process: no store, no
 process group.
+
+Under pipeline parallelism (a PipelineGroup) the ModelRunner of each stage holds only
+that stage's layers and KV cache, and its own runner slots (one per micro-batch, each
+with its own buffers, publisher and page table). A step is split into micro-batches;
+each stage runs them one after the other, receiving a micro-batch's activations from the
+previous stage and sending its own on at once (atom/distributed/pipeline_parallel.py),
+so stage s works on micro-batch k while stage s + 1 works on k - 1. The last stage
+samples and sends the tokens back to the first, whose rank 0 answers the engine.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from atom import profiling
 from atom.attention.backend import backend_for
 from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
-from atom.distributed import TensorParallelGroup
+from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
@@ -43,12 +51,14 @@ class ModelRunner:
         max_model_len: int,
         tp: TensorParallelGroup | None = None,
         extra_kv_block_bytes: int = 0,
+        pp: PipelineGroup | None = None,
     ):
         self.config = config
         # Bytes per block of a cache that shares these block ids (a speculative draft
         # model's): the budget is split so that both caches hold the same blocks.
         self.extra_kv_block_bytes = extra_kv_block_bytes
         self.tp = tp or TensorParallelGroup.single(config.device)
+        self.pp = pp  # None: the whole model in this process (or its TP group)
         self.hf_config = hf_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
@@ -114,7 +124,9 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = model_class(self.hf_config)(self.hf_config, self.max_model_len, self.tp)
+                cls = model_class(self.hf_config)
+                stage = {} if self.pp is None else {"pp": self.pp}
+                model = cls(self.hf_config, self.max_model_len, self.tp, **stage)
         finally:
             torch.set_default_dtype(previous)
         with torch.no_grad():
@@ -142,7 +154,8 @@ class ModelRunner:
             num_blocks = self._blocks_from_free_memory(block_bytes, reserved=state_bytes)
         else:
             num_blocks = (self.config.kv_cache_memory_bytes - state_bytes) // block_bytes
-        num_blocks = self.tp.min_across(num_blocks)  # every rank must hold the same blocks
+        # Every rank (of every pipeline stage) must hold the same blocks.
+        num_blocks = (self.pp or self.tp).min_across(num_blocks)
         if num_blocks < 1:
             raise RuntimeError(
                 f"no room for a single KV block ({block_bytes} bytes); raise "
@@ -199,6 +212,8 @@ class ModelRunner:
         """
         previous = self._last_sampled
         parts = split_batch(batch, len(self.slots))
+        if self.pp is not None:
+            return self._launch_stage(batch, parts, previous)
         tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
         tokens = [t for t in tokens if t is not None]
         if not tokens:
@@ -210,6 +225,52 @@ class ModelRunner:
             sampled = self._share_sampled(sampled)
         self._last_sampled = sampled
         return StepHandle.of(sampled)
+
+    @property
+    def answers_engine(self) -> bool:
+        """The one rank that sends each step's tokens to the engine."""
+        return self.tp.is_first and (self.pp is None or self.pp.is_first)
+
+    def _launch_stage(self, batch: ScheduledBatch, parts, previous) -> StepHandle:
+        """This pipeline stage's share of a step: every micro-batch in turn (see the
+        module docstring). Returns the step's tokens on the first stage, none elsewhere."""
+        pp = self.pp
+        tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
+        # Sampled tokens reach the first stage: its rank 0 answers the engine, and with
+        # asynchronous scheduling every rank of it fills placeholders from them.
+        shared = self.config.async_scheduling or self.tp.is_first
+        sampled = None
+        if pp.is_last and num_sampled:
+            tokens = [t for t in tokens if t is not None]
+            sampled = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+            if self.tp.world_size > 1:
+                sampled = self._share_sampled(sampled)
+            if shared and not pp.is_first:
+                pp.send_tokens_to_first(sampled)
+        pp.wait_sends()
+        if pp.is_first and num_sampled and shared and not pp.is_last:
+            sampled = pp.recv_tokens_from_last(num_sampled)
+        if sampled is None or (not self.answers_engine and not self.config.async_scheduling):
+            return StepHandle(None, None)
+        self._last_sampled = sampled
+        return StepHandle.of(sampled)
+
+    def _forward(self, input_ids, positions, num_tokens: int) -> torch.Tensor | None:
+        """The model's hidden states; under pipeline parallelism this stage's layers, fed
+        by the previous stage and sent on to the next (None on a stage that is not last)."""
+        pp = self.pp
+        if pp is None:
+            return self.model(input_ids, positions)
+        intermediate = None
+        if not pp.is_first:
+            hidden_size = self.hf_config.hidden_size
+            intermediate = pp.recv_activations(num_tokens, hidden_size, self.dtype)
+        out = self.model(input_ids, positions, intermediate)
+        if pp.is_last:
+            return out
+        pp.send_activations(*out)
+        return None
 
     def _share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank (tensor parallelism, asynchronous
@@ -243,7 +304,7 @@ class ModelRunner:
 
         verify_size = self._verify_graph_size(index, batch, step)
         with profiling.stage("forward"):
-            if placeholders is not None:
+            if placeholders is not None and (self.pp is None or self.pp.is_first):
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
             if graph_size is not None:
@@ -252,8 +313,8 @@ class ModelRunner:
                 logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
             else:
                 with forward_context(metadata):
-                    hidden = self.model(input_ids, positions)
-                if not step.sampling_seqs:
+                    hidden = self._forward(input_ids, positions, step.num_tokens)
+                if hidden is None or not step.sampling_seqs:
                     return None
                 if logits_indices is not None:
                     hidden = hidden[logits_indices]

@@ -1,4 +1,4 @@
-"""Rendezvous: the TCPStore where the tensor-parallel ranks meet.
+"""Rendezvous: the TCPStore where the tensor- and pipeline-parallel ranks meet.
 
 The engine's process binds the store as master *before* it spawns any worker, so no
 free-port race exists: on a single node it binds port 0 and reads the real port back
@@ -9,18 +9,23 @@ binds it, the other nodes connect as clients. Every rank, local or remote, conne
 a client and calls `init_process_group(backend, store=..., rank, world_size)`.
 
 The store lives as long as the engine (`Rendezvous.close` releases the port). Ranks are
-laid out node by node: global rank = node_rank * ranks_per_node + local_rank.
+laid out node by node: global rank = node_rank * ranks_per_node + local_rank, and stage
+by stage: global rank = stage * tensor_parallel_size + tensor-parallel rank.
+
+Data parallelism: one store for all replicas, bound before any of them spawns; each
+replica's ranks form their own process group under their own key prefix
+(`replica_spec`), so the groups never see each other's keys.
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from atom.distributed import TensorParallelGroup
+from atom.distributed import PipelineGroup, TensorParallelGroup
 
 # Keys of the process group live under this prefix; the engine's own keys (remote step
 # queues, failure reports) under others, so they never collide.
@@ -46,13 +51,43 @@ class RendezvousSpec:
     node_rank: int = 0
     backend: str = "gloo"  # nccl on CUDA
     timeout_s: float = 1800.0
+    pipeline_parallel_size: int = 1  # stages; world_size / it ranks per stage
+    replica: int | None = None  # data-parallel replica index (None: no data parallelism)
+    prefix: str = ""  # store keys of this replica's process group live under it
+    first_device: int = 0  # CUDA index of local rank 0 (replicas share a node's GPUs)
 
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
+
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.ranks_per_node + local_rank
+
+    def describe(self, rank: int) -> str:
+        """How errors name a rank: replica, pipeline stage, tensor-parallel rank."""
+        stage, tp_rank = divmod(rank, self.tensor_parallel_size)
+        if self.pipeline_parallel_size == 1:
+            text = f"tensor-parallel rank {rank}"
+        elif self.tensor_parallel_size == 1:
+            text = f"pipeline stage {stage} (rank {rank})"
+        else:
+            text = f"pipeline stage {stage}, tensor-parallel rank {tp_rank} (rank {rank})"
+        return text if self.replica is None else f"replica {self.replica}, {text}"
+
+    def replica_spec(self, replica: int, ranks_per_replica: int, pipeline_parallel_size: int):
+        """The spec of data-parallel replica `replica` on this (shared) store."""
+        return replace(
+            self,
+            world_size=ranks_per_replica,
+            pipeline_parallel_size=pipeline_parallel_size,
+            replica=replica,
+            prefix=f"replica{replica}/",
+            first_device=replica * ranks_per_replica,
+        )
 
     @property
     def address(self) -> str:
@@ -83,11 +118,10 @@ class Rendezvous:
         nnodes: int = 1,
         node_rank: int = 0,
         timeout_s: float = 1800.0,
+        pipeline_parallel_size: int = 1,
     ) -> Rendezvous:
         if world_size % nnodes:
-            raise RendezvousError(
-                f"tensor_parallel_size {world_size} does not split over {nnodes} nodes"
-            )
+            raise RendezvousError(f"{world_size} ranks do not split over {nnodes} nodes")
         if nnodes > 1 and master_port == 0:
             raise RendezvousError(
                 "a multi-node run needs a fixed --master-port that every node is given "
@@ -106,6 +140,7 @@ class Rendezvous:
             node_rank=node_rank,
             backend=backend,
             timeout_s=timeout_s,
+            pipeline_parallel_size=pipeline_parallel_size,
         )
         return cls(store, spec)
 
@@ -166,7 +201,7 @@ def init_process_group(
     Called in each spawned rank. Clean up with `destroy_process_group()`.
     """
     rank = spec.global_rank(local_rank)
-    store = dist.PrefixStore(PROCESS_GROUP_PREFIX, connect(spec))
+    store = dist.PrefixStore(spec.prefix + PROCESS_GROUP_PREFIX, connect(spec))
     dist.init_process_group(
         spec.backend,
         store=store,
@@ -175,6 +210,25 @@ def init_process_group(
         timeout=datetime.timedelta(seconds=spec.timeout_s),
     )
     return TensorParallelGroup(rank, spec.world_size, dist.group.WORLD, device)
+
+
+def init_parallel_groups(
+    spec: RendezvousSpec, local_rank: int, device: torch.device | str
+) -> tuple[TensorParallelGroup, PipelineGroup | None]:
+    """Join the process group; returns this rank's tensor-parallel group (its stage's
+    ranks) and, with more than one stage, its PipelineGroup."""
+    world = init_process_group(spec, local_rank, device)
+    stages = spec.pipeline_parallel_size
+    if stages == 1:
+        return world, None
+    size = spec.tensor_parallel_size
+    stage, tp_rank = divmod(world.rank, size)
+    group = None
+    if size > 1:  # every rank creates every stage's group, in order (torch.distributed's rule)
+        groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(stages)]
+        group = groups[stage]
+    tp = TensorParallelGroup(tp_rank, size, group, device)
+    return tp, PipelineGroup(stage, stages, tp_rank, size, device, dist.group.WORLD)
 
 
 def destroy_process_group() -> None:

@@ -1,4 +1,5 @@
-"""WorkerGroup: this node's tensor-parallel ranks as spawned processes, watched by sentinel.
+"""WorkerGroup: this node's ranks (tensor- and pipeline-parallel) as spawned processes,
+watched by sentinel.
 
 Each rank is a `torch.multiprocessing` *spawn* process (fork would copy CUDA and thread
 state) running `target(local_rank, spec, conn, *args)` with one duplex pipe to the
@@ -44,13 +45,23 @@ FAILED_KEY = "failed/rank{}"  # store key of a remote rank's failure report
 
 
 class WorkerFailedError(RuntimeError):
-    """A tensor-parallel rank died or raised; the message names it and says why."""
+    """A rank died or raised; the message names it (replica, pipeline stage,
+    tensor-parallel rank) and says why. `rank` is its rank in its replica's group."""
 
-    def __init__(self, rank: int, reason: str, others: list[tuple[int, str]] = ()):
+    def __init__(
+        self,
+        rank: int,
+        reason: str,
+        others: list[tuple[int, str]] = (),
+        spec: RendezvousSpec | None = None,
+    ):
         self.rank = rank
         self.reason = reason
         self.others = list(others)
-        text = f"tensor-parallel rank {rank} {reason}"
+        self.replica = spec.replica if spec is not None else None
+        self.stage = rank // spec.tensor_parallel_size if spec is not None else 0
+        name = spec.describe if spec is not None else (lambda r: f"tensor-parallel rank {r}")
+        text = f"{name(rank)} {reason}"
         if self.others:
             text += "; after it: " + "; ".join(f"rank {r} {why}" for r, why in self.others)
         super().__init__(text + ". All workers were stopped; start a new engine.")
@@ -290,9 +301,9 @@ class WorkerGroup:
         # The root cause first: a rank not failing because a peer vanished, earliest first.
         ordered = sorted(self._failures, key=lambda f: f[2])
         (rank, reason, _), others = ordered[0], [(r, why) for r, why, _ in ordered[1:]]
-        self.failure = WorkerFailedError(rank, reason, others)
+        self.failure = WorkerFailedError(rank, reason, others, self.spec)
         if rank in self._tracebacks:
-            logger.error("tensor-parallel rank %d failed:\n%s", rank, self._tracebacks[rank])
+            logger.error("%s failed:\n%s", self.spec.describe(rank), self._tracebacks[rank])
         self.shutdown(timeout_s=1.0)
         raise self.failure
 

@@ -70,14 +70,17 @@ def read_gguf(path: str) -> GGUFContents:
 
 
 def iter_gguf_weights(
-    path: str, reader: gguf.GGUFReader, hf_config: PretrainedConfig
+    path: str, reader: gguf.GGUFReader, hf_config: PretrainedConfig, wanted=None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 CPU tensor), dequantizing one tensor at a time."""
+    """Yield (HF name, float32 CPU tensor), dequantizing one tensor at a time; a name
+    that `wanted` refuses is skipped before its dequantization."""
     permute_qk = hf_config.model_type == "llama"
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue  # folded into hf_config.rope_parameters by _llama3_rope_parameters
         name = hf_tensor_name(path, tensor.name)
+        if wanted is not None and not wanted(name):
+            continue
         try:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:

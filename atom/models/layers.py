@@ -52,14 +52,47 @@ class PreNormDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DecoderStack(nn.Module):
-    """embed_tokens -> PreNormDecoderLayers -> final RMSNorm (subclasses build the three)."""
+class MissingLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds (no parameters), so
+    layer indices, and with them checkpoint names, stay those of the whole model."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
+    def forward(self, *args):
+        raise RuntimeError("this decoder layer lives on another pipeline stage")
+
+
+def stage_layers(num_layers: int, make_layer, layer_range: tuple[int, int] | None = None):
+    """ModuleList of `num_layers` entries: `make_layer(i)` inside `layer_range` (all of
+    them without one), a MissingLayer elsewhere."""
+    start, end = layer_range or (0, num_layers)
+    return nn.ModuleList(
+        make_layer(i) if start <= i < end else MissingLayer() for i in range(num_layers)
+    )
+
+
+class DecoderStack(nn.Module):
+    """embed_tokens -> PreNormDecoderLayers -> final RMSNorm (subclasses build the three).
+
+    Under pipeline parallelism a stage holds a contiguous range of the layers (the others
+    are MissingLayers). A stage other than the first takes `intermediate` = (hidden,
+    residual) from the previous stage instead of embedding `input_ids` (it has no
+    embedding); a stage other than the last has no norm and returns (hidden, residual).
+    """
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            if not isinstance(layer, MissingLayer):
+                hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

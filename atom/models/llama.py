@@ -3,6 +3,9 @@
 Weights use HF names; q/k/v and gate/up are fused into one matmul each and split on
 load (`load_weights`). With a TensorParallelGroup of N ranks each rank holds 1/N of the
 heads, of the MLP's intermediate features and of the vocabulary (parallel_layers.py).
+With a PipelineGroup a rank builds and loads only its stage: its range of decoder layers,
+the embedding on the first stage, the final norm and the LM head on the last (a tied LM
+head on a last stage without the embedding loads the embedding's tensor).
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ import torch
 from torch import nn
 
 from atom.attention.mha import MHAAttention
-from atom.distributed import TensorParallelGroup, shard_range
+from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
 from atom.models.layers import (
     DecoderStack,
+    MissingLayer,
     PreNormDecoderLayer,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
     rope_parameters,
+    stage_layers,
 )
 from atom.models.parallel_layers import (
     ColumnParallelLinear,
@@ -91,13 +96,20 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 
 class LlamaModel(DecoderStack):
-    def __init__(self, config, max_position: int, tp: TensorParallelGroup):
+    def __init__(
+        self, config, max_position: int, tp: TensorParallelGroup, pp: PipelineGroup | None = None
+    ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, max_position, tp) for _ in range(config.num_hidden_layers)
+        first, last = pp is None or pp.is_first, pp is None or pp.is_last
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if first else None
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = stage_layers(
+            config.num_hidden_layers,
+            lambda _: LlamaDecoderLayer(config, max_position, tp),
+            None if pp is None else pp.layer_range(config.num_hidden_layers),
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,18 +123,27 @@ class LlamaForCausalLM(nn.Module):
     )
 
     def __init__(
-        self, config, max_position: int | None = None, tp: TensorParallelGroup | None = None
+        self,
+        config,
+        max_position: int | None = None,
+        tp: TensorParallelGroup | None = None,
+        pp: PipelineGroup | None = None,
     ):
         super().__init__()
         self.config = config
+        self.pp = pp
         tp = tp or TensorParallelGroup.single()
         self.validate_tensor_parallel(config, tp.world_size)
         max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, max_position, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.model = LlamaModel(config, max_position, tp, pp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = None
+        if pp is None or pp.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        # Whether the LM head shares the embedding's parameter (one stage holds both).
+        self._shares_embedding = self.tie_word_embeddings and self.model.embed_tokens is not None
 
     @staticmethod
     def validate_tensor_parallel(config, world_size: int) -> None:
@@ -134,8 +155,15 @@ class LlamaForCausalLM(nn.Module):
         shard_range(_num_kv_heads(config), 0, world_size, "num_key_value_heads")
         shard_range(config.intermediate_size, 0, world_size, "intermediate_size")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    @staticmethod
+    def validate_pipeline_parallel(config, num_stages: int) -> None:
+        """Raise PipelineError unless every stage gets at least one decoder layer."""
+        stage_layer_range(config.num_hidden_layers, 0, num_stages)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        """Hidden states [T, hidden]; on a pipeline stage other than the last, the
+        (hidden, residual) the next stage takes as `intermediate`."""
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[T, vocab] logits on tensor-parallel rank 0; None on the other ranks."""
@@ -143,7 +171,27 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def attention_layers(self) -> list[MHAAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [
+            layer.self_attn.attn
+            for layer in self.model.layers
+            if not isinstance(layer, MissingLayer)
+        ]
+
+    @staticmethod
+    def stage_holds(config, pp: PipelineGroup | None, name: str) -> bool:
+        """Whether pipeline stage `pp` keeps the checkpoint tensor `name` (a rank reads
+        only those: the loader skips the others without dequantizing them)."""
+        if pp is None:
+            return True
+        if name.startswith("model.layers."):
+            start, end = pp.layer_range(config.num_hidden_layers)
+            return start <= int(name.split(".")[2]) < end
+        if name.startswith("model.embed_tokens."):
+            tied = bool(getattr(config, "tie_word_embeddings", False))
+            return pp.is_first or (tied and pp.is_last)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return pp.is_last
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused, sharded) parameters; each rank keeps only
@@ -151,10 +199,12 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not self.stage_holds(self.config, self.pp, name):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+                name = "lm_head.weight"  # a tied head on a later pipeline stage
             for hf_part, fused_part, shard in self.stacked_params:
                 if f".{hf_part}." in name:
                     target = name.replace(hf_part, fused_part)
@@ -173,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
                 expected |= {f"{pname}#{s}" for s in "qkv"}
             elif "gate_up_proj" in pname:
                 expected |= {f"{pname}#0", f"{pname}#1"}
-            elif not (pname == "lm_head.weight" and self.tie_word_embeddings):
+            elif not (pname == "lm_head.weight" and self._shares_embedding):
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:

@@ -39,14 +39,17 @@ class ModelSource:
     format: str  # "gguf" or "safetensors"
     hf_config: PretrainedConfig
     tokenizer_source: TokenizerSource
-    weight_reader: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    weight_reader: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        self, wanted: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, float32 CPU tensor) lazily, one tensor at a time.
 
         `lm_head.weight` appears only when the checkpoint stores it (untied embeddings).
+        `wanted(name)` False: the tensor is skipped unread (a pipeline stage's others).
         """
-        return self.weight_reader()
+        return self.weight_reader(wanted)
 
 
 def open_model(path: str | os.PathLike) -> ModelSource:
@@ -102,7 +105,9 @@ def _open_gguf(path: str) -> ModelSource:
             gguf_file=os.path.basename(absolute),
             chat_template=contents.chat_template,
         ),
-        weight_reader=lambda: iter_gguf_weights(path, contents.reader, contents.hf_config),
+        weight_reader=lambda wanted=None: iter_gguf_weights(
+            path, contents.reader, contents.hf_config, wanted
+        ),
     )
 
 
@@ -139,7 +144,7 @@ def _open_hf_directory(path: str) -> ModelSource:
         format="safetensors",
         hf_config=hf_config,
         tokenizer_source=TokenizerSource(directory=str(directory)),
-        weight_reader=lambda: _iter_safetensors_weights(files),
+        weight_reader=lambda wanted=None: _iter_safetensors_weights(files, wanted),
     )
 
 
@@ -165,10 +170,12 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors_weights(files: list[Path], wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as shard:
             for name in shard.keys():
+                if wanted is not None and not wanted(name):
+                    continue
                 try:
                     tensor = shard.get_tensor(name)
                 except Exception as e:

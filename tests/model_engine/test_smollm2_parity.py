@@ -71,3 +71,17 @@ def test_ngram_speculation_is_exact_and_accepts_on_copying_prompts(smollm2_llm):
     assert "Alice was" in outputs[0].text
     stats = speculator.stats
     assert stats.proposed_tokens >= 16 and stats.acceptance_rate > 0.3, vars(stats)
+
+
+def test_pipeline_parallel_pp2_equals_pp1(smollm2_llm):
+    """Two stages of 15 layers on spawned ranks (each reads only its stage's tensors)
+    generate the single-process engine's tokens; the tied LM head is on stage 1."""
+    prompts = [smollm2_llm.chat_prompt([{"role": "user", "content": c}]) for c in CHATS[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = [o.token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    llm = build_llm(smollm2_llm.engine.model_path, pipeline_parallel_size=2, max_model_len=256)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+    finally:
+        llm.shutdown()
