@@ -70,8 +70,8 @@ class BlockManager:
         The last token is never served from the cache: one token must be computed to
         produce the next token's logits.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # prompt log-probabilities need every prompt position computed
         hits = []
         for block_hash, tokens in self._full_block_keys(seq, len(seq) - 1):
             block_id = self._hash_to_block.get(block_hash)

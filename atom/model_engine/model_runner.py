@@ -23,8 +23,10 @@ from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
+from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
+from atom.model_engine.sampling_step import SamplingPlan
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.models.registry import model_class
 
@@ -163,17 +165,22 @@ class ModelRunner:
         """
         previous = self._last_sampled
         parts = split_batch(batch, len(self.slots))
-        tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
-        tokens = [t for t in tokens if t is not None]
+        results = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        logprobs, offset = [], 0
+        for part_tokens, part_logprobs in results:
+            logprobs.append((part_logprobs, offset))
+            offset += 0 if part_tokens is None else len(part_tokens)
+        logprobs = merge_step_logprobs(logprobs)
+        tokens = [t for t, _ in results if t is not None]
         if not tokens:
-            return StepHandle(None, None)
+            return StepHandle(None, None, logprobs)
         sampled = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
         if self.tp.world_size > 1:
             if not self.config.async_scheduling and not self.tp.is_first:
                 return StepHandle(None, None)  # rank 0 alone answers the engine
             sampled = self._share_sampled(sampled)
         self._last_sampled = sampled
-        return StepHandle.of(sampled)
+        return StepHandle.of(sampled, logprobs)
 
     def _share_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank (tensor parallelism, asynchronous
@@ -186,7 +193,8 @@ class ModelRunner:
             return tokens
         return self.tp.broadcast_from_first(tokens)
 
-    def _launch_part(self, index: int, batch: ScheduledBatch, previous) -> torch.Tensor | None:
+    def _launch_part(self, index: int, batch: ScheduledBatch, previous):
+        """(sampled tokens or None, StepLogprobs or None) of one micro-batch."""
         slot = self.slots[index]
         graphs = self.graphs[index] if self.graphs else None
         graph_size = (
@@ -203,25 +211,34 @@ class ModelRunner:
         logits_indices = slot.publish_logits_indices(step)
         with profiling.stage("publish"):
             slot.flush()
+        # Log-probabilities, grammars, penalties...: None unless a request asks for them.
+        plan = SamplingPlan.build(batch, step.sampling_seqs, self.hf_config.vocab_size, self.device)
+        prompt = None
 
         with profiling.stage("forward"):
             if placeholders is not None:
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
             if graph_size is not None:
+                assert plan is None or not plan.has_prompt_logprobs, "prompt logprobs in a graph"
                 logits = graphs.run(graph_size, step.num_seqs)
             else:
                 with forward_context(metadata):
                     hidden = self.model(input_ids, positions)
+                if plan is not None:
+                    prompt = plan.prompt_logprobs(self.model, hidden)
                 if not step.sampling_seqs:
-                    return None
+                    return None, None if plan is None else plan.step_logprobs(None, prompt)
                 if logits_indices is not None:
                     hidden = hidden[logits_indices]
                 logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
-                return torch.empty(len(step.sampling_seqs), dtype=torch.int64, device=self.device)
-            return self.sampler(logits, sampling)
+                rows = len(step.sampling_seqs)
+                return torch.empty(rows, dtype=torch.int64, device=self.device), None
+            if plan is None:
+                return self.sampler(logits, sampling), None
+            return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
 
 
 def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
@@ -253,23 +270,37 @@ def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
 class StepHandle:
     """Sampled tokens of a launched step, copied to the host without blocking."""
 
-    def __init__(self, host_tokens: torch.Tensor | None, done: torch.cuda.Event | None):
+    def __init__(
+        self,
+        host_tokens: torch.Tensor | None,
+        done: torch.cuda.Event | None,
+        logprobs: StepLogprobs | None = None,
+    ):
         self._tokens = host_tokens
         self._done = done
+        self._logprobs = logprobs
 
     @classmethod
-    def of(cls, tokens: torch.Tensor) -> StepHandle:
+    def of(cls, tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> StepHandle:
         if not tokens.is_cuda:
-            return cls(tokens, None)
+            return cls(tokens, None, logprobs)
         host = tokens.to("cpu", non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.to_host()
         done = torch.cuda.Event()
         done.record()
-        return cls(host, done)
+        return cls(host, done, logprobs)
 
     def result(self) -> list[int]:
         if self._done is not None:
             self._done.synchronize()
         return [] if self._tokens is None else self._tokens.tolist()
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The step's log-probabilities on the host (after `result`), or None."""
+        if self._logprobs is not None and self._tokens is None:  # prompt-only step
+            return self._logprobs.to_host(non_blocking=False)
+        return self._logprobs
 
 
 def _random_init(model: torch.nn.Module) -> None:

@@ -49,6 +49,14 @@ class Sequence:
         # last token is a placeholder; see Scheduler.on_launch.
         self.pending_token: tuple[int, int] | None = None
         self.finishing = False  # its last token is in flight and reaches a length limit
+        # Options beyond plain sampling (atom/model_engine/sampling_step.py): log-probabilities
+        # of the output tokens and, by target position, of the prompt; a grammar matcher.
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: dict | None = (
+            {} if sampling_params.prompt_logprobs is not None else None
+        )
+        self.grammar = None  # xgrammar GrammarMatcher of a structured-output request
+        self.num_emitted_tokens = 0  # tokens the engine has handed out in StepOutputs
 
     def __len__(self) -> int:
         return len(self.token_ids)
