@@ -76,31 +76,40 @@ class TextDelta:
     token_ids: list[int]
     num_output_tokens: int  # so far, including these
     finish_reason: str | None = None  # set on the last delta: stop | length
+    logprobs: list | None = None  # Logprob of each of token_ids, when asked for
+    prompt_logprobs: list | None = None  # on the first delta, when asked for
+    queue_seconds: float | None = None  # on the first delta: arrival to first step
 
 
 async def text_deltas(
-    engine: AsyncEngine, stream: RequestStream, tokenizer, stop: list[str]
+    engine: AsyncEngine, stream: RequestStream, tokenizer, stop: list[str], outputs=None
 ) -> AsyncIterator[TextDelta]:
     """Yield a request's TextDeltas until it finishes; the last one has a finish_reason.
 
-    Leaving early (the client went away) aborts the request in the engine.
+    `outputs`: the stream's StepOutputs if not the stream itself (e.g. with its first
+    output already read). Leaving early (the client went away) aborts the request.
     """
     detokenizer = IncrementalDetokenizer(tokenizer)
     stops = StopStrings(stop)
     sent = 0  # characters of detokenizer.text already yielded
     try:
-        async for output in stream:
+        async for output in stream if outputs is None else outputs:
             before = len(detokenizer.text)
             detokenizer.add(output.new_token_ids)
             if output.finished:
                 detokenizer.finish()
             text = detokenizer.text
             cut = stops.find(text, before) if stop else None
+            extras = dict(
+                logprobs=output.logprobs,
+                prompt_logprobs=output.prompt_logprobs,
+                queue_seconds=output.queue_seconds,
+            )
             if cut is not None:
                 engine.abort(stream, reason="stop")
                 yield TextDelta(
-                    text[sent:cut], output.new_token_ids, len(detokenizer.token_ids), "stop"
-                )
+                    text[sent:cut], output.new_token_ids, len(detokenizer.token_ids), "stop", **extras
+                )  # fmt: skip
                 return
             if output.finished:
                 yield TextDelta(
@@ -108,10 +117,11 @@ async def text_deltas(
                     output.new_token_ids,
                     len(detokenizer.token_ids),
                     output.finish_reason,
+                    **extras,
                 )
                 return
             safe = max(sent, len(text) - stops.hold_back) if stop else len(text)
-            yield TextDelta(text[sent:safe], output.new_token_ids, len(detokenizer.token_ids))
+            yield TextDelta(text[sent:safe], output.new_token_ids, len(detokenizer.token_ids), **extras)  # fmt: skip
             sent = safe
     finally:
         engine.abort(stream)  # a no-op once the request finished

@@ -4,7 +4,11 @@
     GET  /v1/models             the one served model
     POST /v1/completions        prompt text or token ids; stream with SSE
     POST /v1/chat/completions   messages through the model's chat template; stream with SSE
-    GET  /metrics               Prometheus text format
+    GET  /v1/models/{id}        the served model (404 for any other id)
+    POST /tokenize, /detokenize vLLM's tokenizer endpoints; GET /version
+    GET  /metrics               Prometheus text format (prometheus_client)
+
+--api-key KEY (or ATOM_API_KEY) makes /v1/* require `Authorization: Bearer KEY`.
 
 One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
 batch as they arrive. Listens on loopback only unless --host says otherwise.
@@ -25,9 +29,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from atom import envs
 from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.auth import require_api_key
 from atom.entrypoints.engine_args import add_engine_args, config_from_args
-from atom.entrypoints.metrics import CONTENT_TYPE, render_metrics
+from atom.entrypoints.metrics import CONTENT_TYPE, MetricsRegistry
 from atom.entrypoints.openai_errors import (
     SERVER_ERROR,
     OpenAIError,
@@ -40,6 +46,7 @@ from atom.entrypoints.openai_serving import (
     ClientDisconnected,
     OpenAIServing,
 )
+from atom.entrypoints.tokenizer_endpoints import add_tokenizer_routes
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.rendezvous import RendezvousError
 from atom.model_engine.workers import WorkerFailedError
@@ -48,10 +55,12 @@ from atom.models.loader import ModelLoadError
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
-    """The ASGI app over `engine`; the engine thread runs for the app's lifespan."""
+def create_app(engine: LLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The ASGI app over `engine`; the engine thread runs for the app's lifespan.
+    `api_key`: /v1/* then needs `Authorization: Bearer <api_key>` (atom/entrypoints/auth.py)."""
     async_engine = AsyncEngine(engine)
-    serving = OpenAIServing(async_engine, model_name)
+    registry = MetricsRegistry(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, registry.requests)
     created = int(time.time())
 
     @asynccontextmanager
@@ -65,6 +74,7 @@ def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="atom", lifespan=lifespan)
     app.state.engine = async_engine
     install_error_handlers(app)
+    require_api_key(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -74,16 +84,20 @@ def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
             )
         return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        model = {
+    def model_card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": created,
             "owned_by": "atom",
             "max_model_len": engine.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    add_tokenizer_routes(app, serving, model_card)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -101,7 +115,7 @@ def create_app(engine: LLMEngine, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(async_engine, model_name), media_type=CONTENT_TYPE)
+        return Response(registry.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -142,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ATOM_API_KEY; none: open)",
+    )
     return parser
 
 
@@ -161,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     host = f"[{host}]" if ":" in host else host  # IPv6
     print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
     server = Server(
-        create_app(engine, model_name), log_level=args.log_level, timeout_graceful_shutdown=5
+        create_app(engine, model_name, args.api_key),
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
     )
     try:
         server.run(sockets=[sock])

@@ -38,6 +38,7 @@ class StepOutput:
     # On a request's first output, when it asked: one per prompt token (the first None).
     prompt_logprobs: list[Logprob | None] | None = None
     num_cached_tokens: int = 0  # prefix-cache hits, set on the first output
+    queue_seconds: float | None = None  # arrival to first step, set on the first output
 
 
 @dataclass
@@ -239,6 +240,10 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
+            now = time.monotonic()
+            for seq in batch.grown or ():  # newly admitted sequences are among them
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
             launched = (batch, self.model_runner.launch(batch))
             self.scheduler.on_launch(batch)
         if self._in_flight is not None:
@@ -282,6 +287,8 @@ class LLMEngine:
             seq.num_emitted_tokens += 1
             if seq.num_emitted_tokens == 1:
                 output.num_cached_tokens = seq.num_cached_tokens
+                if seq.first_scheduled_time is not None:
+                    output.queue_seconds = seq.first_scheduled_time - seq.arrival_time
                 output.prompt_logprobs = self.prompt_logprobs_of(seq)
             outputs.append(output)
         return outputs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 from atom.sampling_params import SamplingParams
 
@@ -57,6 +58,8 @@ class Sequence:
         )
         self.grammar = None  # xgrammar GrammarMatcher of a structured-output request
         self.num_emitted_tokens = 0  # tokens the engine has handed out in StepOutputs
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # first step that computed it
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -52,9 +52,9 @@ class Server:
         )
 
 
-def run_server(llm: LLM, model_name: str):
+def run_server(llm: LLM, model_name: str, api_key: str | None = None):
     """Start uvicorn on a free loopback port (bound here: no port race); returns (server, stop)."""
-    app = create_app(llm.engine, model_name)
+    app = create_app(llm.engine, model_name, api_key)
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = openai_server.Server(app, log_level="warning")
