@@ -169,10 +169,10 @@ def _NEG_INF(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S, L] token ids padded with vocab_size -> [S, V] occurrence counts (float32)."""
+    """[S, L] token ids padded with vocab_size -> [S, V + 1] occurrence counts (float32;
+    the last column counts the padding)."""
     counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.float32, device=tokens.device)
-    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
-    return counts[:, :vocab_size]
+    return counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
 
 
 def apply_penalties(
@@ -183,15 +183,30 @@ def apply_penalties(
     frequency: torch.Tensor,
     repetition: torch.Tensor | None,
 ) -> torch.Tensor:
-    """vLLM's repetition, frequency and presence penalties, batched over rows."""
+    """vLLM's repetition, frequency and presence penalties, batched over rows.
+
+    Only the logits of tokens a row has seen change, so they are gathered at those
+    tokens ([S, P + L], small beside [S, V]), penalised and scattered back: the one
+    pass over [S, V] is the zeroing of the output-token counts. A token listed twice
+    computes the same value twice (same logit, same count), so the scatter is
+    deterministic; padding entries point at their row's first real token (or, in a row
+    without any, at token 0 with nothing to apply).
+    """
     vocab = logits.shape[1]
     counts = token_counts(output_tokens, vocab)
-    in_output = counts > 0
-    if repetition is not None and prompt_tokens is not None:
-        seen = token_counts(prompt_tokens, vocab) > 0
-        seen |= in_output
-        factor = torch.where(seen, repetition.unsqueeze(1), 1.0)
-        logits = torch.where(logits > 0, logits / factor, logits * factor)
-    logits -= frequency.unsqueeze(1) * counts
-    logits -= presence.unsqueeze(1) * in_output
-    return logits
+    tokens = (
+        output_tokens if prompt_tokens is None else torch.cat([prompt_tokens, output_tokens], 1)
+    )
+    real = tokens != vocab
+    first = tokens.gather(1, real.to(torch.int8).argmax(dim=1, keepdim=True))
+    has_any = real.any(dim=1, keepdim=True)
+    index = torch.where(has_any, torch.where(real, tokens, first), 0)
+    values = logits.gather(1, index)
+    seen_counts = counts.gather(1, index)
+    if repetition is not None:
+        factor = repetition.unsqueeze(1)
+        penalised = torch.where(values > 0, values / factor, values * factor)
+        values = torch.where(has_any, penalised, values)
+    values = values - frequency.unsqueeze(1) * seen_counts
+    values = values - presence.unsqueeze(1) * (seen_counts > 0)
+    return logits.scatter_(1, index, values)

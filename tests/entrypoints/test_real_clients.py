@@ -110,7 +110,10 @@ def test_langchain_chat_openai_invoke_and_stream(server):
     )
     answer = chat.invoke("Hello there")
     expected = server.client().chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=6, temperature=0
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        temperature=0,
     )
     assert answer.content == expected.choices[0].message.content
     streamed = "".join(chunk.content for chunk in chat.stream("Hello there"))

@@ -103,6 +103,50 @@ def test_penalties_bias_and_min_tokens_match_vllm_definitions():
     torch.testing.assert_close(ours, expected)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_penalty_batches_match_vllm(seed):
+    generator = torch.Generator().manual_seed(seed)
+    vocab, rows = 50, 12
+
+    def ints(n):
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    def choice(values):
+        return values[int(torch.randint(0, len(values), (1,), generator=generator))]
+
+    seqs = []
+    for _ in range(rows):
+        prompt = ints(int(torch.randint(1, 8, (1,), generator=generator)))
+        output = ints(int(torch.randint(0, 10, (1,), generator=generator)))
+        seqs.append(
+            _seq(
+                prompt,
+                output,
+                presence_penalty=choice([0.0, 0.4, -1.0]),
+                frequency_penalty=choice([0.0, 0.25, 1.5]),
+                repetition_penalty=choice([1.0, 1.0, 0.7, 2.0]),
+            )
+        )
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    inputs = LogitsInputs.build(seqs, None, vocab, torch.device("cpu"))
+    ours = logits.clone() if inputs is None else apply_logits_processors(logits.clone(), inputs)
+
+    def padded(lists):
+        width = max(1, max(len(x) for x in lists))
+        return torch.tensor([x + [vocab] * (width - len(x)) for x in lists])
+
+    params = [s.sampling_params for s in seqs]
+    expected = vllm_apply_penalties(
+        logits.clone(),
+        padded([s.token_ids[: s.num_prompt_tokens] for s in seqs]),
+        padded([s.output_token_ids for s in seqs]),
+        torch.tensor([p.presence_penalty for p in params]),
+        torch.tensor([p.frequency_penalty for p in params]),
+        torch.tensor([p.repetition_penalty for p in params]),
+    )
+    torch.testing.assert_close(ours, expected)
+
+
 def test_placeholder_output_token_is_counted_from_the_input_ids():
     """Asynchronous scheduling: the last output token is on the device only."""
     vocab = 32
