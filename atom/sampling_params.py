@@ -60,6 +60,8 @@ class SamplingParams:
     # Set by the engine when it admits the request: stop_token_ids plus its
     # end-of-sequence ids (unless ignore_eos), the ids min_tokens masks.
     all_stop_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    # Derived: some option above needs the runner's SamplingPlan (sampling_step.py).
+    needs_sampling_plan: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -153,6 +155,12 @@ class SamplingParams:
             raise ValueError("json_schema must be a JSON schema (a dict or its JSON text)")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be true or false, got {self.json_object!r}")
+        self.needs_sampling_plan = (
+            self.processes_logits
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+            or self.structured
+        )
 
     @property
     def greedy(self) -> bool:

@@ -104,6 +104,7 @@ class LLMEngine:
         self._in_flight = None  # (batch, StepHandle) launched but not yet read
         self._grammar_backend: GrammarBackend | None = None  # made on first use
         self._num_structured = 0  # live structured-output requests
+        self._num_planned = 0  # live requests whose params need a SamplingPlan
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and free the rendezvous port."""
@@ -164,6 +165,7 @@ class LLMEngine:
         if params.structured:
             seq.grammar = self.grammar_backend().matcher(self.grammar_backend().compile(params))
             self._num_structured += 1
+        self._num_planned += params.needs_sampling_plan
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         self.stats.requests += 1
@@ -215,6 +217,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         """A finished or aborted request gives back what it holds besides KV blocks."""
+        self._num_planned -= seq.sampling_params.needs_sampling_plan
         if seq.grammar is not None:
             seq.grammar = None
             self._num_structured -= 1
@@ -240,6 +243,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
+            batch.needs_sampling_plan = self._num_planned > 0
             now = time.monotonic()
             for seq in batch.grown or ():  # newly admitted sequences are among them
                 if seq.first_scheduled_time is None:

@@ -262,6 +262,7 @@ def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
                 layout=None if batch.layout is None else (batch.layout, k, a, b),
                 grown=batch.grown,
                 step=batch.step,
+                needs_sampling_plan=batch.needs_sampling_plan,
             )
         )
     return result

@@ -20,15 +20,6 @@ from atom.model_engine.sampler import Sampler, SamplingTensors
 from atom.model_engine.structured_output import apply_token_bitmask, fill_bitmask
 
 
-def needs_plan(params) -> bool:
-    return (
-        params.processes_logits
-        or params.logprobs is not None
-        or params.prompt_logprobs is not None
-        or params.structured
-    )
-
-
 @dataclass
 class SamplingPlan:
     logits_inputs: LogitsInputs | None
@@ -44,7 +35,9 @@ class SamplingPlan:
     @classmethod
     def build(cls, batch, sampling_seqs: list, vocab_size: int, device) -> SamplingPlan | None:
         seqs = batch.seqs
-        if not any(needs_plan(s.sampling_params) for s in seqs):
+        if batch.needs_sampling_plan is False or not any(
+            s.sampling_params.needs_sampling_plan for s in seqs
+        ):
             return None
         num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)

@@ -33,6 +33,9 @@ class ScheduledBatch:
     layout: int | None = None
     grown: list[Sequence] | None = None
     step: int | None = None
+    # False when no request of the batch asks for logprobs, penalties, grammars... (the
+    # engine knows without a scan); None: unknown, the runner looks (sampling_step.py).
+    needs_sampling_plan: bool | None = None
 
     @property
     def is_decode_only(self) -> bool:

