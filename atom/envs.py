@@ -25,3 +25,8 @@ def h2d_checked() -> bool:
 def torch_profiler_dir() -> str | None:
     """`ATOM_TORCH_PROFILER_DIR`: where `LLM.start_profile`/`--profile` write traces."""
     return os.environ.get("ATOM_TORCH_PROFILER_DIR") or None
+
+
+def api_key() -> str | None:
+    """`ATOM_API_KEY`: the server's API key when --api-key is not given (none: open)."""
+    return os.environ.get("ATOM_API_KEY") or None

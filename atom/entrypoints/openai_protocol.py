@@ -1,13 +1,15 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
 
-Types are strict (no "16" for 16, no 1 for true), ranges follow OpenAI's API, and
-unknown fields are refused rather than silently ignored: a client asking for a feature
-atom does not have (tools, logprobs, n > 1) gets a 400 that says so. Parameters clients
-commonly send at their neutral value (n=1, penalties 0, logprobs off) are accepted.
+Types are strict (no "16" for 16, no 1 for true) and ranges follow OpenAI's API (vLLM's
+extensions: top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos). Unknown
+top-level fields are ignored with one warning log line per request, as vLLM does
+(clients such as LangChain send extra fields); known fields keep strict validation, and
+a feature atom does not have (tools) is refused with a 400 that says so.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,11 +21,39 @@ from pydantic import (
     StrictStr,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from atom.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 _MAX_SEED = 2**63 - 1
+MAX_N = 128  # samples per prompt
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object or json_schema (xgrammar enforces it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError('type "json_schema" needs json_schema.schema')
+        return self
 
 
 def _number(value: Any) -> Any:
@@ -105,7 +135,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(_UnicodeChecked):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None  # None: the served model
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -116,23 +146,67 @@ class SamplingRequest(_UnicodeChecked):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     ignore_eos: StrictBool = False  # vLLM's extension: generate past end-of-sequence
     user: StrictStr | None = None  # accepted and ignored, as OpenAI's API only logs it
-    # Not implemented; accepted at their no-op value, which some clients send explicitly.
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias, clamped to +-100
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0  # vLLM's extension
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # vLLM's extension
+    response_format: ResponseFormat | None = None
+    # Not implemented: accepted only at their no-op value.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
 
-    @field_validator("temperature", "top_p", mode="before")
+    @field_validator(
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        mode="before",
+    )
     @classmethod
     def _strict_number(cls, value: Any) -> Any:
         return _number(value)
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", mode="before")
+    @field_validator("tools", "functions", mode="before")
     @classmethod
-    def _not_implemented(cls, value: Any) -> Any:
-        return _neutral_only(value)
+    def _no_tools(cls, value: Any) -> Any:
+        if value not in (None, []):
+            raise ValueError("tool calling is not supported by atom; leave it out")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError('tool calling is not supported by atom; leave it out or use "none"')
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and k.strip().isdigit() for k in value
+        ):
+            raise ValueError("must map token ids (as strings) to numbers")
+        for bias in value.values():
+            _number(bias)
+        return value
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self):
+        if self.model_extra:
+            logger.warning(
+                "ignored unknown request fields: %s", ", ".join(sorted(self.model_extra))
+            )
+        return self
 
     @field_validator("top_k")
     @classmethod
@@ -158,13 +232,6 @@ class SamplingRequest(_UnicodeChecked):
             raise ValueError("only allowed when stream is true")  # as OpenAI and vLLM
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported (send several requests for more choices)")
-        return value
-
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -173,8 +240,10 @@ class SamplingRequest(_UnicodeChecked):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises ValueError (a 400) for values SamplingParams refuses."""
+    def sampling_params(self, max_tokens: int, **options) -> SamplingParams:
+        """Raises ValueError (a 400) for values SamplingParams refuses. `options`: the
+        endpoint's own SamplingParams fields (logprobs, prompt_logprobs, best_of)."""
+        response_format = self.response_format
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -182,26 +251,50 @@ class SamplingRequest(_UnicodeChecked):
             max_tokens=max_tokens,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
+            n=self.n,
+            min_tokens=min(self.min_tokens, max_tokens),
+            stop_token_ids=list(self.stop_token_ids or []),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias={
+                int(token): min(100.0, max(-100.0, float(bias)))
+                for token, bias in (self.logit_bias or {}).items()
+            }
+            or None,
+            json_object=response_format is not None and response_format.type == "json_object",
+            json_schema=(
+                response_format.json_schema.json_schema
+                if response_format is not None and response_format.type == "json_schema"
+                else None
+            ),
+            **options,
         )
 
 
 class CompletionRequest(SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16  # OpenAI's default
+    # OpenAI's default; 0 only with echo (the prompt's log-probabilities, nothing generated)
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     echo: StrictBool = False
-    logprobs: Any = None  # not implemented, as below
-    best_of: Any = None
-    suffix: Any = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
+    suffix: Any = None  # not implemented, as below
 
-    @field_validator("logprobs", "suffix", mode="before")
+    @field_validator("suffix", mode="before")
     @classmethod
     def _not_implemented_here(cls, value: Any) -> Any:
         return _neutral_only(value, (None, 0, ""))
 
-    @field_validator("best_of", mode="before")
-    @classmethod
-    def _one_best(cls, value: Any) -> Any:
-        return _neutral_only(value, (None, 1))
+    @model_validator(mode="after")
+    def _check_combinations(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 only with echo)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of: must equal n ({self.n}); atom returns every sample it generates"
+            )
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -274,13 +367,14 @@ class ChatCompletionRequest(SamplingRequest):
     # None: up to max_model_len; max_completion_tokens is OpenAI's newer name
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    logprobs: Any = None  # not implemented
-    top_logprobs: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
-    @field_validator("logprobs", "top_logprobs", mode="before")
-    @classmethod
-    def _not_implemented_here(cls, value: Any) -> Any:
-        return _neutral_only(value, (None, False))
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as chat templates expect them: plain strings; `developer` is OpenAI's

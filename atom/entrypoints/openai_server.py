@@ -4,7 +4,11 @@
     GET  /v1/models             the one served model
     POST /v1/completions        prompt text or token ids; stream with SSE
     POST /v1/chat/completions   messages through the model's chat template; stream with SSE
-    GET  /metrics               Prometheus text format
+    GET  /v1/models/{id}        the served model (404 for any other id)
+    POST /tokenize, /detokenize vLLM's tokenizer endpoints; GET /version
+    GET  /metrics               Prometheus text format (prometheus_client)
+
+--api-key KEY (or ATOM_API_KEY) makes /v1/* require `Authorization: Bearer KEY`.
 
 One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
 batch as they arrive. Listens on loopback only unless --host says otherwise. Request
@@ -28,9 +32,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from atom import envs
 from atom.entrypoints.async_engine import AsyncEngine
+from atom.entrypoints.auth import require_api_key
 from atom.entrypoints.engine_args import add_engine_args, config_from_args
-from atom.entrypoints.metrics import CONTENT_TYPE, render_metrics
+from atom.entrypoints.metrics import CONTENT_TYPE, MetricsRegistry
 from atom.entrypoints.openai_errors import (
     SERVER_ERROR,
     OpenAIError,
@@ -44,6 +50,7 @@ from atom.entrypoints.openai_serving import (
     OpenAIServing,
 )
 from atom.entrypoints.request_size import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
+from atom.entrypoints.tokenizer_endpoints import add_tokenizer_routes
 from atom.model_engine.data_parallel import build_engine
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.rendezvous import RendezvousError
@@ -54,11 +61,18 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(
-    engine: LLMEngine, model_name: str, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    engine: LLMEngine,
+    model_name: str,
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
-    """The ASGI app over `engine`; the engine thread runs for the app's lifespan."""
+    """The ASGI app over `engine`; the engine thread runs for the app's lifespan.
+    `max_request_bytes`: larger bodies get a 413 (atom/entrypoints/request_size.py).
+    `api_key`: /v1/* then needs `Authorization: Bearer <api_key>` (atom/entrypoints/auth.py)."""
     async_engine = AsyncEngine(engine)
-    serving = OpenAIServing(async_engine, model_name)
+    registry = MetricsRegistry(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, registry.requests)
     created = int(time.time())
 
     @asynccontextmanager
@@ -74,6 +88,7 @@ def create_app(
     app.state.engine = async_engine
     install_error_handlers(app)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    require_api_key(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -83,16 +98,20 @@ def create_app(
             )
         return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        model = {
+    def model_card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": created,
             "owned_by": "atom",
             "max_model_len": engine.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    add_tokenizer_routes(app, serving, model_card)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -110,7 +129,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(async_engine, model_name), media_type=CONTENT_TYPE)
+        return Response(registry.render(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -173,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ATOM_API_KEY; none: open)",
+    )
     return parser
 
 
@@ -191,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # IPv6
     print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
-    app = create_app(engine, model_name, int(args.max_request_body_mb * (1 << 20)))
+    app = create_app(
+        engine,
+        model_name,
+        max_request_bytes=int(args.max_request_body_mb * (1 << 20)),
+        api_key=args.api_key,
+    )
     server = Server(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     try:
         server.run(sockets=[sock])

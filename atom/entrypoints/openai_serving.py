@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 import jinja2
 from fastapi import Request
@@ -28,8 +29,11 @@ from starlette.background import BackgroundTask
 
 from atom.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from atom.entrypoints.generation import TextDelta, text_deltas
+from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
+from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.model_engine.structured_output import InvalidGrammarError
 from atom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,8 +46,9 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, metrics: RequestMetrics | None = None):
         self.engine = engine
+        self.metrics = metrics
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
         self.model_name = model_name
@@ -66,26 +71,55 @@ class OpenAIServing:
         self._check_model(request.model)
         stop = self._stop_strings(request)
         prompt_ids = await self._off_loop(self._all_prompt_ids, request.prompts)
+        # echo with max_tokens 0: the prompt (and its logprobs) only; one token is
+        # generated and dropped, as vLLM does.
+        echo_only = request.echo and request.max_tokens == 0
+        options = dict(logprobs=request.logprobs, best_of=request.best_of)
+        if request.echo and request.logprobs is not None:
+            options["prompt_logprobs"] = request.logprobs
         # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
+        max_tokens = 1 if echo_only else request.max_tokens
         params = [
-            self._sampling_params(request, len(ids), request.max_tokens) for ids in prompt_ids
+            self._sampling_params(request, len(ids), max_tokens, **options) for ids in prompt_ids
         ]
+        n = request.n
         echoes = [
             self._echo_text(p, ids) if request.echo else ""
             for p, ids in zip(request.prompts, prompt_ids, strict=True)
+            for _ in range(n)
         ]
+        echo_ids = [ids for ids in prompt_ids for _ in range(n)]
         usage = Usage(sum(len(ids) for ids in prompt_ids))
+        await self._check_grammar(params[0])
         streams = await self._add_requests(prompt_ids, params)
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
+        texts = TokenTexts(self.tokenizer)
+        k = request.logprobs
 
         if request.stream:
 
             async def events() -> AsyncIterator[str]:
-                for index, echo in enumerate(echoes):
-                    if echo:
-                        yield _sse(_completion_chunk(head, index, echo, None))
+                formats = [CompletionLogprobs(texts, k or 0) for _ in streams]
+                pending = [bool(e) for e in echoes]  # echo text still to send, per choice
+                if k is None:  # without logprobs the echo goes first, as it is
+                    for index, echo in enumerate(echoes):
+                        if echo:
+                            yield _sse(_completion_chunk(head, index, echo, None))
+                    pending = [False] * len(echoes)
                 async for index, delta in self._merged_deltas(streams, stop, usage):
-                    yield _sse(_completion_chunk(head, index, delta.text, delta.finish_reason))
+                    text, token_ids, entries = delta.text, delta.token_ids, delta.logprobs
+                    if echo_only:
+                        text, token_ids, entries = "", [], []
+                    if pending[index]:
+                        pending[index] = False
+                        text = echoes[index] + text
+                        token_ids = echo_ids[index] + token_ids
+                        entries = list(delta.prompt_logprobs or []) + list(entries or [])
+                    logprobs = None
+                    if k is not None:
+                        logprobs = formats[index].body(token_ids, entries or [])
+                    reason = "length" if echo_only and delta.finish_reason else delta.finish_reason
+                    yield _sse(_completion_chunk(head, index, text, reason, logprobs))
                 if request.include_usage:
                     yield _sse(
                         {**head, "object": "text_completion", "choices": [], "usage": usage.body()}
@@ -94,15 +128,25 @@ class OpenAIServing:
             return self._event_stream(events(), streams)
 
         results = await self._collect(streams, stop, usage, raw)
-        choices = [
-            {
-                "index": index,
-                "text": echoes[index] + text,
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-            for index, (text, reason) in enumerate(results)
-        ]
+        choices = []
+        for index, result in enumerate(results):
+            text, token_ids, entries = result.text, result.token_ids, result.logprobs
+            if echo_only:
+                text, token_ids, entries, result.finish_reason = "", [], [], "length"
+            logprobs = None
+            if k is not None:
+                if request.echo:
+                    token_ids = echo_ids[index] + token_ids
+                    entries = list(result.prompt_logprobs or []) + entries
+                logprobs = CompletionLogprobs(texts, k).body(token_ids, entries)
+            choices.append(
+                {
+                    "index": index,
+                    "text": echoes[index] + text,
+                    "logprobs": logprobs,
+                    "finish_reason": result.finish_reason,
+                }
+            )
         return JSONResponse(
             {**head, "object": "text_completion", "choices": choices, "usage": usage.body()}
         )
@@ -114,24 +158,41 @@ class OpenAIServing:
             raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
         stop = self._stop_strings(request)
         ids = await self._off_loop(self._render_chat, request.template_messages())
+        k = request.top_logprobs or 0
         params = self._sampling_params(
-            request, len(ids), request.requested_max_tokens, prompt_param="messages"
+            request,
+            len(ids),
+            request.requested_max_tokens,
+            prompt_param="messages",
+            logprobs=k if request.logprobs else None,
         )
         usage = Usage(len(ids))
+        await self._check_grammar(params)
         streams = await self._add_requests([ids], [params])
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
+        texts = TokenTexts(self.tokenizer)
+
+        def logprobs_of(entries) -> dict | None:
+            if not request.logprobs:
+                return None
+            return {"content": chat_logprobs(texts, k, entries or [])}
 
         if request.stream:
 
             async def events() -> AsyncIterator[str]:
-                yield _sse(_chat_chunk(head, {"role": "assistant", "content": ""}, None))
-                async for _, delta in self._merged_deltas(streams, stop, usage):
-                    if delta.text:
-                        yield _sse(_chat_chunk(head, {"content": delta.text}, None))
+                for index in range(len(streams)):
+                    role = {"role": "assistant", "content": ""}
+                    yield _sse(_chat_chunk(head, role, None, index=index))
+                async for index, delta in self._merged_deltas(streams, stop, usage):
+                    if delta.text or (request.logprobs and delta.logprobs):
+                        content = {"content": delta.text}
+                        yield _sse(
+                            _chat_chunk(head, content, None, logprobs_of(delta.logprobs), index)
+                        )
                     if delta.finish_reason:
-                        yield _sse(_chat_chunk(head, {}, delta.finish_reason))
+                        yield _sse(_chat_chunk(head, {}, delta.finish_reason, index=index))
                 if request.include_usage:
                     yield _sse(
                         {
@@ -144,15 +205,18 @@ class OpenAIServing:
 
             return self._event_stream(events(), streams)
 
-        [(text, reason)] = await self._collect(streams, stop, usage, raw)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": reason,
-        }
+        results = await self._collect(streams, stop, usage, raw)
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": logprobs_of(result.logprobs),
+                "finish_reason": result.finish_reason,
+            }
+            for index, result in enumerate(results)
+        ]
         return JSONResponse(
-            {**head, "object": "chat.completion", "choices": [choice], "usage": usage.body()}
+            {**head, "object": "chat.completion", "choices": choices, "usage": usage.body()}
         )
 
     # -- checks ----------------------------------------------------------------------------
@@ -201,7 +265,12 @@ class OpenAIServing:
         return list(ids)
 
     def _sampling_params(
-        self, request, prompt_len: int, max_tokens: int | None, prompt_param: str = "prompt"
+        self,
+        request,
+        prompt_len: int,
+        max_tokens: int | None,
+        prompt_param: str = "prompt",
+        **options,
     ) -> SamplingParams:
         """Check the prompt and max_tokens against max_model_len; None = all that is left."""
         limit = self.max_model_len
@@ -223,9 +292,21 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         try:
-            return request.sampling_params(max_tokens)
+            return request.sampling_params(max_tokens, **options)
         except ValueError as error:
             raise OpenAIError(str(error)) from None
+
+    async def _check_grammar(self, params: SamplingParams) -> None:
+        """An invalid json_schema is a 400 before anything is queued (compiled off the
+        event loop; the engine's compile of the same schema is then a cache hit)."""
+        if not params.structured:
+            return
+        if self.tokenizer is None:
+            raise OpenAIError("structured output needs the model's tokenizer")
+        try:
+            await asyncio.to_thread(lambda: self.llm.grammar_backend().compile(params))
+        except InvalidGrammarError as error:
+            raise OpenAIError(str(error), param="response_format") from None
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         if isinstance(prompt, str):
@@ -233,27 +314,60 @@ class OpenAIServing:
         return self.llm.decode(ids)
 
     # -- running requests ------------------------------------------------------------------
-    async def _add_requests(self, prompt_ids, params) -> list[RequestStream]:
-        """Admit every prompt of a request at once, or none (one refused prompt: none)."""
+    async def _add_requests(self, prompt_ids, params) -> list[Choice]:
+        """Admit every prompt of a request, or none: one refused prompt aborts the rest.
+
+        Sample 0 of every prompt goes in one engine command (one step boundary, all or
+        none). n > 1: samples 1.. of a prompt are added once sample 0 has its first token,
+        so its prompt's KV blocks are in the prefix cache and they share them (choice
+        order: prompt by prompt, then sample by sample)."""
+        choices: list[Choice | None] = []
+        parents = []
+        streams: list[RequestStream] = []
         try:
-            return await self.engine.add_requests(list(zip(prompt_ids, params, strict=True)))
-        except ValueError as error:
-            raise OpenAIError(str(error)) from None
-        except EngineDeadError as error:
-            raise _engine_dead(error) from None
+            requests = [(ids, p.for_sample(0)) for ids, p in zip(prompt_ids, params, strict=True)]
+            first_streams = await self.engine.add_requests(requests)
+            streams.extend(first_streams)
+            for stream, ids, p in zip(first_streams, prompt_ids, params, strict=True):
+                parents.append((len(choices), ids, p))
+                choices.append(Choice(stream, len(ids)))
+                choices.extend([None] * (p.n - 1))
+            for index, ids, p in parents:
+                if p.n == 1:
+                    continue
+                parent = choices[index]
+                first = await anext(parent.stream)
+                parent.outputs = _replay(first, parent.stream)
+                samples = await self.engine.add_requests(
+                    [(ids, p.for_sample(i)) for i in range(1, p.n)]
+                )
+                streams.extend(samples)
+                for i, stream in enumerate(samples, start=1):
+                    choices[index + i] = Choice(stream, len(ids))
+        except BaseException as error:
+            for stream in streams:
+                self.engine.abort(stream)
+            if isinstance(error, ValueError):
+                raise OpenAIError(str(error)) from None
+            if isinstance(error, EngineDeadError):
+                raise _engine_dead(error) from None
+            raise
+        return choices
 
     async def _merged_deltas(
-        self, streams: list[RequestStream], stop: list[str], usage: Usage
+        self, streams: list[Choice], stop: list[str], usage: Usage
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """(choice index, delta) of all streams as they come; counts completion tokens."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, stream: RequestStream) -> None:
+        async def pump(index: int, choice: Choice) -> None:
+            timer = RequestTimer(self.metrics, choice.arrival)
             try:
                 async with aclosing(
-                    text_deltas(self.engine, stream, self.tokenizer, stop)
+                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.outputs)
                 ) as deltas:
                     async for delta in deltas:
+                        timer.observe(delta, choice.prompt_tokens)
                         queue.put_nowait((index, delta))
             except Exception as error:  # noqa: BLE001 - re-raised by the reader below
                 queue.put_nowait((index, error))
@@ -273,24 +387,27 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()  # their text_deltas abort the requests
 
-    async def _collect(self, streams, stop, usage, raw: Request) -> list[tuple[str, str]]:
-        """(text, finish_reason) of each stream; a client that goes away aborts them."""
+    async def _collect(self, streams, stop, usage, raw: Request) -> list[Collected]:
+        """What each stream produced; a client that goes away aborts them."""
 
-        async def gather() -> list[tuple[str, str]]:
-            texts = [""] * len(streams)
-            reasons = [""] * len(streams)
+        async def gather() -> list[Collected]:
+            results = [Collected() for _ in streams]
             async for index, delta in self._merged_deltas(streams, stop, usage):
-                texts[index] += delta.text
-                reasons[index] = delta.finish_reason or reasons[index]
-            return list(zip(texts, reasons, strict=True))
+                result = results[index]
+                result.text += delta.text
+                result.token_ids += delta.token_ids
+                result.logprobs += delta.logprobs or []
+                result.prompt_logprobs = result.prompt_logprobs or delta.prompt_logprobs
+                result.finish_reason = delta.finish_reason or result.finish_reason
+            return results
 
         try:
             return await _unless_disconnected(raw, gather())
         except EngineDeadError as error:
             raise _engine_dead(error) from None
         finally:
-            for stream in streams:
-                self.engine.abort(stream)
+            for choice in streams:
+                self.engine.abort(choice.stream)
 
     def _event_stream(self, events: AsyncIterator[str], streams) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
@@ -308,12 +425,65 @@ class OpenAIServing:
         def abort_all() -> None:
             # Also covers a client that left before the body started (its generator,
             # never entered, has no `finally` to run).
-            for stream in streams:
-                self.engine.abort(stream)
+            for choice in streams:
+                self.engine.abort(choice.stream)
 
         return StreamingResponse(
             body(), media_type="text/event-stream", background=BackgroundTask(abort_all)
         )
+
+
+@dataclass
+class Choice:
+    """One choice's request: its stream, and its outputs if not read from the stream."""
+
+    stream: RequestStream
+    prompt_tokens: int = 0
+    outputs: AsyncIterator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class RequestTimer:
+    """Observes one request's latencies and sizes into the server's histograms."""
+
+    def __init__(self, metrics: RequestMetrics | None, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def observe(self, delta: TextDelta, prompt_tokens: int) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            metrics.time_to_first_token.observe(now - self.arrival)
+            if delta.queue_seconds is not None:
+                metrics.queue_time.observe(max(0.0, delta.queue_seconds))
+        else:
+            metrics.inter_token_latency.observe(now - self.last)
+        self.last = now
+        if delta.finish_reason is not None:
+            metrics.e2e_latency.observe(now - self.arrival)
+            metrics.prompt_tokens.observe(prompt_tokens)
+            metrics.generation_tokens.observe(delta.num_output_tokens)
+
+
+@dataclass
+class Collected:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
+    finish_reason: str | None = None
+
+
+async def _replay(first, stream: RequestStream) -> AsyncIterator:
+    """`first` (already read from `stream`), then the rest of the stream."""
+    yield first
+    if not first.finished:
+        async for output in stream:
+            yield output
 
 
 class Usage:
@@ -333,13 +503,17 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _completion_chunk(head: dict, index: int, text: str, finish_reason: str | None) -> dict:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _completion_chunk(
+    head: dict, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
+) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**head, "object": "text_completion", "choices": [choice]}
 
 
-def _chat_chunk(head: dict, delta: dict, finish_reason: str | None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def _chat_chunk(
+    head: dict, delta: dict, finish_reason: str | None, logprobs: dict | None = None, index: int = 0
+) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
 

@@ -102,8 +102,12 @@ class BlockManager:
         The last token is never served from the cache: one token must be computed to
         produce the next token's logits.
         """
-        if not self.enable_prefix_caching or not self._hash_to_block:
-            return []
+        if (
+            not self.enable_prefix_caching
+            or not self._hash_to_block
+            or seq.sampling_params.prompt_logprobs is not None
+        ):
+            return []  # prompt log-probabilities need every prompt position computed
         hits = []
         for block_hash in self._full_block_hashes(seq, len(seq) - 1):
             block_id = self._hash_to_block.get(block_hash)

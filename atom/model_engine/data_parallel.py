@@ -259,8 +259,16 @@ class _SummedBlocks:
         return 0.0 if total == 0 else 1.0 - self.num_free_blocks / total
 
     @property
+    def block_size(self) -> int:
+        return self._replicas[0].block_manager.block_size
+
+    @property
     def prefix_hit_blocks(self) -> int:
         return sum(engine.block_manager.prefix_hit_blocks for engine in self._replicas)
+
+    @property
+    def prefix_queried_blocks(self) -> int:
+        return sum(engine.block_manager.prefix_queried_blocks for engine in self._replicas)
 
 
 class _Runners:

@@ -13,12 +13,14 @@ from atom import profiling
 from atom.config import Config
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
+from atom.model_engine.logprobs import Logprob
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
 from atom.model_engine.speculative.draft_model import draft_config, draft_kv_block_bytes
 from atom.model_engine.state_slots import StateSlots
+from atom.model_engine.structured_output import GrammarBackend, accept_tokens
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.sampling_params import SamplingParams
@@ -35,6 +37,11 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: list[Logprob] | None = None  # of new_token_ids, when the request asked
+    # On a request's first output, when it asked: one per prompt token (the first None).
+    prompt_logprobs: list[Logprob | None] | None = None
+    num_cached_tokens: int = 0  # prefix-cache hits, set on the first output
+    queue_seconds: float | None = None  # arrival to first step, set on the first output
 
 
 @dataclass
@@ -45,6 +52,10 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int = 0
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+    # All n samples of the prompt (n > 1), index order; the fields above are sample 0's.
+    outputs: list[RequestOutput] | None = None
 
 
 def resolve_max_model_len(config: Config, hf_config) -> int:
@@ -158,6 +169,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self.async_scheduling = config.async_scheduling
         self._in_flight = None  # (batch, StepHandle) launched but not yet read
+        self._grammar_backend: GrammarBackend | None = None  # made on first use
+        self._num_structured = 0  # live structured-output requests
+        self._num_planned = 0  # live requests whose params need a SamplingPlan
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and free the rendezvous port."""
@@ -235,12 +249,60 @@ class LLMEngine:
             raise ValueError(
                 f"prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}"
             )
+        params = self._engine_params(params)
         seq = Sequence(token_ids, params)
         seq.prompt = prompt if isinstance(prompt, str) else None
+        if params.structured:
+            seq.grammar = self.grammar_backend().matcher(self.grammar_backend().compile(params))
+            self._num_structured += 1
+        self._num_planned += params.needs_sampling_plan
         self.requests[seq.seq_id] = seq
         self.scheduler.add(seq)
         self.stats.requests += 1
         return seq.seq_id
+
+    def _engine_params(self, params: SamplingParams) -> SamplingParams:
+        """Checks of options the engine itself serves; fills `all_stop_token_ids`."""
+        if params.n != 1:
+            raise ValueError(
+                "the engine takes one sample per request: add n requests with "
+                "SamplingParams.for_sample(i) (LLM.generate and the server do)"
+            )
+        extras = params.logprobs is not None or params.prompt_logprobs is not None
+        if isinstance(self.model_runner, DistributedRunner) and (extras or params.structured):
+            raise ValueError(
+                "logprobs, prompt_logprobs and structured output are not supported with "
+                "tensor, pipeline or data parallelism yet"
+            )
+        if params.needs_sampling_plan and (
+            self.speculator is not None or self.config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                "logprobs, prompt_logprobs, structured output, penalties, logit_bias, "
+                "and min_tokens are not supported with speculative decoding or "
+                "pipeline parallelism yet"
+            )
+        if params.structured and self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer")
+        vocab = self.hf_config.vocab_size
+        if params.logit_bias and not all(t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.min_tokens:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops |= self.scheduler.eos_token_ids
+            params.all_stop_token_ids = sorted(stops)
+        return params
+
+    def grammar_backend(self) -> GrammarBackend:
+        """The xgrammar compiler over this engine's tokenizer (compiles are cached)."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer")
+            self._grammar_backend = GrammarBackend(
+                self.tokenizer, self.hf_config.vocab_size, self.scheduler.eos_token_ids
+            )
+        return self._grammar_backend
 
     def abort(self, seq_id: int) -> bool:
         """Stop a request and free its blocks; False if it was unknown or already done."""
@@ -248,7 +310,15 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
+        self._release(seq)
         return True
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished or aborted request gives back what it holds besides KV blocks."""
+        self._num_planned -= seq.sampling_params.needs_sampling_plan
+        if seq.grammar is not None:
+            seq.grammar = None
+            self._num_structured -= 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -268,10 +338,19 @@ class LLMEngine:
             if speculator.needs_tokens(self._in_flight[0]):  # proposals need them now
                 in_flight, self._in_flight = self._in_flight, None
                 outputs = self._complete(*in_flight)
+        if self._in_flight is not None and self._num_structured:
+            # A grammar's next mask needs the token in flight: no overlap for now.
+            in_flight, self._in_flight = self._in_flight, None
+            outputs += self._complete(*in_flight)
         with profiling.stage("schedule"):
             batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
+            batch.needs_sampling_plan = self._num_planned > 0
+            now = time.monotonic()
+            for seq in batch.grown or ():  # newly admitted sequences are among them
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
             if self.speculator is not None:
                 with profiling.stage("propose"):
                     self.speculator.propose(batch)
@@ -316,6 +395,20 @@ class LLMEngine:
         tokens = handle.result()
         if batch.draft_token_ids is not None:  # rows of a verify step: accept, roll back
             tokens = self.speculator.on_verified(batch, tokens)
+        # Log-probabilities, grammars: refused with speculation (_engine_params), so a
+        # verify step has neither and `tokens` is one per sampled row below.
+        step_logprobs = handle.logprobs() if hasattr(handle, "logprobs") else None
+        sampled_logprobs = {}
+        if step_logprobs is not None:
+            for seq, first, entries in step_logprobs.prompt_entries():
+                if seq.prompt_logprobs is not None:  # a preempted prompt may come again
+                    seq.prompt_logprobs.update(enumerate(entries, start=first))
+            rows = step_logprobs.sampled(tokens)
+            sampled_logprobs = {id(batch.sampled[row][0]): lp for row, lp in rows.items()}
+        if self._num_structured:
+            live = [(s, t) for (s, _), t in zip(batch.sampled, tokens, strict=True)]
+            for seq in accept_tokens([(s, t) for s, t in live if not s.is_finished]):
+                logger.warning("request %d: the grammar refused token", seq.seq_id)
         updated = self.scheduler.on_complete(batch, tokens)
         emitted = batch.emitted
         outputs = []
@@ -323,11 +416,28 @@ class LLMEngine:
             finished = seq.is_finished
             if finished:
                 self.requests.pop(seq.seq_id, None)
+                self._release(seq)
             reason = seq.finish_reason.value if finished else None
             new = emitted[seq.seq_id] if emitted is not None else [seq.last_token_id]
             self.stats.generated_tokens += len(new)
-            outputs.append(StepOutput(seq.seq_id, new, finished, reason))
+            output = StepOutput(seq.seq_id, new, finished, reason)
+            if seq.logprobs is not None:
+                seq.logprobs.append(sampled_logprobs[id(seq)])
+                output.logprobs = [seq.logprobs[-1]]
+            seq.num_emitted_tokens += len(new)
+            if seq.num_emitted_tokens == len(new):  # the request's first output
+                output.num_cached_tokens = seq.num_cached_tokens
+                if seq.first_scheduled_time is not None:
+                    output.queue_seconds = seq.first_scheduled_time - seq.arrival_time
+                output.prompt_logprobs = self.prompt_logprobs_of(seq)
+            outputs.append(output)
         return outputs
+
+    @staticmethod
+    def prompt_logprobs_of(seq: Sequence) -> list[Logprob | None] | None:
+        if seq.prompt_logprobs is None:
+            return None
+        return [None] + [seq.prompt_logprobs.get(p) for p in range(1, seq.num_prompt_tokens)]
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -342,6 +452,8 @@ class LLMEngine:
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=seq.logprobs,
+            prompt_logprobs=self.prompt_logprobs_of(seq),
         )
 
 
@@ -421,19 +533,32 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine
         seqs = []
+        # n > 1: samples 1.. of a prompt join once sample 0 has its first token, so its
+        # prompt blocks are in the prefix cache and they share them (parent index -> rest).
+        later: dict[int, list[tuple[int, str | list[int], SamplingParams]]] = {}
         try:
             for prompt, params in zip(prompts, sampling_params, strict=True):
-                seqs.append(engine.requests[engine.add_request(prompt, params)])
+                index = len(seqs)
+                seqs.append(engine.requests[engine.add_request(prompt, params.for_sample(0))])
+                seqs.extend([None] * (params.n - 1))
+                if params.n > 1:
+                    later[index] = [(index + i, prompt, params.for_sample(i)) for i in range(1, params.n)]  # fmt: skip
         except Exception:
             for seq in seqs:  # a bad prompt refuses the whole call; leave nothing queued
-                engine.abort(seq.seq_id)
+                if seq is not None:
+                    engine.abort(seq.seq_id)
             raise
         bar = tqdm(
             total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True
         )
         start, generated = time.perf_counter(), 0
         try:
-            while any(not s.is_finished for s in seqs):
+            while any(s is None or not s.is_finished for s in seqs):
+                for parent in [
+                    i for i in later if seqs[i].num_emitted_tokens or seqs[i].is_finished
+                ]:
+                    for index, prompt, params in later.pop(parent):
+                        seqs[index] = engine.requests[engine.add_request(prompt, params)]
                 outputs = engine.step()
                 generated += sum(len(o.new_token_ids) for o in outputs)
                 done = sum(1 for o in outputs if o.finished)
@@ -444,9 +569,16 @@ class LLM:
         finally:
             bar.close()
             for seq in seqs:
-                if not seq.is_finished:
+                if seq is not None and not seq.is_finished:
                     engine.abort(seq.seq_id)
-        return [engine.output_of(s) for s in seqs]
+        results, start = [], 0
+        for params in sampling_params:
+            group = [engine.output_of(s) for s in seqs[start : start + params.n]]
+            if params.n > 1:
+                group[0].outputs = group
+            results.append(group[0])
+            start += params.n
+        return results
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` rendered through the model's chat template."""

@@ -32,8 +32,10 @@ from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
+from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
+from atom.model_engine.sampling_step import SamplingPlan
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
@@ -214,17 +216,22 @@ class ModelRunner:
         parts = split_batch(batch, len(self.slots))
         if self.pp is not None:
             return self._launch_stage(batch, parts, previous)
-        tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
-        tokens = [t for t in tokens if t is not None]
+        results = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        logprobs, offset = [], 0
+        for part_tokens, part_logprobs in results:
+            logprobs.append((part_logprobs, offset))
+            offset += 0 if part_tokens is None else len(part_tokens)
+        logprobs = merge_step_logprobs(logprobs)
+        tokens = [t for t, _ in results if t is not None]
         if not tokens:
-            return StepHandle(None, None)
+            return StepHandle(None, None, logprobs)
         sampled = tokens[0] if len(tokens) == 1 else torch.cat(tokens)
         if self.tp.world_size > 1:
             if not self.config.async_scheduling and not self.tp.is_first:
                 return StepHandle(None, None)  # rank 0 alone answers the engine
             sampled = self._share_sampled(sampled)
         self._last_sampled = sampled
-        return StepHandle.of(sampled)
+        return StepHandle.of(sampled, logprobs)
 
     @property
     def answers_engine(self) -> bool:
@@ -235,7 +242,10 @@ class ModelRunner:
         """This pipeline stage's share of a step: every micro-batch in turn (see the
         module docstring). Returns the step's tokens on the first stage, none elsewhere."""
         pp = self.pp
-        tokens = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        # (tokens, logprobs) per micro-batch; logprobs are refused under pipeline
+        # parallelism (LLMEngine._engine_params), so only the tokens matter here.
+        results = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        tokens = [t for t, _ in results]
         num_sampled = sum(batch.samples(i) for i in range(len(batch.seqs)))
         # Sampled tokens reach the first stage: its rank 0 answers the engine, and with
         # asynchronous scheduling every rank of it fills placeholders from them.
@@ -283,7 +293,8 @@ class ModelRunner:
             return tokens
         return self.tp.broadcast_from_first(tokens)
 
-    def _launch_part(self, index: int, batch: ScheduledBatch, previous) -> torch.Tensor | None:
+    def _launch_part(self, index: int, batch: ScheduledBatch, previous):
+        """(sampled tokens or None, StepLogprobs or None) of one micro-batch."""
         slot = self.slots[index]
         graphs = self.graphs[index] if self.graphs else None
         graph_size = (
@@ -301,6 +312,9 @@ class ModelRunner:
         drafts = slot.publish_draft_tokens(step)  # speculative steps only
         with profiling.stage("publish"):
             slot.flush()
+        # Log-probabilities, grammars, penalties...: None unless a request asks for them.
+        plan = SamplingPlan.build(batch, step.sampling_seqs, self.hf_config.vocab_size, self.device)
+        prompt = None
 
         verify_size = self._verify_graph_size(index, batch, step)
         with profiling.stage("forward"):
@@ -308,23 +322,31 @@ class ModelRunner:
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
             if graph_size is not None:
+                assert plan is None or not plan.has_prompt_logprobs, "prompt logprobs in a graph"
                 logits = graphs.run(graph_size, step.num_seqs)
             elif verify_size is not None:
                 logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
             else:
                 with forward_context(metadata):
                     hidden = self._forward(input_ids, positions, step.num_tokens)
-                if hidden is None or not step.sampling_seqs:
-                    return None
+                if hidden is None:  # a pipeline stage that is not the last
+                    return None, None
+                if plan is not None:
+                    prompt = plan.prompt_logprobs(self.model, hidden)
+                if not step.sampling_seqs:
+                    return None, None if plan is None else plan.step_logprobs(None, prompt)
                 if logits_indices is not None:
                     hidden = hidden[logits_indices]
                 logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
-                return torch.empty(len(step.sampling_seqs), dtype=torch.int64, device=self.device)
+                rows = len(step.sampling_seqs)
+                return torch.empty(rows, dtype=torch.int64, device=self.device), None
             if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
-                return verify_rows(logits, sampling, drafts)
-            return self.sampler(logits, sampling)
+                return verify_rows(logits, sampling, drafts), None
+            if plan is None:
+                return self.sampler(logits, sampling), None
+            return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
 
     def _verify_graph_size(self, index: int, batch: ScheduledBatch, step) -> int | None:
         """The verify graph size a speculative step replays at, or None (eager): every
@@ -365,6 +387,7 @@ def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
                 layout=None if batch.layout is None else (batch.layout, k, a, b),
                 grown=batch.grown,
                 step=batch.step,
+                needs_sampling_plan=batch.needs_sampling_plan,
             )
         )
     return result
@@ -373,23 +396,37 @@ def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
 class StepHandle:
     """Sampled tokens of a launched step, copied to the host without blocking."""
 
-    def __init__(self, host_tokens: torch.Tensor | None, done: torch.cuda.Event | None):
+    def __init__(
+        self,
+        host_tokens: torch.Tensor | None,
+        done: torch.cuda.Event | None,
+        logprobs: StepLogprobs | None = None,
+    ):
         self._tokens = host_tokens
         self._done = done
+        self._logprobs = logprobs
 
     @classmethod
-    def of(cls, tokens: torch.Tensor) -> StepHandle:
+    def of(cls, tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> StepHandle:
         if not tokens.is_cuda:
-            return cls(tokens, None)
+            return cls(tokens, None, logprobs)
         host = tokens.to("cpu", non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.to_host()
         done = torch.cuda.Event()
         done.record()
-        return cls(host, done)
+        return cls(host, done, logprobs)
 
     def result(self) -> list[int]:
         if self._done is not None:
             self._done.synchronize()
         return [] if self._tokens is None else self._tokens.tolist()
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The step's log-probabilities on the host (after `result`), or None."""
+        if self._logprobs is not None and self._tokens is None:  # prompt-only step
+            return self._logprobs.to_host(non_blocking=False)
+        return self._logprobs
 
 
 def _random_init(model: torch.nn.Module) -> None:

@@ -40,6 +40,9 @@ class ScheduledBatch:
     num_draft_tokens: list[int] | None = None
     draft_token_ids: list[list[int]] | None = None
     emitted: dict[int, list[int]] | None = None
+    # False when no request of the batch asks for logprobs, penalties, grammars... (the
+    # engine knows without a scan); None: unknown, the runner looks (sampling_step.py).
+    needs_sampling_plan: bool | None = None
 
     @property
     def is_decode_only(self) -> bool:

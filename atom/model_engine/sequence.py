@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 from atom.sampling_params import SamplingParams
 
@@ -51,6 +52,16 @@ class Sequence:
         # last token is a placeholder; see Scheduler.on_launch.
         self.pending_token: tuple[int, int] | None = None
         self.finishing = False  # its last token is in flight and reaches a length limit
+        # Options beyond plain sampling (atom/model_engine/sampling_step.py): log-probabilities
+        # of the output tokens and, by target position, of the prompt; a grammar matcher.
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.prompt_logprobs: dict | None = (
+            {} if sampling_params.prompt_logprobs is not None else None
+        )
+        self.grammar = None  # xgrammar GrammarMatcher of a structured-output request
+        self.num_emitted_tokens = 0  # tokens the engine has handed out in StepOutputs
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # first step that computed it
 
     def __len__(self) -> int:
         return len(self.token_ids)

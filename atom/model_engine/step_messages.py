@@ -37,6 +37,7 @@ class NewSequence:
     block_version: int  # the page table keys rows by (seq id, version)
     sampling_params: SamplingParams
     pending_token: tuple[int, int] | None
+    num_prompt_tokens: int = 0  # penalties tell prompt from output tokens
 
 
 @dataclass
@@ -111,6 +112,7 @@ class StepEncoder:
                         seq.block_version,
                         seq.sampling_params,
                         seq.pending_token,
+                        seq.num_prompt_tokens,
                     )
                 )
                 self._known[seq.seq_id] = _Known(seq, len(seq.block_table), seq.num_preemptions)
@@ -136,6 +138,7 @@ class MirroredSequence:
         "sampling_params",
         "pending_token",
         "generator",
+        "num_prompt_tokens",
     )
 
     def __init__(self, new: NewSequence):
@@ -147,6 +150,7 @@ class MirroredSequence:
         self.sampling_params = new.sampling_params
         self.pending_token = new.pending_token
         self.generator = None  # a seeded request's generator, made by the sampler set-up
+        self.num_prompt_tokens = new.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

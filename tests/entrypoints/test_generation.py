@@ -103,3 +103,13 @@ def test_without_stop_strings_every_token_is_sent_at_once(tokenizer):
     assert [d.text for d in deltas] == words
     assert [d.finish_reason for d in deltas] == [None, None, "length"]
     assert deltas[-1].num_output_tokens == sum(len(p) for p in pieces)
+
+
+def test_fast_tokenizer_streams_through_decode_stream(tokenizer):
+    """SmolLM2's tokenizer takes `tokenizers`' incremental decoder (no space clean-up)."""
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert detokenizer._stream is not None
+    text = "Streaming: Grüße 🌍 東京"
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        detokenizer.add([token])
+    assert detokenizer.text == text

@@ -58,10 +58,14 @@ INVALID_REQUESTS = {
     "stop is a number": _completion(stop=5),
     "empty stop string": _completion(stop=[""]),
     "stop list of numbers": _completion(stop=[1, 2]),
-    "n=2": _completion(n=2),
-    "logprobs": _completion(logprobs=5),
-    "presence penalty": _completion(presence_penalty=0.5),
-    "unknown field": _completion(tools=[]),
+    "n=0": _completion(n=0),
+    "logprobs above 5": _completion(logprobs=6),
+    "presence penalty above 2": _completion(presence_penalty=2.5),
+    "best_of other than n": _completion(n=2, best_of=3),
+    "tools (not supported)": _completion(tools=[{"type": "function", "function": {"name": "f"}}]),
+    "invalid json schema": _completion(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    ),
     "unknown model": _completion(model="gpt-4"),
     "oversized token prompt": _completion(prompt=[200] * (MAX_MODEL_LEN + 10)),
     "oversized text prompt": _completion(prompt="word " * (2 * MAX_MODEL_LEN)),
@@ -72,7 +76,9 @@ INVALID_REQUESTS = {
     "chat: message without content": _chat(messages=[{"role": "user"}]),
     "chat: negative max_tokens": _chat(max_tokens=-3),
     "chat: unknown model": _chat(model="gpt-4"),
-    "chat: n=3": _chat(n=3),
+    "chat: n=0": _chat(n=0),
+    "chat: top_logprobs above 20": _chat(logprobs=True, top_logprobs=21),
+    "chat: top_logprobs without logprobs": _chat(top_logprobs=2),
     "chat: oversized prompt": _chat(messages=[{"role": "user", "content": "x " * 1000}]),
 }
 
@@ -94,8 +100,8 @@ def test_openai_client_raises_typed_errors(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="Hi")
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.completions.create(model=MODEL, prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="Hi", n=1, best_of=2)
 
 
 def test_unknown_route_and_method_are_openai_errors(server):

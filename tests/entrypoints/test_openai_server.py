@@ -298,7 +298,8 @@ def test_metrics_in_prometheus_format(server):
         assert samples[name + label] == 0, name
     for name in ("atom_h2d_copies_total", "atom_h2d_bytes_total", "atom_h2d_copies_last_step"):
         assert name + label in samples  # 0 on CPU with the direct backend: nothing to copy
-    finished = f'atom_requests_finished_total{{model_name="{MODEL}",finish_reason="length"}}'
+    # prometheus_client writes labels in sorted order
+    finished = f'atom_requests_finished_total{{finish_reason="length",model_name="{MODEL}"}}'
     assert samples[finished] >= 1
     assert re.search(r"^# TYPE atom_requests_total counter$", text, re.M)
 

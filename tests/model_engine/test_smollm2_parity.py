@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 import torch
 import transformers
 
@@ -16,13 +15,6 @@ CHATS = [
     "Give me three tips for learning Python.",
     "What is 12 times 7?",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2_llm():
-    from atom.models.default_model import default_model_path
-
-    return build_llm(default_model_path())
 
 
 def test_first_32_greedy_tokens_match_hf(smollm2_llm):
