@@ -133,7 +133,7 @@ def compressor_decode_reference(
 # -- Triton ------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_rows", "stride_tables_row"])
+@triton.jit(do_not_specialize=["num_rows", "stride_tables_row", "num_blocks"])
 def _compressor_decode_kernel(
     state_kv_ptr,
     state_gate_ptr,
@@ -236,11 +236,11 @@ def _compressor_decode_kernel(
             even = DIM - ROPE_DIM + 2 * pair
             x0 = tl.load(out + even, mask=mask, other=0.0).to(tl.float32)
             x1 = tl.load(out + even + 1, mask=mask, other=0.0).to(tl.float32)
-            w0 = tl.load(norm_weight_ptr + even, mask=mask, other=0.0)
-            w1 = tl.load(norm_weight_ptr + even + 1, mask=mask, other=0.0)
+            norm0 = tl.load(norm_weight_ptr + even, mask=mask, other=0.0)
+            norm1 = tl.load(norm_weight_ptr + even + 1, mask=mask, other=0.0)
             dtype = pool_ptr.dtype.element_ty
-            x0 = (x0 * rstd * w0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
-            x1 = (x1 * rstd * w1).to(dtype).to(tl.float32)
+            x0 = (x0 * rstd * norm0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
+            x1 = (x1 * rstd * norm1).to(dtype).to(tl.float32)
             cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=mask, other=0.0)
             sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=mask, other=0.0)
             cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
