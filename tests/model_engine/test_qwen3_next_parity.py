@@ -86,6 +86,16 @@ def _make(kind: str, root) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops: one intra-op thread (on a loaded 2-core host, two spinning threads made
+    these tests ~80x slower); restored after the module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def qwen3_next_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen3_next")
