@@ -25,9 +25,16 @@ from torch import nn
 from atom.attention.backend import PagedAttentionBackend
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
-from atom.kernels.gdn_conv import causal_conv1d_prefill_reference, causal_conv1d_update_reference
+from atom.kernels.gdn_conv import (
+    causal_conv1d_prefill,
+    causal_conv1d_prefill_reference,
+    causal_conv1d_update,
+    causal_conv1d_update_reference,
+)
 from atom.kernels.gdn_delta_rule import (
+    chunk_gated_delta_rule,
     chunk_gated_delta_rule_reference,
+    recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_reference,
 )
 
@@ -117,24 +124,23 @@ class GatedDeltaNetState(nn.Module):
         )
 
     def _run(self, mixed_qkv, conv_weight, g, beta, conv_state, recurrent_state, meta):
-        slots, fresh = meta.state_slots, meta.state_fresh
+        """On CUDA the Triton kernels, on CPU their torch references (the same math)."""
+        slots, fresh, on_gpu = meta.state_slots, meta.state_fresh, mixed_qkv.is_cuda
         if meta.is_decode:
-            x = causal_conv1d_update_reference(mixed_qkv, conv_state, conv_weight, slots, fresh)
+            update = causal_conv1d_update if on_gpu else causal_conv1d_update_reference
+            x = update(mixed_qkv, conv_state, conv_weight, slots, fresh)
         else:
-            x = causal_conv1d_prefill_reference(
-                mixed_qkv, conv_state, conv_weight, meta.cu_seqlens_q, slots, fresh
-            )
+            prefill = causal_conv1d_prefill if on_gpu else causal_conv1d_prefill_reference
+            x = prefill(mixed_qkv, conv_state, conv_weight, meta.cu_seqlens_q, slots, fresh)
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(-1, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(-1, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(-1, self.num_v_heads, self.head_v_dim)
+        q = q.view(-1, self.num_k_heads, self.head_k_dim)
+        k = k.view(-1, self.num_k_heads, self.head_k_dim)
+        v = v.view(-1, self.num_v_heads, self.head_v_dim)
         if meta.is_decode:
-            return recurrent_gated_delta_rule_reference(
-                q, k, v, g, beta, recurrent_state, slots, fresh
-            )
-        return chunk_gated_delta_rule_reference(
-            q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh
-        )
+            rule = recurrent_gated_delta_rule if on_gpu else recurrent_gated_delta_rule_reference
+            return rule(q, k, v, g, beta, recurrent_state, slots, fresh)
+        rule = chunk_gated_delta_rule if on_gpu else chunk_gated_delta_rule_reference
+        return rule(q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh)
 
     def _profile(self, mixed_qkv, conv_weight, g, beta):
         device, count = mixed_qkv.device, mixed_qkv.shape[0]
