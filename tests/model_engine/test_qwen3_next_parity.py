@@ -174,3 +174,51 @@ def test_prefix_caching_is_off_with_one_log_line(qwen3_next_dirs, caplog):
     lines = [r.message for r in caplog.records if "prefix caching is off" in r.message]
     assert len(lines) == 1 and "qwen3_next" in lines[0]
     assert not llm.engine.block_manager.enable_prefix_caching
+
+
+def test_state_bytes_of_the_benchmark(qwen3_next_dirs):
+    """The benchmark's state figure: conv + delta-rule rows of every GDN layer (hand count)."""
+    from atom.benchmarks.qwen3_next_decode import state_bytes
+
+    llm = build_llm(qwen3_next_dirs["a"], num_kvcache_blocks=16)
+    shape = dict(VARIANTS["a"], **COMMON)
+    record = state_bytes(llm, 1000, shape)
+    conv = (4 - 1) * (2 * 2 * 8 + 4 * 16) * 4  # (K - 1) x conv_dim, fp32 model
+    delta = 4 * 8 * 16 * 4  # Hv x Dk x Dv, fp32
+    assert record["gdn_state_per_sequence_bytes"] == 2 * (conv + delta)
+    assert record["all_attention_kv_per_sequence_bytes"] == 3 * 2 * 2 * 16 * 4 * 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_bf16_cuda_logits_close_to_hf(qwen3_next_dirs, enforce_eager):
+    """bf16 on CUDA (Triton conv + delta-rule kernels, CUDA graphs for decode): each greedy
+    token is (near) HF fp32's best choice on the same tokens."""
+    path = qwen3_next_dirs["a"]
+    llm = build_llm(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        num_kvcache_blocks=64,
+        max_model_len=256,
+        enforce_eager=enforce_eager,
+        cuda_graph_batch_sizes=[1, 2, 4],
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for prompt, generated in zip(PROMPTS, outputs, strict=True):
+            logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
+            gap = logits.max(dim=-1).values - chosen
+            assert gap.max() <= 0.08 * logits.abs().max(), (gap, logits.abs().max())
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_greedy_matches_hf(qwen3_next_dirs):
+    """The CUDA paths (Triton kernels, graphs, chunked prefill) in fp32 give HF's tokens."""
+    path = qwen3_next_dirs["a"]
+    llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
+                    max_num_batched_tokens=32, cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
+    assert _tokens(llm) == _hf(path)
