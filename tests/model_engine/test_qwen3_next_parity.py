@@ -222,3 +222,22 @@ def test_cuda_fp32_greedy_matches_hf(qwen3_next_dirs):
     llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
                     max_num_batched_tokens=32, cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm) == _hf(path)
+
+
+def test_memory_profiling_forward_runs_without_a_cache(qwen3_next_dirs):
+    """The CUDA sizing run (no blocks, no state slots yet) goes through every layer and
+    equals a fresh prefill of the same tokens."""
+    from atom.forward_context import AttentionMetadata, forward_context
+
+    llm = build_llm(qwen3_next_dirs["b"], num_kvcache_blocks=8)
+    model = llm.engine.model_runner.model
+    n = 70  # more than one delta-rule chunk
+    ids = torch.randint(3, VOCAB, (n,))
+    dense = AttentionMetadata(None, None, None, None, n, False)
+    with torch.no_grad(), forward_context(dense):
+        hidden = model(ids, torch.arange(n))
+    assert hidden.shape == (n, 32) and torch.isfinite(hidden).all()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_next_dirs["b"]).eval()
+    with torch.no_grad():
+        expected = hf(ids[None], output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
