@@ -181,7 +181,7 @@ class Config:
             )
         if self.ranks_per_replica > 1 or self.num_micro_batches > 1:
             raise ValueError(
-                "speculative decoding is not supported yet with tensor or pipeline "
+                "speculative decoding is not supported yet with tensor parallelism, pipeline "
                 "parallelism or micro-batches (tensor_parallel_size, pipeline_parallel_size "
                 "and num_micro_batches must be 1)"
             )

@@ -107,7 +107,13 @@ def _v4_backend() -> PagedAttentionBackend:
     return V4Backend()
 
 
-BACKENDS = {"mha": MHABackend, "mla": MLABackend, "v4": _v4_backend}
+def _gdn_backend() -> PagedAttentionBackend:
+    from atom.attention.gdn import GDNBackend  # gdn.py builds on this module
+
+    return GDNBackend()
+
+
+BACKENDS = {"mha": MHABackend, "mla": MLABackend, "v4": _v4_backend, "gdn": _gdn_backend}
 
 
 def backend_for(model) -> PagedAttentionBackend:

@@ -149,7 +149,7 @@ def _online_update(q, keys, valid, m, denom, acc, scale):
     return m_new, denom, acc
 
 
-@triton.jit(do_not_specialize=["num_entries", "stride_tables_row"])
+@triton.jit(do_not_specialize=["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"])
 def _v4_decode_kernel(
     q_ptr,
     ring_ptr,

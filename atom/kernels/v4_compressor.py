@@ -133,7 +133,7 @@ def compressor_decode_reference(
 # -- Triton ------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_rows", "stride_tables_row"])
+@triton.jit(do_not_specialize=["num_rows", "stride_tables_row", "num_blocks"])
 def _compressor_decode_kernel(
     state_kv_ptr,
     state_gate_ptr,
@@ -168,9 +168,9 @@ def _compressor_decode_kernel(
     BLOCK_L: tl.constexpr,  # next_power_of_2(pooled rows)
     BLOCK_R: tl.constexpr,  # next_power_of_2(ROPE_DIM // 2)
 ):
-    row = tl.program_id(0)
-    if row < num_rows:
-        row = row.to(tl.int64)
+    program = tl.program_id(0)
+    if program < num_rows:
+        row = program.to(tl.int64)
         own_slot = tl.load(slots_ptr + row).to(tl.int64)
         slot = tl.where(own_slot < 0, SCRATCH, own_slot)
         position = tl.load(positions_ptr + row).to(tl.int64)
@@ -208,18 +208,20 @@ def _compressor_decode_kernel(
             sum_squares = 0.0
             for d0 in range(0, DIM, BLOCK_D):
                 offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask = present[:, None] & (offs_d < DIM)[None, :]
+                tile_mask = present[:, None] & (offs_d < DIM)[None, :]
                 ptrs = rows[:, None] + offs_d[None, :]
-                kv = tl.load(state_kv_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+                kv_tile = tl.load(state_kv_ptr + ptrs, mask=tile_mask, other=0.0).to(tl.float32)
                 bias = tl.load(bias_ptr + (token % RATIO)[:, None] * WIDTH + channel_base[:, None]
-                               + offs_d[None, :], mask=mask, other=0.0)  # fmt: skip
-                gate = tl.load(state_gate_ptr + ptrs, mask=mask, other=0.0).to(tl.float32) + bias
-                gate = tl.where(mask, gate, float("-inf"))
-                top = tl.max(gate, axis=0)
+                               + offs_d[None, :], mask=tile_mask, other=0.0)  # fmt: skip
+                gate_tile = (
+                    tl.load(state_gate_ptr + ptrs, mask=tile_mask, other=0.0).to(tl.float32) + bias
+                )
+                gate_tile = tl.where(tile_mask, gate_tile, float("-inf"))
+                top = tl.max(gate_tile, axis=0)
                 top = tl.where(top == float("-inf"), 0.0, top)
-                weights = tl.exp(gate - top[None, :])
+                weights = tl.exp(gate_tile - top[None, :])
                 weights = weights / tl.sum(weights, axis=0)[None, :]
-                pooled = tl.sum(kv * weights, axis=0).to(pool_ptr.dtype.element_ty)
+                pooled = tl.sum(kv_tile * weights, axis=0).to(pool_ptr.dtype.element_ty)
                 tl.store(out + offs_d, pooled, mask=offs_d < DIM)
                 pooled = pooled.to(tl.float32)
                 sum_squares += tl.sum(tl.where(offs_d < DIM, pooled * pooled, 0.0), axis=0)
@@ -227,25 +229,26 @@ def _compressor_decode_kernel(
             rstd = 1.0 / tl.sqrt(sum_squares / DIM + eps)
             for d0 in range(0, DIM - ROPE_DIM, BLOCK_D):  # plain channels: norm only
                 offs_d = d0 + tl.arange(0, BLOCK_D)
-                mask = offs_d < DIM - ROPE_DIM
-                x = tl.load(out + offs_d, mask=mask, other=0.0).to(tl.float32)
-                weight = tl.load(norm_weight_ptr + offs_d, mask=mask, other=0.0)
-                tl.store(out + offs_d, (x * rstd * weight).to(pool_ptr.dtype.element_ty), mask=mask)
+                plain_mask = offs_d < DIM - ROPE_DIM
+                x = tl.load(out + offs_d, mask=plain_mask, other=0.0).to(tl.float32)
+                weight = tl.load(norm_weight_ptr + offs_d, mask=plain_mask, other=0.0)
+                normed = (x * rstd * weight).to(pool_ptr.dtype.element_ty)
+                tl.store(out + offs_d, normed, mask=plain_mask)
             pair = tl.arange(0, BLOCK_R)
-            mask = pair < ROPE_DIM // 2
+            rope_mask = pair < ROPE_DIM // 2
             even = DIM - ROPE_DIM + 2 * pair
-            x0 = tl.load(out + even, mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(out + even + 1, mask=mask, other=0.0).to(tl.float32)
-            w0 = tl.load(norm_weight_ptr + even, mask=mask, other=0.0)
-            w1 = tl.load(norm_weight_ptr + even + 1, mask=mask, other=0.0)
+            x0 = tl.load(out + even, mask=rope_mask, other=0.0).to(tl.float32)
+            x1 = tl.load(out + even + 1, mask=rope_mask, other=0.0).to(tl.float32)
+            norm0 = tl.load(norm_weight_ptr + even, mask=rope_mask, other=0.0)
+            norm1 = tl.load(norm_weight_ptr + even + 1, mask=rope_mask, other=0.0)
             dtype = pool_ptr.dtype.element_ty
-            x0 = (x0 * rstd * w0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
-            x1 = (x1 * rstd * w1).to(dtype).to(tl.float32)
-            cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=mask, other=0.0)
-            sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=mask, other=0.0)
+            x0 = (x0 * rstd * norm0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
+            x1 = (x1 * rstd * norm1).to(dtype).to(tl.float32)
+            cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
+            sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
             cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
-            tl.store(out + even, (x0 * cos - x1 * sin).to(dtype), mask=mask)
-            tl.store(out + even + 1, (x1 * cos + x0 * sin).to(dtype), mask=mask)
+            tl.store(out + even, (x0 * cos - x1 * sin).to(dtype), mask=rope_mask)
+            tl.store(out + even + 1, (x1 * cos + x0 * sin).to(dtype), mask=rope_mask)
 
 
 def compressor_decode(

@@ -134,6 +134,9 @@ class DataParallelEngine:
     def output_of(self, seq: Sequence):
         return self.replicas[0].output_of(seq)
 
+    def grammar_backend(self):
+        return self.replicas[0].grammar_backend()
+
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One step of every replica with work, concurrently; their outputs together."""

@@ -233,7 +233,7 @@ def run_model_rank(local_rank, spec: RendezvousSpec, conn, config, model_path, m
     rank_config = copy.copy(config)
     rank_config.device = device
     rank_config.enforce_eager = True  # no CUDA graphs across ranks yet
-    runner = ModelRunner(rank_config, hf_config, weights, max_model_len, tp, pp)
+    runner = ModelRunner(rank_config, hf_config, weights, max_model_len, tp, pp=pp)
     conn.send(("ready", {"num_kvcache_blocks": runner.num_kvcache_blocks}))
     mirror = SequenceMirror()
     counters = _RankCounters(pp)

@@ -141,7 +141,7 @@ class LLMEngine:
         if num_state_slots and prefix_caching:
             logger.info(
                 "prefix caching is off for %s: its per-sequence state (sliding window, "
-                "compressor) is not cached with the blocks",
+                "compressor, recurrent state) is not cached with the blocks",
                 getattr(hf, "model_type", "this model"),
             )
             prefix_caching = False

@@ -30,6 +30,7 @@ from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
+from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
 from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
@@ -69,9 +70,12 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
         self.model = self._build_model(weights)
-        # Per-sequence state rows (V4: window rings, compressor rows), one per running
-        # sequence; the BlockManager hands them out (atom/model_engine/state_slots.py).
-        self.num_state_slots = config.max_num_seqs if is_v4(self.model.attention_layers) else 0
+        # Per-sequence state rows (V4: window rings, compressor rows; GDN: conv and
+        # delta-rule states of its `state_layers`), one per running sequence; the
+        # BlockManager hands them out (atom/model_engine/state_slots.py).
+        self.state_layers = getattr(self.model, "state_layers", [])
+        uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
+        self.num_state_slots = config.max_num_seqs if uses_state else 0
         self.sampler = Sampler()
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
@@ -149,7 +153,9 @@ class ModelRunner:
         state_bytes = 0
         if self.num_state_slots:
             layers, dtype = self.model.attention_layers, self._kv_cache_dtype()
-            state_bytes = v4_state_bytes(layers, self.num_state_slots, dtype)
+            if is_v4(layers):
+                state_bytes = v4_state_bytes(layers, self.num_state_slots, dtype)
+            state_bytes += state_slots.state_bytes(self.state_layers, self.num_state_slots)
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -170,6 +176,9 @@ class ModelRunner:
             self._kv_cache_dtype(),
             self.device,
             num_state_slots=self.num_state_slots,
+        )
+        self.state = state_slots.allocate_state(
+            self.state_layers, self.num_state_slots, self.device
         )
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",

@@ -1,5 +1,7 @@
 """Per-sequence state slots: memory a sequence owns that is not KV blocks.
 
+Qwen3-Next's GDN layers (atom/attention/gdn.py) keep, per sequence, a conv state and a
+delta-rule state, declared with `state_specs` and laid out by `allocate_state` below.
 DeepSeek-V4 keeps, per sequence, the sliding-window ring of every layer and the partial
 window of each compressor (atom/attention/v4.py). Those tensors have one row per state
 slot. The slot belongs to the sequence's KV allocation: the BlockManager hands one out
@@ -8,6 +10,10 @@ preemption), the single free path. A backend reads `seq.state_slot`; it never al
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 
 class StateSlotError(RuntimeError):
@@ -41,3 +47,29 @@ class StateSlots:
             raise StateSlotError(f"state slot {slot} freed twice")
         self._in_use[slot] = False
         self._free.append(slot)
+
+
+# -- per-slot tensors declared by the layers that keep state ------------------------------
+# A layer with per-sequence state (GDN: conv state and delta-rule state) declares
+# `state_specs() -> {attribute: (shape per slot, dtype)}`; the ModelRunner sizes and binds
+# them here, `num_slots + 1` rows each (the last row is scratch for padded rows, slot -1).
+
+
+def state_bytes(layers, num_slots: int) -> int:
+    """Bytes of every declared state tensor of `layers`, scratch row included."""
+    total = 0
+    for layer in layers:
+        for shape, dtype in layer.state_specs().values():
+            total += math.prod(shape) * dtype.itemsize
+    return total * (num_slots + 1)
+
+
+def allocate_state(layers, num_slots: int, device) -> list:
+    """Zeroed state tensors ``[num_slots + 1, *shape]``, bound as the layers' attributes."""
+    tensors = []
+    for layer in layers:
+        for name, (shape, dtype) in layer.state_specs().items():
+            tensor = torch.zeros((num_slots + 1, *shape), dtype=dtype, device=device)
+            setattr(layer, name, tensor)
+            tensors.append(tensor)
+    return tensors

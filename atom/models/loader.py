@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3", "deepseek_v4")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3", "deepseek_v4", "qwen3_next")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 

@@ -17,6 +17,8 @@ import atom.kernels
 from atom.kernels import (
     activation,
     decode_attention,
+    gdn_conv,
+    gdn_delta_rule,
     kv_cache,
     mla,
     moe,
@@ -134,6 +136,21 @@ KERNELS = {
     (moe, "_moe_down_kernel"): (
         ["num_pairs"],
         ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
+    ),
+    # GDN: rows come from the grid, sequence bounds from cu_seqlens in device memory;
+    # the scratch slot is the state-slot count (fixed by the engine's configuration).
+    (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
+    (gdn_conv, "_conv1d_prefill_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
+    (gdn_delta_rule, "_gated_delta_rule_kernel"): (
+        [],
+        [
+            "stride_q_token",
+            "stride_k_token",
+            "stride_v_token",
+            "stride_out_token",
+            "scratch_slot",
+            "scale",
+        ],
     ),
     # DeepSeek-V4: the window-ring write (rows from the grid) and the one-pass decode over
     # window + entries + sink (entry count and page-table width are runtime).
@@ -524,6 +541,42 @@ def test_fused_moe_default_tiles_one_variant_per_tile_choice():
     kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
     history = variants_over_sweep(moe, kernels, run)
     assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)
+
+
+@pytest.mark.gpu
+def test_gdn_kernels_one_variant():
+    """Decode over n rows and a prefill of n tokens (chunks of at most 2048 plus a 1-token
+    row): the grid, the sequence bounds and the slots change, never the variant."""
+    hk, hv, dk, dv, width, slots_count = 2, 4, 128, 128, 4, 8
+    channels = 2 * hk * dk + hv * dv
+    longest = max(SWEEP) + 1
+    x = torch.randn(longest, channels, device=DEVICE, dtype=BF16)
+    weight = torch.randn(channels, width, device=DEVICE, dtype=BF16)
+    conv_state = torch.zeros(slots_count + 1, width - 1, channels, device=DEVICE, dtype=BF16)
+    state = torch.zeros(slots_count + 1, hv, dk, dv, device=DEVICE)
+    q = x[:, : hk * dk].view(-1, hk, dk)
+    k = x[:, hk * dk : 2 * hk * dk].view(-1, hk, dk)
+    v = x[:, 2 * hk * dk :].view(-1, hv, dv)
+    g = -torch.rand(longest, hv, device=DEVICE)
+    beta = torch.rand(longest, hv, device=DEVICE)
+    rows = torch.arange(longest, device=DEVICE, dtype=torch.int32) % (slots_count + 1) - 1
+    fresh = (torch.arange(longest, device=DEVICE, dtype=torch.int32) % 3 == 0).int()
+
+    def run(n):
+        gdn_conv.causal_conv1d_update(x[:n], conv_state, weight, rows[:n], fresh[:n])
+        gdn_delta_rule.recurrent_gated_delta_rule(
+            q[:n], k[:n], v[:n], g[:n], beta[:n], state, rows[:n], fresh[:n]
+        )
+        lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
+        cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+        count = len(lens)
+        gdn_conv.causal_conv1d_prefill(x, conv_state, weight, cu, rows[:count], fresh[:count])
+        gdn_delta_rule.chunk_gated_delta_rule(
+            q, k, v, g, beta, state, cu, rows[:count], fresh[:count]
+        )
+
+    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
+    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,159 @@
+"""GDN (gated delta-net) backend ("gdn"): Qwen3-Next's hybrid of linear-attention layers
+with a fixed-size recurrent state and full-attention layers on the shared page table.
+
+Memory has two owners:
+- per block of the shared page table: the K/V of the full-attention layers, exactly as MHA
+  (atom/attention/mha.py), addressed by the rows `PageTable.publish` gives every backend.
+- per sequence, a *state slot* (atom/model_engine/state_slots.py, handed out and freed with
+  the sequence's KV blocks): each GDN layer's conv state (the last K - 1 inputs of its causal
+  conv) and delta-rule state (``[Hv, Dk, Dv]`` fp32). Bounded by the heads, not the
+  context. Preemption frees the slot; the recompute starts fresh.
+
+Publication (atom/h2d, at the first consumer, direct and packed): each row's state slot and
+whether the sequence starts this step (`fresh`: its state is taken as zero, so a reused
+slot never leaks its previous owner's state). Math: atom/kernels/gdn_conv.py and
+atom/kernels/gdn_delta_rule.py; decode uses static shapes only (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atom.attention.backend import PagedAttentionBackend
+from atom.forward_context import AttentionMetadata, get_forward_context
+from atom.h2d.slot_buffers import BufferSpec
+from atom.kernels.gdn_conv import (
+    causal_conv1d_prefill,
+    causal_conv1d_prefill_reference,
+    causal_conv1d_update,
+    causal_conv1d_update_reference,
+)
+from atom.kernels.gdn_delta_rule import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_reference,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_reference,
+)
+
+
+@dataclass
+class GDNAttentionMetadata(AttentionMetadata):
+    """AttentionMetadata plus each row's state slot ([num_seqs] int32, -1 = padding) and
+    fresh flag ([num_seqs] int32, 1 = the sequence starts at position 0 this step)."""
+
+    state_slots: torch.Tensor | None = None
+    state_fresh: torch.Tensor | None = None
+
+
+class GDNBackend(PagedAttentionBackend):
+    """The paged rows and slot mapping of every backend, plus state slots and fresh flags."""
+
+    name = "gdn"
+
+    def buffer_specs(self, max_num_seqs: int, max_num_tokens: int) -> list[BufferSpec]:
+        return [
+            BufferSpec("state_slots", (max_num_seqs,), torch.int32, -1),
+            BufferSpec("state_fresh", (max_num_seqs,), torch.int32, 0),
+        ]
+
+    def stage(self, slot, seqs, stage) -> None:
+        # Staged at capacity: a decode step publishes them padded to its graph size.
+        n = len(seqs)
+        stage(slot.state_slots, slot.state_slots.capacity)[:n] = [s.state_slot for s in seqs]
+        fresh = [s.num_computed_tokens == 0 for s in seqs]
+        stage(slot.state_fresh, slot.state_fresh.capacity)[:n] = fresh
+
+    def build_metadata(self, slot, step, publish) -> GDNAttentionMetadata:
+        base = super().build_metadata(slot, step, publish)
+        seqs, padded = step.num_seqs, step.padded_seqs or step.num_seqs
+        return GDNAttentionMetadata(
+            **vars(base),
+            state_slots=publish(slot.state_slots, seqs, padded),
+            state_fresh=publish(slot.state_fresh, seqs, padded),
+        )
+
+    def graph_metadata(self, slot, size: int) -> GDNAttentionMetadata:
+        slot.state_slots.device.fill_(-1)  # padding at capture: touch only the scratch slot
+        slot.state_fresh.device.zero_()
+        base = super().graph_metadata(slot, size)
+        return GDNAttentionMetadata(
+            **vars(base),
+            state_slots=slot.state_slots.device[:size],
+            state_fresh=slot.state_fresh.device[:size],
+        )
+
+
+class GatedDeltaNetState(nn.Module):
+    """One GDN layer's per-sequence state and the conv + delta rule over it.
+
+    Bound by the ModelRunner (atom/model_engine/state_slots.py `allocate_state`):
+    ``conv_state [num_state_slots + 1, K - 1, conv_dim]`` (model dtype) and
+    ``recurrent_state [num_state_slots + 1, Hv, Dk, Dv]`` (fp32)."""
+
+    def __init__(self, num_k_heads, num_v_heads, head_k_dim, head_v_dim, kernel_size):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = kernel_size
+        self.conv_dtype = torch.get_default_dtype()  # the model dtype at construction
+        self.conv_state = torch.empty(0)
+        self.recurrent_state = torch.empty(0)
+
+    def state_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {
+            "conv_state": ((self.kernel_size - 1, self.conv_dim), self.conv_dtype),
+            "recurrent_state": (
+                (self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                torch.float32,
+            ),
+        }
+
+    def forward(self, mixed_qkv, conv_weight, g, beta) -> torch.Tensor:
+        """mixed_qkv [T, conv_dim] (before the conv), conv_weight [conv_dim, K], g / beta
+        [T, Hv] fp32 -> the delta rule's output [T, Hv, Dv] in mixed_qkv's dtype."""
+        meta = get_forward_context().attention
+        if meta.block_tables is None:  # memory profiling: one fresh sequence, no state kept
+            return self._profile(mixed_qkv, conv_weight, g, beta)
+        return self._run(
+            mixed_qkv, conv_weight, g, beta, self.conv_state, self.recurrent_state, meta
+        )
+
+    def _run(self, mixed_qkv, conv_weight, g, beta, conv_state, recurrent_state, meta):
+        """On CUDA the Triton kernels, on CPU their torch references (the same math)."""
+        slots, fresh, on_gpu = meta.state_slots, meta.state_fresh, mixed_qkv.is_cuda
+        if meta.is_decode:
+            update = causal_conv1d_update if on_gpu else causal_conv1d_update_reference
+            x = update(mixed_qkv, conv_state, conv_weight, slots, fresh)
+        else:
+            prefill = causal_conv1d_prefill if on_gpu else causal_conv1d_prefill_reference
+            x = prefill(mixed_qkv, conv_state, conv_weight, meta.cu_seqlens_q, slots, fresh)
+        q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(-1, self.num_k_heads, self.head_k_dim)
+        k = k.view(-1, self.num_k_heads, self.head_k_dim)
+        v = v.view(-1, self.num_v_heads, self.head_v_dim)
+        if meta.is_decode:
+            rule = recurrent_gated_delta_rule if on_gpu else recurrent_gated_delta_rule_reference
+            return rule(q, k, v, g, beta, recurrent_state, slots, fresh)
+        rule = chunk_gated_delta_rule if on_gpu else chunk_gated_delta_rule_reference
+        return rule(q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh)
+
+    def _profile(self, mixed_qkv, conv_weight, g, beta):
+        device, count = mixed_qkv.device, mixed_qkv.shape[0]
+        specs = self.state_specs()
+        conv_state = torch.zeros((2, *specs["conv_state"][0]), dtype=self.conv_dtype, device=device)
+        recurrent = torch.zeros((2, *specs["recurrent_state"][0]), device=device)
+        one = torch.ones(1, dtype=torch.int32, device=device)
+        meta = GDNAttentionMetadata(
+            None, None, None, torch.tensor([0, count], dtype=torch.int32, device=device),
+            count, False, state_slots=one - 1, state_fresh=one,
+        )  # fmt: skip
+        return self._run(mixed_qkv, conv_weight, g, beta, conv_state, recurrent, meta)
+
+
+def is_gdn(layer) -> bool:
+    return isinstance(layer, GatedDeltaNetState)

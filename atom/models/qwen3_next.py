@@ -1,0 +1,326 @@
+"""Qwen3-Next (HF transformers' `Qwen3NextForCausalLM`, same config keys and weight names, so
+a `save_pretrained` directory loads; per-expert checkpoint names load too).
+
+- hybrid stack: `layer_types[i]` is "linear_attention" (a GDN layer, per-sequence state in a
+  state slot) or "full_attention" (gated attention on the shared page table, like MHA);
+  the cache and the state are the gdn backend's (atom/attention/gdn.py).
+- gated attention: q_proj yields per head the query and an output gate (sigmoid); q/k
+  RMSNorm over the head dim; partial neox rope (`partial_rotary_factor`).
+- GDN: in_proj_qkvz / in_proj_ba in HF's per-k-head grouped order, causal depthwise conv
+  (SiLU) over the mixed q|k|v, gated delta rule with g = -exp(A_log) * softplus(a + dt_bias)
+  and beta = sigmoid(b), gated RMSNorm (silu(z)) on the output.
+- MoE: softmax top-k router (renormalised with `norm_topk_prob`), experts through
+  atom/models/moe.py `routed_experts`, a shared expert scaled by sigmoid(shared_expert_gate).
+- Qwen3-Next's RMSNorm multiplies by (1 + weight): the loader stores 1 + weight in the
+  shared RMSNorm (the same fp32 math); the gated norm's weight is used as is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from atom.attention.gdn import GatedDeltaNetState
+from atom.attention.mha import MHAAttention
+from atom.distributed.tensor_parallel import ShardingError
+from atom.models.layers import RMSNorm, rope_parameters
+from atom.models.moe import routed_experts
+
+# Qwen3-Next norms whose checkpoint weight w means a scale of (1 + w).
+_OFFSET_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm")
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class PartialRotary(nn.Module):
+    """Neox rope (HF `rotate_half`) on the first `rotary_dim` channels of each head."""
+
+    def __init__(self, config, head_dim: int, max_position: int):
+        super().__init__()
+        theta, scaling = rope_parameters(config)
+        if scaling is not None:
+            raise ValueError("Qwen3-Next: only the default rope is supported")
+        params = getattr(config, "rope_parameters", None) or {}
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        dim = int(head_dim * factor)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotary_dim = dim
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] -> rotated copy."""
+        cos = self.cos[positions].to(x.dtype)[:, None]
+        sin = self.sin[positions].to(x.dtype)[:, None]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+class Qwen3NextAttention(nn.Module):
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = PartialRotary(config, self.head_dim, max_position)
+        self.attn = MHAAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        count = hidden.shape[0]
+        q, gate = self.q_proj(hidden).view(count, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.rotary(positions, self.q_norm(q.contiguous()))
+        k = self.k_norm(self.k_proj(hidden).view(count, -1, self.head_dim))
+        k = self.rotary(positions, k)
+        v = self.v_proj(hidden).view(count, -1, self.head_dim)
+        out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(count, -1))
+        return self.o_proj(out)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * silu(gate), normalised in fp32 (HF Qwen3NextRMSNormGated)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = (
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+        )
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError("Qwen3-Next: linear_num_value_heads must be a multiple of key heads")
+        key_dim, value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        kernel = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.conv1d = nn.Conv1d(
+            2 * key_dim + value_dim, 2 * key_dim + value_dim, kernel, bias=False,
+            groups=2 * key_dim + value_dim, padding=kernel - 1,
+        )  # fmt: skip
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.attn = GatedDeltaNetState(
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim, kernel
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(hidden).view(count, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split([dk, dk, ratio * dv, ratio * dv], dim=-1)
+        b, a = self.in_proj_ba(hidden).view(count, self.num_k_heads, -1).split([ratio, ratio], -1)
+        mixed = torch.cat([q.reshape(count, -1), k.reshape(count, -1), v.reshape(count, -1)], -1)
+        beta = b.reshape(count, -1).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(count, -1).float() + self.dt_bias)
+        out = self.attn(mixed, self.conv1d.weight[:, 0], g, beta)  # [T, Hv, Dv]
+        out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(count, -1)
+        return self.out_proj(out)
+
+
+class Qwen3NextMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3NextSparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        experts, hidden, inter = (
+            config.num_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+        )
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(experts, hidden))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.experts.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        self.shared_expert = Qwen3NextMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x)
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
+        routed = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, max_position: int):
+        super().__init__()
+        self.is_linear = config.layer_types[layer_idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = Qwen3NextGatedDeltaNet(config)
+        else:
+            self.self_attn = Qwen3NextAttention(config, max_position)
+        sparse = config.num_experts > 0 and (layer_idx + 1) % config.decoder_sparse_step == 0
+        if sparse and layer_idx not in (config.mlp_only_layers or []):
+            self.mlp = Qwen3NextSparseMoeBlock(config)
+        else:
+            self.mlp = Qwen3NextMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        hidden = mixer(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config, max_position: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    attention_backend = "gdn"  # full-attention layers paged like MHA, GDN layers in state slots
+
+    def __init__(self, config, max_position: int | None = None, tp=None):
+        super().__init__()
+        self.validate_tensor_parallel(config, 1 if tp is None else tp.world_size)
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = Qwen3NextModel(config, max_position)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def validate_tensor_parallel(config, world_size: int) -> None:
+        if world_size > 1:
+            raise ShardingError(
+                f"{config.model_type}: tensor parallelism is not supported for Qwen3-Next yet; "
+                "run with --tensor-parallel-size 1"
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def attention_layers(self) -> list[MHAAttention]:
+        """The full-attention layers: their K/V live in the shared paged cache."""
+        return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
+
+    @property
+    def state_layers(self) -> list[GatedDeltaNetState]:
+        """The GDN layers: their state lives in per-sequence state slots."""
+        return [layer.linear_attn.attn for layer in self.model.layers if layer.is_linear]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (per-expert tensors into the stacked experts; 1 + w for
+        the offset norms); every parameter must be set."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        inter = self.config.moe_intermediate_size
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or name.startswith("mtp."):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            match = _EXPERT.match(name)
+            if match is None:
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                if name.endswith(".weight") and any(n in name for n in _OFFSET_NORMS):
+                    tensor = tensor.float() + 1.0
+                _copy(param.data, tensor, name)
+                loaded.add(name)
+                continue
+            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+            target = f"{prefix}.down_proj" if part == "down_proj" else f"{prefix}.gate_up_proj"
+            param = params.get(target)
+            if param is None or expert >= param.shape[0]:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            dest = param.data[expert]
+            if part != "down_proj":
+                dest = dest.narrow(0, 0 if part == "gate_proj" else inter, inter)
+            _copy(dest, tensor, name)
+            loaded.add(f"{target}#{expert}.{part}")
+        expected = set()
+        per_expert = {n.split("#")[0] for n in loaded if "#" in n}
+        for pname, param in params.items():
+            if pname.endswith("experts.gate_up_proj") and pname in per_expert:
+                parts = ("gate_proj", "up_proj")
+                expected |= {f"{pname}#{e}.{p}" for e in range(param.shape[0]) for p in parts}
+            elif pname.endswith("experts.down_proj") and pname in per_expert:
+                expected |= {f"{pname}#{e}.down_proj" for e in range(param.shape[0])}
+            elif not (pname == "lm_head.weight" and self.tie_word_embeddings):
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if dest.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)

@@ -1,0 +1,243 @@
+"""Qwen3-Next (gdn backend) against HF transformers on tiny random models, CPU fp32.
+
+Exact greedy tokens equal HF's `generate` for 32 tokens with prompts shorter and longer
+than the conv window and the delta rule's chunk (64), for two configs (different
+linear/full patterns, head counts, conv kernels, dense and MoE MLPs); the same tokens under
+chunked prefill (chunk boundaries inside a conv window), preemption, a batch of 8 mixed
+lengths (direct and packed publication) and two micro-batches. The parameters HF
+initialises to constants (norm weights, dt_bias, the router) are randomised so that their
+use is checked. Every test leaves every KV block and state slot free
+(tests/engine_support.py).
+"""
+
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3NextForCausalLM"):
+    pytest.skip("transformers without Qwen3-Next", allow_module_level=True)
+
+from atom.attention.gdn import GDNBackend  # noqa: E402
+from atom.sampling_params import SamplingParams  # noqa: E402
+from tests.engine_support import build_llm  # noqa: E402
+
+VOCAB = 320
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LIN, FULL = "linear_attention", "full_attention"
+VARIANTS = {
+    # GDN, GDN, full; 2 k heads / 4 v heads; conv 4; MoE every layer
+    "a": dict(
+        num_hidden_layers=3,
+        layer_types=[LIN, LIN, FULL],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    ),
+    # full first, then GDN, GDN, full; 1 k head / 1 v head; conv 3; dense MLP on layer 1
+    "b": dict(
+        num_hidden_layers=4,
+        layer_types=[FULL, LIN, LIN, FULL],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=3,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    ),
+}
+
+
+def _make(kind: str, root) -> str:
+    torch.manual_seed(5)
+    config = transformers.Qwen3NextConfig(**COMMON, **VARIANTS[kind])
+    model = transformers.Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias", "gate.weight")):
+                param.normal_(0.0, 0.3)
+            elif name.endswith("A_log"):
+                param.uniform_(-1.0, 1.0)
+    path = root / kind
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops: one intra-op thread (on a loaded 2-core host, two spinning threads made
+    these tests ~80x slower); restored after the module."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_next")
+    return {kind: _make(kind, root) for kind in VARIANTS}
+
+
+def _prompts(seed, lengths):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+PROMPTS = _prompts(0, [1, 5, 40, 70])
+MIXED = _prompts(1, [1, 2, 3, 8, 15, 17, 33, 66])
+_HF_CACHE: dict = {}
+
+
+def _hf(path, prompts=PROMPTS):
+    key = (path, str(prompts))
+    if key not in _HF_CACHE:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.generation_config.eos_token_id = None  # never stop early (ignore_eos here)
+        outputs = []
+        for ids in prompts:
+            input_ids = torch.tensor([ids])
+            out = model.eval().generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+            )
+            outputs.append(out[0, len(ids) :].tolist())
+        _HF_CACHE[key] = outputs
+    return _HF_CACHE[key]
+
+
+def _tokens(llm, prompts=PROMPTS):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind", list(VARIANTS))
+def test_greedy_matches_hf(qwen3_next_dirs, kind):
+    llm = build_llm(qwen3_next_dirs[kind], num_kvcache_blocks=64, max_model_len=256)
+    assert all(isinstance(slot.backend, GDNBackend) for slot in llm.engine.model_runner.slots)
+    assert _tokens(llm) == _hf(qwen3_next_dirs[kind])
+
+
+def test_chunked_prefill_and_preemption(qwen3_next_dirs):
+    path = qwen3_next_dirs["a"]
+    expected = _hf(path)
+    # chunks of 7 tokens: boundaries fall inside the 4-wide conv window and the 64 chunk
+    llm = build_llm(path, max_num_batched_tokens=7, max_num_seqs=4, num_kvcache_blocks=64)
+    assert _tokens(llm) == expected
+    # 4 sequences of up to 102 tokens do not fit 9 blocks of 16 together
+    llm = build_llm(path, num_kvcache_blocks=9, max_num_seqs=4, max_model_len=256)
+    assert _tokens(llm) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("h2d_backend", ["direct", "packed"])
+def test_batch_of_eight_mixed_lengths(qwen3_next_dirs, h2d_backend):
+    path = qwen3_next_dirs["b"]
+    llm = build_llm(path, num_kvcache_blocks=64, max_num_batched_tokens=48, h2d_backend=h2d_backend)
+    assert _tokens(llm, MIXED) == _hf(path, MIXED)
+
+
+def test_two_micro_batches(qwen3_next_dirs):
+    path = qwen3_next_dirs["b"]
+    llm = build_llm(path, num_kvcache_blocks=64, num_micro_batches=2, max_num_batched_tokens=24)
+    assert len(llm.engine.model_runner.slots) == 2
+    assert _tokens(llm) == _hf(path)
+
+
+def test_prefix_caching_is_off_with_one_log_line(qwen3_next_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="atom.model_engine.llm_engine"):
+        llm = build_llm(qwen3_next_dirs["a"], num_kvcache_blocks=16, enable_prefix_caching=True)
+    lines = [r.message for r in caplog.records if "prefix caching is off" in r.message]
+    assert len(lines) == 1 and "qwen3_next" in lines[0]
+    assert not llm.engine.block_manager.enable_prefix_caching
+
+
+def test_state_bytes_of_the_benchmark(qwen3_next_dirs):
+    """The benchmark's state figure: conv + delta-rule rows of every GDN layer (hand count)."""
+    from atom.benchmarks.qwen3_next_decode import state_bytes
+
+    llm = build_llm(qwen3_next_dirs["a"], num_kvcache_blocks=16)
+    shape = dict(VARIANTS["a"], **COMMON)
+    record = state_bytes(llm, 1000, shape)
+    conv = (4 - 1) * (2 * 2 * 8 + 4 * 16) * 4  # (K - 1) x conv_dim, fp32 model
+    delta = 4 * 8 * 16 * 4  # Hv x Dk x Dv, fp32
+    assert record["gdn_state_per_sequence_bytes"] == 2 * (conv + delta)
+    assert record["all_attention_kv_per_sequence_bytes"] == 3 * 2 * 2 * 16 * 4 * 1000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_bf16_cuda_logits_close_to_hf(qwen3_next_dirs, enforce_eager):
+    """bf16 on CUDA (Triton conv + delta-rule kernels, CUDA graphs for decode): each greedy
+    token is (near) HF fp32's best choice on the same tokens."""
+    path = qwen3_next_dirs["a"]
+    llm = build_llm(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        num_kvcache_blocks=64,
+        max_model_len=256,
+        enforce_eager=enforce_eager,
+        cuda_graph_batch_sizes=[1, 2, 4],
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for prompt, generated in zip(PROMPTS, outputs, strict=True):
+            logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+            chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
+            gap = logits.max(dim=-1).values - chosen
+            assert gap.max() <= 0.08 * logits.abs().max(), (gap, logits.abs().max())
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_greedy_matches_hf(qwen3_next_dirs):
+    """The CUDA paths (Triton kernels, graphs, chunked prefill) in fp32 give HF's tokens."""
+    path = qwen3_next_dirs["a"]
+    llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
+                    max_num_batched_tokens=32, cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
+    assert _tokens(llm) == _hf(path)
+
+
+def test_memory_profiling_forward_runs_without_a_cache(qwen3_next_dirs):
+    """The CUDA sizing run (no blocks, no state slots yet) goes through every layer and
+    equals a fresh prefill of the same tokens."""
+    from atom.forward_context import AttentionMetadata, forward_context
+
+    llm = build_llm(qwen3_next_dirs["b"], num_kvcache_blocks=8)
+    model = llm.engine.model_runner.model
+    n = 70  # more than one delta-rule chunk
+    ids = torch.randint(3, VOCAB, (n,))
+    dense = AttentionMetadata(None, None, None, None, n, False)
+    with torch.no_grad(), forward_context(dense):
+        hidden = model(ids, torch.arange(n))
+    assert hidden.shape == (n, 32) and torch.isfinite(hidden).all()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_next_dirs["b"]).eval()
+    with torch.no_grad():
+        expected = hf(ids[None], output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
