@@ -268,19 +268,19 @@ class LLMEngine:
                 "the engine takes one sample per request: add n requests with "
                 "SamplingParams.for_sample(i) (LLM.generate and the server do)"
             )
+        if params.needs_sampling_plan and (
+            self.speculator is not None or self.config.pipeline_parallel_size > 1
+        ):
+            raise ValueError(
+                "logprobs, prompt_logprobs, structured output, penalties, logit_bias "
+                "and min_tokens are not supported with speculative decoding or "
+                "pipeline parallelism yet"
+            )
         extras = params.logprobs is not None or params.prompt_logprobs is not None
         if isinstance(self.model_runner, DistributedRunner) and (extras or params.structured):
             raise ValueError(
                 "logprobs, prompt_logprobs and structured output are not supported with "
                 "tensor, pipeline or data parallelism yet"
-            )
-        if params.needs_sampling_plan and (
-            self.speculator is not None or self.config.pipeline_parallel_size > 1
-        ):
-            raise ValueError(
-                "logprobs, prompt_logprobs, structured output, penalties, logit_bias, "
-                "and min_tokens are not supported with speculative decoding or "
-                "pipeline parallelism yet"
             )
         if params.structured and self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer")

@@ -50,7 +50,8 @@ def server(model_dir):
 def _metrics(server) -> dict[str, float]:
     samples = parse_metrics(raw_request(server, "GET", "/metrics")[1])
     return {
-        re.sub(r'model_name="[^"]*",?', "", name).replace("{}", ""): value
+        # prometheus_client sorts labels: model_name may come before or after another
+        re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{").replace("{}", ""): value
         for name, value in samples.items()
     }
 

@@ -72,6 +72,13 @@ def test_metrics_count_drafts(spec_server):
     assert first == samples[f"atom_spec_decode_num_drafts_total{{{label}}}"]
 
 
+def test_logprobs_are_a_400_with_speculation(spec_server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "logprobs": 2}
+    status, answer = raw_request(spec_server, "POST", "/v1/completions", body)
+    assert status == 400, answer
+    assert "speculative decoding" in answer["error"]["message"]
+
+
 def test_flags_build_the_speculative_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

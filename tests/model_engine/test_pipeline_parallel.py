@@ -91,6 +91,10 @@ def test_pp2_equals_pp1_then_a_killed_stage_is_named(three_layer_llama):
         assert all(cpu == gpu for stage in tables for cpu, gpu in stage), tables
         assert tables[0] == tables[1] and all(cpu > 0 for cpu, _ in tables[0]), tables
         assert all(s["steps"] == engine.stats.steps for s in stats)
+        # The last stage samples without a SamplingPlan: its options are refused clearly.
+        for options in (dict(logprobs=1), dict(presence_penalty=0.5), dict(json_object=True)):
+            with pytest.raises(ValueError, match="pipeline parallelism"):
+                engine.add_request(prompts[0], SamplingParams(max_tokens=2, **options))
 
         for prompt in random_prompts(13, [5, 9, 17]):
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=500))

@@ -183,6 +183,27 @@ def test_seeded_random_sampling_runs_and_frees_blocks(target):
     assert llm.engine.speculator.stats.accepted_tokens > 0
 
 
+REFUSED_WITH_SPECULATION = [
+    dict(logprobs=2),
+    dict(prompt_logprobs=1),
+    dict(json_object=True),
+    dict(presence_penalty=0.5),
+    dict(logit_bias={3: 1.0}),
+    dict(min_tokens=2),
+]
+
+
+def test_sampling_plan_options_are_refused_with_speculation(target):
+    """Verify steps sample without a SamplingPlan: logprobs, grammars and logits processors
+    are a clear ValueError (the server's 400), not tokens that ignore them."""
+    llm = build_llm(target, speculative_method="ngram", **LEN)
+    for options in REFUSED_WITH_SPECULATION:
+        params = SamplingParams(temperature=0.0, max_tokens=4, **options)
+        with pytest.raises(ValueError, match="speculative decoding"):
+            llm.engine.add_request(PROMPTS[0], params)
+    assert not llm.engine.has_unfinished()
+
+
 def test_ngram_proposer_finds_the_latest_longest_match():
     proposer = NgramProposer(min_n=1, max_n=3)
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
