@@ -68,7 +68,10 @@ class V4Backend(PagedAttentionBackend):
         return [BufferSpec("state_slots", (max_num_seqs,), torch.int32, -1)]
 
     def stage(self, slot, seqs, stage) -> None:
-        stage(slot.state_slots, len(seqs))[:] = [seq.state_slot for seq in seqs]
+        # Staged at capacity: a decode step publishes the rows padded to its graph size
+        # (publish writes the pad value -1 into rows past the batch).
+        rows = stage(slot.state_slots, slot.state_slots.capacity)
+        rows[: len(seqs)] = [seq.state_slot for seq in seqs]
 
     def build_metadata(self, slot, step, publish) -> V4AttentionMetadata:
         base = super().build_metadata(slot, step, publish)
