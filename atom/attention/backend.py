@@ -107,7 +107,13 @@ def _v4_backend() -> PagedAttentionBackend:
     return V4Backend()
 
 
-BACKENDS = {"mha": MHABackend, "mla": MLABackend, "v4": _v4_backend}
+def _v41_backend() -> PagedAttentionBackend:
+    from atom.attention.v41 import V41Backend
+
+    return V41Backend()
+
+
+BACKENDS = {"mha": MHABackend, "mla": MLABackend, "v4": _v4_backend, "v41": _v41_backend}
 
 
 def backend_for(model) -> PagedAttentionBackend:

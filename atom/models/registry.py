@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from atom.models.deepseek_v2 import DeepseekV2ForCausalLM
 from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
+from atom.models.deepseek_v41 import DeepseekV41ForCausalLM
 from atom.models.llama import LlamaForCausalLM
 
 MODELS = {
@@ -12,6 +13,7 @@ MODELS = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "DeepseekV41ForCausalLM": DeepseekV41ForCausalLM,
 }
 
 BY_MODEL_TYPE = {
@@ -20,6 +22,7 @@ BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
+    "deepseek_v41_text": "DeepseekV41ForCausalLM",
 }
 
 
