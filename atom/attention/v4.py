@@ -30,7 +30,9 @@ from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels.v4_attention import (
     attend_with_sink,
+    v4_decode_attention,
     v4_decode_attention_reference,
+    write_window,
     write_window_reference,
 )
 from atom.kernels.v4_compressor import (
@@ -40,6 +42,8 @@ from atom.kernels.v4_compressor import (
     rows_per_block,
 )
 from atom.kernels.v4_indexer import index_scores, indexer_topk_decode_reference, select_topk
+
+QUERY_CHUNK = 512  # prefill queries attended at once (memory: chunk x heads x keys)
 
 
 @dataclass
@@ -167,9 +171,11 @@ class V4Attention(nn.Module):
     def _decode(self, q, kv, positions, sinks, compressor, indexer, meta):
         slots, tables = meta.state_slots, meta.block_tables
         block_size = self.block_size
-        write_window_reference(self.ring, kv, slots, positions)
+        on_gpu = q.is_cuda  # Triton on CUDA, the torch references on CPU
+        (write_window if on_gpu else write_window_reference)(self.ring, kv, slots, positions)
+        attend = v4_decode_attention if on_gpu else v4_decode_attention_reference
         if not self.ratio:
-            return v4_decode_attention_reference(
+            return attend(
                 q, self.ring, slots, positions, meta.context_lens, None, None, tables, 1,
                 block_size, sinks, self.scale,
             )  # fmt: skip
@@ -188,7 +194,7 @@ class V4Attention(nn.Module):
             ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
             visible = ids < ((positions.long() + 1) // self.ratio)[:, None]
             entry_ids = torch.where(visible, ids, -1)
-        return v4_decode_attention_reference(
+        return attend(
             q, self.ring, slots, positions, meta.context_lens, self.pool, entry_ids, tables,
             self.ratio, block_size, sinks, self.scale,
         )  # fmt: skip
@@ -213,30 +219,54 @@ class V4Attention(nn.Module):
                 continue
             start = end - (b - a)
             table = meta.block_tables[row : row + 1]
-            keys, valid = window_prefill(self.ring, kv[a:b], slot, start, end)
+            window = self._window_prefill(kv[a:b], slot, start, end)
+            entries = index_keys = None
             if self.ratio:
                 entries = self._emit_prefill(
                     _rows(compressor, a, b), self.state_kv, self.state_gate, self.pool,
                     slot, start, end, table,
                 )  # fmt: skip
-                query_pos = torch.arange(start, end, device=q.device)
-                ids = torch.arange(entries.shape[0], device=q.device)
-                visible = ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
                 if indexer is not None:
                     index_keys = self._emit_prefill(
                         _rows(indexer.compressor, a, b), self.index_state_kv,
                         self.index_state_gate, self.index_pool, slot, start, end, table,
                     )  # fmt: skip
-                    scores = index_scores(indexer.q[a:b], index_keys, indexer.weights[a:b])
-                    chosen = select_topk(scores, visible, self.index_topk)
-                    picked = torch.zeros(b - a, entries.shape[0] + 1, dtype=torch.bool)
-                    picked = picked.to(q.device)
-                    picked.scatter_(1, torch.where(chosen < 0, entries.shape[0], chosen), True)
-                    visible = picked[:, :-1]
-                keys = torch.cat([keys, entries[None].expand(b - a, -1, -1).to(keys.dtype)], 1)
-                valid = torch.cat([valid, visible], dim=1)
-            out[a:b] = attend_with_sink(q[a:b], keys, valid, sinks, self.scale)
+            for c in range(0, b - a, QUERY_CHUNK):  # bounded memory for long prompts
+                c_end = min(c + QUERY_CHUNK, b - a)
+                out[a + c : a + c_end] = self._attend_chunk(
+                    q[a + c : a + c_end], window, entries, index_keys, indexer, sinks,
+                    start, start + c, start + c_end, a,
+                )  # fmt: skip
         return out
+
+    def _attend_chunk(self, q, window, entries, index_keys, indexer, sinks, start, qs, qe, a):
+        """Queries at positions [qs, qe) of a sequence whose step began at `start`:
+        their window keys (from `window`, positions [first, end)) and visible entries."""
+        keys, first = window
+        lo = max(first, qs - self.window + 1)
+        keys = keys[lo - first : qe - first]
+        key_pos = torch.arange(lo, qe, device=q.device)
+        query_pos = torch.arange(qs, qe, device=q.device)
+        valid = (key_pos[None, :] <= query_pos[:, None]) & (
+            key_pos[None, :] > query_pos[:, None] - self.window
+        )
+        if entries is not None:
+            ids = torch.arange(entries.shape[0], device=q.device)
+            visible = ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
+            if index_keys is not None:
+                rows = slice(a + qs - start, a + qe - start)
+                scores = index_scores(indexer.q[rows], index_keys, indexer.weights[rows])
+                chosen = select_topk(scores, visible, self.index_topk)
+                picked = torch.zeros(qe - qs, entries.shape[0] + 1, dtype=torch.bool)
+                picked = picked.to(q.device)
+                picked.scatter_(1, torch.where(chosen < 0, entries.shape[0], chosen), True)
+                visible = picked[:, :-1]
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            valid = torch.cat([valid, visible], dim=1)
+        return attend_with_sink(q, keys, valid, sinks, self.scale)
+
+    def _window_prefill(self, kv, slot: int, start: int, end: int):
+        return window_prefill(self.ring, kv, slot, start, end)
 
     def _emit_prefill(self, inputs, state_kv, state_gate, pool, slot, start, end, table):
         """Pool the windows closing in [start, end), store them, keep the partial window's
@@ -276,28 +306,27 @@ class V4Attention(nn.Module):
         return pool.view(-1, dim)[entry_rows(table, ids, ratio, block_size, num_blocks)[0]]
 
     def _profile(self, q, kv, positions, sinks):
-        n = q.shape[0]
-        pos = positions.long()
-        valid = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-        return attend_with_sink(q, kv[None].expand(n, -1, -1), valid, sinks, self.scale)
+        """Memory profiling run (positions 0..T-1, no cache): window attention only, in
+        the prefill's query chunks, so its peak matches a real prefill's."""
+        out = torch.empty_like(q)
+        for c in range(0, q.shape[0], QUERY_CHUNK):
+            c_end = min(c + QUERY_CHUNK, q.shape[0])
+            out[c:c_end] = self._attend_chunk(
+                q[c:c_end], (kv, 0), None, None, None, sinks, 0, c, c_end, 0
+            )
+        return out
 
 
 def window_prefill(ring, kv, slot: int, start: int, end: int):
-    """Keys [n, L, D] (ring positions before `start`, then the new ones ``kv`` [n, D]) and
-    their validity [n, L]; then the ring keeps the new tokens' last `window` positions."""
+    """(keys [end - first, D] at positions [first, end), first): the ring's positions
+    before `start`, then the new ones ``kv``; the ring then keeps the last `window` ones."""
     window = ring.shape[1]
     first = max(0, start - window + 1)
     past = torch.arange(first, start, device=kv.device)
     keys = torch.cat([ring[slot, past % window].to(kv.dtype), kv])
-    key_pos = torch.arange(first, end, device=kv.device)
-    query_pos = torch.arange(start, end, device=kv.device)
-    valid = (key_pos[None, :] <= query_pos[:, None]) & (
-        key_pos[None, :] > query_pos[:, None] - window
-    )
     keep = torch.arange(max(start, end - window), end, device=kv.device)
     ring[slot, keep % window] = kv[keep - start].to(ring.dtype)
-    n = end - start
-    return keys[None].expand(n, -1, -1), valid
+    return keys, first
 
 
 def _rows(inputs: CompressorInputs, a: int, b: int) -> CompressorInputs:

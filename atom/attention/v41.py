@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from atom.attention.v4 import V4Backend, window_prefill
+from atom.attention.v4 import QUERY_CHUNK, V4Backend, window_prefill
 from atom.forward_context import get_forward_context
 from atom.kernels.v4_attention import (
     attend_with_sink,
@@ -148,11 +148,17 @@ class V41Attention(nn.Module):
     def forward(self, q, kv, positions, sinks, source, indexer, shared: SharedChoice):
         """q [T, H, D] and kv [T, D] rotated (kv fake-quantised) -> output [T, H, D]."""
         meta = get_forward_context().attention
-        if meta.block_tables is None:  # memory profiling: window only, no cache
+        if meta.block_tables is None:  # memory profiling: window only, in query chunks
+            out = torch.empty_like(q)
             pos = positions.long()
-            valid = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-            keys = kv[None].expand(q.shape[0], -1, -1)
-            return attend_with_sink(q, keys, valid, sinks, self.scale)
+            for c in range(0, q.shape[0], QUERY_CHUNK):
+                qp = pos[c : c + QUERY_CHUNK]
+                valid = (pos[None, :] <= qp[:, None]) & (pos[None, :] > qp[:, None] - self.window)
+                keys = kv[None].expand(qp.shape[0], -1, -1)
+                out[c : c + QUERY_CHUNK] = attend_with_sink(
+                    q[c : c + QUERY_CHUNK], keys, valid, sinks, self.scale
+                )
+            return out
         if meta.is_decode:
             return self._decode(q, kv, positions, sinks, source, indexer, shared, meta)
         return self._prefill(q, kv, positions, sinks, source, indexer, shared, meta)
@@ -224,7 +230,13 @@ class V41Attention(nn.Module):
                 continue
             start = end - (b - a)
             table = meta.block_tables[row : row + 1]
-            keys, valid = window_prefill(self.ring, kv[a:b], slot, start, end)
+            keys, first = window_prefill(self.ring, kv[a:b], slot, start, end)
+            key_pos = torch.arange(first, end, device=q.device)
+            query_pos = torch.arange(start, end, device=q.device)
+            valid = (key_pos[None, :] <= query_pos[:, None]) & (
+                key_pos[None, :] > query_pos[:, None] - self.window
+            )
+            keys = keys[None].expand(b - a, -1, -1)
             if self.ratio:
                 if self.is_source:
                     self._emit_prefill(source, a, b, slot, start, end, table)
@@ -232,7 +244,6 @@ class V41Attention(nn.Module):
                 entries = source_layer.read_entries(table, end, "pool")
                 if self.is_index:
                     index_keys = self.key_source.read_entries(table, end, "index_pool")
-                    query_pos = torch.arange(start, end, device=q.device)
                     num_visible = (query_pos + 1) // self.ratio
                     ids = torch.arange(index_keys.shape[0], device=q.device)
                     visible = ids[None, :] < num_visible[:, None]

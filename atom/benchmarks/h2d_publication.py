@@ -1,10 +1,11 @@
 """Per-step metadata publication, direct vs packed, in one run.
 
-    python -m atom.benchmarks.h2d_publication [--breakdown] [--backend mha|mla]
+    python -m atom.benchmarks.h2d_publication [--breakdown] [--backend mha|mla|v4]
 
---backend picks the slot's attention backend (MHABackend or MLABackend); both build their
-metadata and derive the slot mapping through the same entry point (build_metadata /
-derive_views over the shared page table), so the figures are the same machinery.
+--backend picks the slot's attention backend (MHABackend, MLABackend or V4Backend); all
+build their metadata and derive the slot mapping through the same entry point
+(build_metadata / derive_views over the shared page table), so the figures are the same
+machinery (V4 publishes one more small buffer: each row's state slot).
 
 For B in {1, 64, 256} decode sequences (context ~1000 tokens, block size 16) a RunnerSlot
 prepares the engine's real decode metadata (input ids, positions, context lengths, the
@@ -51,6 +52,7 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
         )
         seq.num_computed_tokens = context - 1
         seq.block_table = list(range(i * 70, i * 70 + -(-context // block_size)))
+        seq.state_slot = i  # read by the v4 backend only
         seqs.append(seq)
     return ScheduledBatch(seqs, [1] * batch_size, batch_size, layout=1, grown=[], step=0)
 

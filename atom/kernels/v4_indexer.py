@@ -17,9 +17,8 @@ from atom.kernels.v4_compressor import entry_rows
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """q ``[T, H, D]``, keys ``[T, N, D]`` (or ``[N, D]``), weights ``[T, H]`` fp32 -> ``[T, N]``."""
-    if keys.dim() == 2:
-        keys = keys[None].expand(q.shape[0], -1, -1)
-    scores = torch.einsum("thd,tnd->thn", q.float(), keys.float()).relu() * q.shape[-1] ** -0.5
+    equation = "thd,nd->thn" if keys.dim() == 2 else "thd,tnd->thn"
+    scores = torch.einsum(equation, q.float(), keys.float()).relu() * q.shape[-1] ** -0.5
     return (scores * weights[:, :, None]).sum(dim=1)
 
 

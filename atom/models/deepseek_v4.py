@@ -28,11 +28,7 @@ from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
-
-try:  # the shared routed-expert dispatch (branch `moe`)
-    from atom.models.moe import routed_experts
-except ImportError:  # pragma: no cover - until the moe branch is merged
-    routed_experts = None
+from atom.models.moe import routed_experts
 
 
 class FP32RMSNorm(nn.Module):
@@ -238,23 +234,6 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def _routed_experts_fallback(x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit=None):
-    """Local stand-in for atom.models.moe.routed_experts (deleted once `moe` is merged):
-    each expert on the tokens that chose it, in expert order (HF's loop)."""
-    out = torch.zeros_like(x)
-    for e in range(gate_up_proj.shape[0]):
-        tokens, slots = torch.where(topk_ids == e)
-        if tokens.numel() == 0:
-            continue
-        gate, up = F.linear(x[tokens], gate_up_proj[e]).chunk(2, dim=-1)
-        if swiglu_limit is not None:
-            gate = gate.clamp(max=swiglu_limit)
-            up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-        y = F.linear(F.silu(gate) * up, down_proj[e]) * topk_weights[tokens, slots, None]
-        out.index_add_(0, tokens, y.to(x.dtype))
-    return out
-
-
 class DeepseekV4MoE(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -293,8 +272,7 @@ class DeepseekV4MoE(nn.Module):
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        dispatch = routed_experts or _routed_experts_fallback
-        routed = dispatch(
+        routed = routed_experts(
             x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit
         )
         return routed + self.shared_experts(x)

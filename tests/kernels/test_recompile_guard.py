@@ -25,6 +25,7 @@ from atom.kernels import (
     rmsnorm,
     rotary,
     scatter,
+    v4_attention,
 )
 from tests.kernels.recompile_guard import (
     SWEEP,
@@ -132,6 +133,21 @@ KERNELS = {
         ["num_pairs"],
         ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
     ),
+    # DeepSeek-V4: the window-ring write (rows from the grid) and the one-pass decode over
+    # window + entries + sink (entry count and page-table width are runtime).
+    (v4_attention, "_write_window_kernel"): (["num_rows"], ["stride_kv_row"]),
+    (v4_attention, "_v4_decode_kernel"): (
+        ["num_entries", "stride_tables_row"],
+        [
+            "num_blocks",  # the pool's size: fixed for the engine's life
+            "scale",
+            "stride_q_row",
+            "stride_q_head",
+            "stride_out_row",
+            "stride_out_head",
+            "stride_ids_row",
+        ],
+    ),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -140,6 +156,7 @@ DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
+    (v4_attention, "_online_update"),
 }
 
 
@@ -497,3 +514,32 @@ def test_fused_moe_default_tiles_one_variant_per_tile_choice():
     kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
     history = variants_over_sweep(moe, kernels, run)
     assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)
+
+
+@pytest.mark.gpu
+def test_v4_window_write_and_decode_one_variant():
+    """Rows (the grid) and entry counts (the top-k list length) swept."""
+    heads, dim, window, slots = 64, 512, 128, 8
+    ring = torch.randn(slots + 1, window, dim, device=DEVICE, dtype=BF16)
+    pool = torch.randn(4097, 4, dim, device=DEVICE, dtype=BF16)
+    q = torch.randn(max(SWEEP), heads, dim, device=DEVICE, dtype=BF16)
+    kv = torch.randn(max(SWEEP), dim, device=DEVICE, dtype=BF16)
+    sinks = torch.randn(heads, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        rows = min(n, 64)
+        state = torch.randint(
+            -1, slots, (n,), device=DEVICE, dtype=torch.int32, generator=generator
+        )
+        positions = torch.randint(0, 10**5, (n,), device=DEVICE, generator=generator)
+        v4_attention.write_window(ring, kv[:n], state, positions)
+        tables = _block_tables(rows, 1024, 4096)
+        lens = torch.full((rows,), 1000, device=DEVICE, dtype=torch.int32)
+        ids = torch.randint(-1, 250, (rows, n), device=DEVICE, generator=generator)
+        v4_attention.v4_decode_attention(
+            q[:rows], ring, state[:rows] % slots, lens.long() - 1, lens, pool, ids, tables,
+            4, 16, sinks, dim**-0.5,
+        )  # fmt: skip
+
+    assert_one_variant(v4_attention, ["_write_window_kernel", "_v4_decode_kernel"], run)
