@@ -34,7 +34,9 @@ from atom.attention.v4 import QUERY_CHUNK, V4Backend, window_prefill
 from atom.forward_context import get_forward_context
 from atom.kernels.v4_attention import (
     attend_with_sink,
+    v4_decode_attention,
     v4_decode_attention_reference,
+    write_window,
     write_window_reference,
 )
 from atom.kernels.v4_compressor import entry_rows, rows_per_block
@@ -165,9 +167,11 @@ class V41Attention(nn.Module):
 
     def _decode(self, q, kv, positions, sinks, source, indexer, shared, meta):
         slots, tables = meta.state_slots, meta.block_tables
-        write_window_reference(self.ring, kv, slots, positions)
+        on_gpu = q.is_cuda  # Triton on CUDA, the torch references on CPU
+        (write_window if on_gpu else write_window_reference)(self.ring, kv, slots, positions)
+        attend = v4_decode_attention if on_gpu else v4_decode_attention_reference
         if not self.ratio:
-            return v4_decode_attention_reference(
+            return attend(
                 q, self.ring, slots, positions, meta.context_lens, None, None, tables, 1,
                 self.block_size, sinks, self.scale,
             )  # fmt: skip
@@ -190,7 +194,7 @@ class V41Attention(nn.Module):
                 )
             shared.topk = two_level_topk_reference(scores, visible, self.index_topk, candidates)
         source_layer = self.source
-        return v4_decode_attention_reference(
+        return attend(
             q, self.ring, slots, positions, meta.context_lens, source_layer.pool, shared.topk,
             tables, source_layer.ratio, self.block_size, sinks, self.scale,
         )  # fmt: skip

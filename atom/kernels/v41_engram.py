@@ -128,3 +128,65 @@ def compressed_token_map(tokenizer_json: str) -> tuple[list[int], int]:
             key = normalizer.normalize_str(text) or text
         lookup.append(ids.setdefault(key, len(ids)))
     return lookup, len(ids)
+
+
+# -- Triton ----------------------------------------------------------------------------------
+# One program hashes BLOCK_T tokens for every engram layer (int64 products, XOR, modulo).
+# Runtime length (never constexpr): num_tokens. Geometry (constexpr): layers, N, heads.
+from atom.kernels import use_triton  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: keep the module importable for the references
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _engram_hash_kernel(
+    tokens_ptr,  # [T, N] int64
+    multipliers_ptr,  # [L, N] int64
+    primes_ptr,  # [L, N - 1, HEADS] int64
+    offsets_ptr,  # [L, (N - 1) * HEADS] int64
+    out_ptr,  # [T, L, (N - 1) * HEADS] int64
+    num_tokens,
+    LAYERS: tl.constexpr,
+    N: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask = t < num_tokens
+    cols: tl.constexpr = (N - 1) * HEADS
+    for layer in tl.static_range(LAYERS):
+        token = tl.load(tokens_ptr + t * N, mask=mask, other=0)
+        rolling = token * tl.load(multipliers_ptr + layer * N)
+        for n in tl.static_range(1, N):
+            token = tl.load(tokens_ptr + t * N + n, mask=mask, other=0)
+            rolling = rolling ^ (token * tl.load(multipliers_ptr + layer * N + n))
+            for head in tl.static_range(HEADS):
+                col = (n - 1) * HEADS + head
+                prime = tl.load(primes_ptr + (layer * (N - 1) + n - 1) * HEADS + head)
+                offset = tl.load(offsets_ptr + layer * cols + col)
+                out = rolling % prime + offset
+                tl.store(out_ptr + (t * LAYERS + layer) * cols + col, out, mask=mask)
+
+
+def engram_hash(tokens, multipliers, primes, offsets) -> torch.Tensor:
+    """Triton `engram_hash_reference` (same arguments, same ids)."""
+    if not use_triton(tokens):
+        return engram_hash_reference(tokens, multipliers, primes, offsets)
+    num_tokens, n = tokens.shape
+    layers, _, heads = primes.shape
+    out = torch.empty(num_tokens, layers, (n - 1) * heads, dtype=torch.int64, device=tokens.device)
+    if num_tokens:
+        block = 128
+        _engram_hash_kernel[(triton.cdiv(num_tokens, block),)](
+            tokens.contiguous(), multipliers.contiguous(), primes.contiguous(),
+            offsets.contiguous(), out, num_tokens, LAYERS=layers, N=n, HEADS=heads, BLOCK_T=block,
+        )  # fmt: skip
+    return out

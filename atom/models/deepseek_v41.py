@@ -31,17 +31,18 @@ from torch.nn import functional as F
 from atom.attention.v41 import IndexerInputs, SharedChoice, SourceInputs, V41Attention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.forward_context import get_forward_context
+from atom.kernels import v41_quant
 from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
 from atom.kernels.v41_engram import (
     compressed_token_map,
+    engram_hash,
     engram_hash_reference,
     engram_multipliers,
     engram_offsets,
     engram_primes,
     engram_reference,
 )
-from atom.kernels.v41_quant import fake_quant_fp4_reference, fake_quant_fp8_reference
 from atom.models.deepseek_v4 import (
     FP32RMSNorm,
     HyperConnection,
@@ -54,6 +55,19 @@ from atom.models.deepseek_v4 import (
 from atom.models.moe import routed_experts
 
 logger = logging.getLogger(__name__)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Triton on CUDA, the torch reference on CPU (atom/kernels/v41_quant.py)."""
+    if x.is_cuda:
+        return v41_quant.fake_quant_fp8(x, block)
+    return v41_quant.fake_quant_fp8_reference(x, block)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
+    if x.is_cuda:
+        return v41_quant.fake_quant_fp4(x, block, e4m3_scales)
+    return v41_quant.fake_quant_fp4_reference(x, block, e4m3_scales)
 
 
 def _latest(ids, layer_idx: int) -> int | None:
@@ -84,7 +98,7 @@ class Indexer(nn.Module):
 
     def inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
         q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
-        q = fake_quant_fp4_reference(rope(q, cos, sin), 32)
+        q = fake_quant_fp4(rope(q, cos, sin), 32)
         weights = self.weights_proj(hidden).float() * self.num_heads**-0.5
         return IndexerInputs(q, weights)
 
@@ -120,11 +134,11 @@ class DeepseekV41Attention(nn.Module):
         cos, sin = (t[group_positions] for t in self.tables["compress"])
         latent = self.compressor.norm(latent)
         entries = rope(latent[:, None, :], cos, sin)[:, 0]
-        entries = fake_quant_fp4_reference(entries, 16, e4m3_scales=True)
+        entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
             keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)[:, 0]
-            keys = fake_quant_fp4_reference(keys, 32)
+            keys = fake_quant_fp4(keys, 32)
         return entries, keys
 
     def forward(self, positions, hidden, shared: SharedChoice) -> torch.Tensor:
@@ -132,7 +146,7 @@ class DeepseekV41Attention(nn.Module):
         q_residual = self.q_norm(self.wq_a(hidden))
         q = rope(self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim), cos, sin)
         kv = rope(self.kv_norm(self.wkv(hidden))[:, None, :], cos, sin)[:, 0]
-        kv = fake_quant_fp8_reference(kv, 32)
+        kv = fake_quant_fp8(kv, 32)
         source = indexer = None
         if self.compressor is not None:
             c = self.compressor
@@ -279,7 +293,8 @@ class EngramHashes(nn.Module):
 
     def forward(self, input_ids, positions, history: V41Attention) -> torch.Tensor:
         tokens = self.tokens(input_ids, positions, history)
-        return engram_hash_reference(tokens, self.multipliers, self.primes, self.offsets)
+        hash_ids = engram_hash if tokens.is_cuda else engram_hash_reference  # Triton on CUDA
+        return hash_ids(tokens, self.multipliers, self.primes, self.offsets)
 
 
 class DeepseekV41DecoderLayer(nn.Module):
