@@ -6,7 +6,7 @@ import torch
 from atom.benchmarks import page_table as page_table_benchmark
 
 
-@pytest.mark.parametrize("backend", ["mha", "mla", "v4"])
+@pytest.mark.parametrize("backend", ["mha", "mla", "v4", "v41"])
 def test_page_table_benchmark_with_backend(backend, capsys):
     host_us, nbytes = page_table_benchmark.measure_atom(
         "one_append", 4, 128, torch.device("cpu"), 8, backend
@@ -14,15 +14,16 @@ def test_page_table_benchmark_with_backend(backend, capsys):
     assert host_us > 0 and nbytes > 0
 
 
-def test_page_table_benchmark_v4_unchanged_step_sends_nothing():
+@pytest.mark.parametrize("backend", ["v4", "v41"])
+def test_page_table_benchmark_v4_unchanged_step_sends_nothing(backend):
     _, nbytes = page_table_benchmark.measure_atom(
-        "unchanged", 4, 128, torch.device("cpu"), 8, "v4"
+        "unchanged", 4, 128, torch.device("cpu"), 8, backend
     )
     assert nbytes == 0
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["mha", "mla", "v4"])
+@pytest.mark.parametrize("backend", ["mha", "mla", "v4", "v41"])
 def test_h2d_benchmark_with_backend(backend):
     from atom.benchmarks import h2d_publication
 
