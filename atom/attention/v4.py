@@ -36,12 +36,18 @@ from atom.kernels.v4_attention import (
     write_window_reference,
 )
 from atom.kernels.v4_compressor import (
+    compressor_decode,
     compressor_decode_reference,
     entry_rows,
     pool_entries,
     rows_per_block,
 )
-from atom.kernels.v4_indexer import index_scores, indexer_topk_decode_reference, select_topk
+from atom.kernels.v4_indexer import (
+    index_scores,
+    indexer_topk_decode,
+    indexer_topk_decode_reference,
+    select_topk,
+)
 
 QUERY_CHUNK = 512  # prefill queries attended at once (memory: chunk x heads x keys)
 
@@ -186,7 +192,8 @@ class V4Attention(nn.Module):
                 indexer.compressor, self.index_state_kv, self.index_state_gate,
                 self.index_pool, meta, positions,
             )  # fmt: skip
-            entry_ids = indexer_topk_decode_reference(
+            topk = indexer_topk_decode if on_gpu else indexer_topk_decode_reference
+            entry_ids = topk(
                 indexer.q, indexer.weights, self.index_pool, tables, positions,
                 meta.context_lens, self.ratio, block_size, self.index_topk, max_entries,
             )  # fmt: skip
@@ -200,7 +207,8 @@ class V4Attention(nn.Module):
         )  # fmt: skip
 
     def _emit_decode(self, inputs, state_kv, state_gate, pool, meta, positions):
-        compressor_decode_reference(
+        emit = compressor_decode if inputs.kv.is_cuda else compressor_decode_reference
+        emit(
             state_kv, state_gate, inputs.kv, inputs.gate, inputs.position_bias,
             inputs.norm_weight, inputs.eps, self.compress_cos, self.compress_sin,
             meta.state_slots, positions, meta.block_tables, pool, self.ratio, self.overlap,

@@ -13,13 +13,33 @@ overlap, else ratio); the last slot is scratch for padded rows. Entries live in 
 pool ``[num_blocks + 1, rows_per_block, dim]`` (last block: scratch) addressed through the
 sequence's page-table row: entry w sits in block ``row[w * ratio // block_size]`` at row
 ``(w * ratio % block_size) // ratio`` (`entry_rows`).
+
+Triton `compressor_decode` (beside `compressor_decode_reference`): one program per row
+writes the token's kv/gate rows into the state, and, when the token closes a window,
+pools the window (softmax over the rows per channel, fp32), stores the pooled entry in
+the model dtype (HF's rounding point), RMS-norms it with the fp32 weight and rotates its
+rope channels at the window's first position, in place in the pool row. Rows that close
+no window (and padded rows, state slot -1, which write the scratch slot) stop after the
+state write. Runtime lengths: the number of rows and the page-table row stride
+(do_not_specialize); geometry
+constexpr (ratio, dims, block size). Offsets int64. No host sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
 import torch
 
+from atom.kernels import use_triton
 from atom.kernels.v4_rope import apply_interleaved_rope_reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
 
 
 def rows_per_block(block_size: int, ratio: int) -> int:
@@ -108,3 +128,154 @@ def compressor_decode_reference(
     emits = ((positions + 1) % ratio == 0) & (state_slots >= 0)
     rows = torch.where(emits, rows, num_blocks * pool.shape[1])
     pool.view(-1, dim)[rows] = entries.to(pool.dtype)
+
+
+# -- Triton ------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["num_rows", "stride_tables_row"])
+def _compressor_decode_kernel(
+    state_kv_ptr,
+    state_gate_ptr,
+    kv_ptr,
+    gate_ptr,
+    bias_ptr,
+    norm_weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    positions_ptr,
+    tables_ptr,
+    pool_ptr,
+    num_rows,
+    eps,
+    stride_kv_row,
+    stride_gate_row,
+    stride_tables_row,
+    stride_cos_row,
+    num_blocks,
+    SCRATCH: tl.constexpr,
+    RATIO: tl.constexpr,
+    STATE_ROWS: tl.constexpr,  # 2 * RATIO with overlap, else RATIO
+    OVERLAP: tl.constexpr,
+    DIM: tl.constexpr,  # entry width; the state rows are WIDTH = 2 * DIM with overlap
+    WIDTH: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS_PER_BLOCK: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # tile over the state row width (write)
+    BLOCK_D: tl.constexpr,  # tile over the entry channels (pooling)
+    BLOCK_L: tl.constexpr,  # next_power_of_2(pooled rows)
+    BLOCK_R: tl.constexpr,  # next_power_of_2(ROPE_DIM // 2)
+):
+    row = tl.program_id(0)
+    if row < num_rows:
+        row = row.to(tl.int64)
+        own_slot = tl.load(slots_ptr + row).to(tl.int64)
+        slot = tl.where(own_slot < 0, SCRATCH, own_slot)
+        position = tl.load(positions_ptr + row).to(tl.int64)
+        state_row = (slot * STATE_ROWS + position % STATE_ROWS) * WIDTH
+        for w0 in range(0, WIDTH, BLOCK_W):
+            offs = w0 + tl.arange(0, BLOCK_W)
+            mask = offs < WIDTH
+            kv = tl.load(kv_ptr + row * stride_kv_row + offs, mask=mask)
+            gate = tl.load(gate_ptr + row * stride_gate_row + offs, mask=mask)
+            tl.store(
+                state_kv_ptr + state_row + offs, kv.to(state_kv_ptr.dtype.element_ty), mask=mask
+            )
+            tl.store(
+                state_gate_ptr + state_row + offs,
+                gate.to(state_gate_ptr.dtype.element_ty),
+                mask=mask,
+            )
+        if ((position + 1) % RATIO == 0) & (own_slot >= 0):
+            tl.debug_barrier()  # the state rows just written are read back below
+            start = position + 1 - RATIO
+            block = tl.load(tables_ptr + row * stride_tables_row + start // BLOCK_SIZE).to(tl.int64)
+            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+            out = pool_ptr + (block * ROWS_PER_BLOCK + (start % BLOCK_SIZE) // RATIO) * DIM
+            r = tl.arange(0, BLOCK_L)
+            if OVERLAP:  # rows [0, R): the previous window's Ca half; [R, 2R): this Cb half
+                token = start - RATIO + r
+                channel_base = tl.where(r < RATIO, 0, DIM)
+                present = (r < 2 * RATIO) & ((r >= RATIO) | (start + r * 0 >= RATIO))  # vector mask
+            else:
+                token = start + r
+                channel_base = r * 0
+                present = r < RATIO
+            token = tl.where(present, token, 0)
+            rows = (slot * STATE_ROWS + token % STATE_ROWS) * WIDTH + channel_base
+            sum_squares = 0.0
+            for d0 in range(0, DIM, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask = present[:, None] & (offs_d < DIM)[None, :]
+                ptrs = rows[:, None] + offs_d[None, :]
+                kv = tl.load(state_kv_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+                bias = tl.load(bias_ptr + (token % RATIO)[:, None] * WIDTH + channel_base[:, None]
+                               + offs_d[None, :], mask=mask, other=0.0)  # fmt: skip
+                gate = tl.load(state_gate_ptr + ptrs, mask=mask, other=0.0).to(tl.float32) + bias
+                gate = tl.where(mask, gate, float("-inf"))
+                top = tl.max(gate, axis=0)
+                top = tl.where(top == float("-inf"), 0.0, top)
+                weights = tl.exp(gate - top[None, :])
+                weights = weights / tl.sum(weights, axis=0)[None, :]
+                pooled = tl.sum(kv * weights, axis=0).to(pool_ptr.dtype.element_ty)
+                tl.store(out + offs_d, pooled, mask=offs_d < DIM)
+                pooled = pooled.to(tl.float32)
+                sum_squares += tl.sum(tl.where(offs_d < DIM, pooled * pooled, 0.0), axis=0)
+            tl.debug_barrier()  # the pooled row is read back by every thread
+            rstd = 1.0 / tl.sqrt(sum_squares / DIM + eps)
+            for d0 in range(0, DIM - ROPE_DIM, BLOCK_D):  # plain channels: norm only
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask = offs_d < DIM - ROPE_DIM
+                x = tl.load(out + offs_d, mask=mask, other=0.0).to(tl.float32)
+                weight = tl.load(norm_weight_ptr + offs_d, mask=mask, other=0.0)
+                tl.store(out + offs_d, (x * rstd * weight).to(pool_ptr.dtype.element_ty), mask=mask)
+            pair = tl.arange(0, BLOCK_R)
+            mask = pair < ROPE_DIM // 2
+            even = DIM - ROPE_DIM + 2 * pair
+            x0 = tl.load(out + even, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(out + even + 1, mask=mask, other=0.0).to(tl.float32)
+            w0 = tl.load(norm_weight_ptr + even, mask=mask, other=0.0)
+            w1 = tl.load(norm_weight_ptr + even + 1, mask=mask, other=0.0)
+            dtype = pool_ptr.dtype.element_ty
+            x0 = (x0 * rstd * w0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
+            x1 = (x1 * rstd * w1).to(dtype).to(tl.float32)
+            cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=mask, other=0.0)
+            sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=mask, other=0.0)
+            cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+            tl.store(out + even, (x0 * cos - x1 * sin).to(dtype), mask=mask)
+            tl.store(out + even + 1, (x1 * cos + x0 * sin).to(dtype), mask=mask)
+
+
+def compressor_decode(
+    state_kv, state_gate, kv, gate, position_bias, norm_weight, eps: float, cos_table,
+    sin_table, state_slots, positions, block_tables, pool, ratio: int, overlap: bool,
+    block_size: int,
+) -> None:  # fmt: skip
+    """Triton `compressor_decode_reference` (same arguments, same effect)."""
+    if not use_triton(kv):
+        compressor_decode_reference(
+            state_kv, state_gate, kv, gate, position_bias, norm_weight, eps, cos_table,
+            sin_table, state_slots, positions, block_tables, pool, ratio, overlap, block_size,
+        )  # fmt: skip
+        return
+    num_rows, width = kv.shape
+    if num_rows == 0:
+        return
+    assert state_kv.is_contiguous() and state_gate.is_contiguous() and pool.is_contiguous()
+    assert position_bias.is_contiguous() and kv.stride(1) == 1 and gate.stride(1) == 1
+    dim = pool.shape[-1]
+    rows = 2 * ratio if overlap else ratio
+    block_l = triton.next_power_of_2(rows)
+    _compressor_decode_kernel[(num_rows,)](
+        state_kv, state_gate, kv, gate, position_bias, norm_weight, cos_table, sin_table,
+        state_slots, positions, block_tables, pool, num_rows, eps, kv.stride(0),
+        gate.stride(0), block_tables.stride(0), cos_table.stride(0), pool.shape[0] - 1,
+        SCRATCH=state_kv.shape[0] - 1, RATIO=ratio, STATE_ROWS=state_kv.shape[1],
+        OVERLAP=overlap, DIM=dim, WIDTH=width, ROPE_DIM=2 * cos_table.shape[1],
+        BLOCK_SIZE=block_size, ROWS_PER_BLOCK=pool.shape[1],
+        BLOCK_W=min(1024, triton.next_power_of_2(width)),
+        BLOCK_D=max(16, min(triton.next_power_of_2(dim), 8192 // block_l)), BLOCK_L=block_l,
+        BLOCK_R=max(2, triton.next_power_of_2(cos_table.shape[1])),
+    )  # fmt: skip

@@ -6,13 +6,30 @@ entries visible to query t (w < (t + 1) // ratio). The top ``index_topk`` are ke
 Tie-break (ReLU makes exact ties common: every head negative gives 0): among equal scores
 the lower entry index wins. `select_topk` implements it with a stable descending sort;
 invalid picks (fewer visible entries than k) are -1.
+
+Triton `indexer_topk_decode` (beside `indexer_topk_decode_reference`): one program per
+(row, tile of entry slots) maps each slot to its pool row through the page-table row,
+scores it against every indexer head (`tl.dot`, fp32 accumulation), applies ReLU, the
+scale and the head weights, and writes -inf for entries the row may not see; the top-k is
+then `select_topk` (a stable sort on the device: no host sync, CUDA-graph capturable).
+Runtime lengths: `max_entries` and the page-table row stride (do_not_specialize).
 """
 
 from __future__ import annotations
 
 import torch
 
-from atom.kernels.v4_compressor import entry_rows
+from atom.kernels import use_triton
+from atom.kernels.v4_compressor import entry_rows, rows_per_block
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -51,3 +68,82 @@ def indexer_topk_decode_reference(
     keys = index_pool.view(-1, index_pool.shape[-1])[rows]
     visible = (ids < ((positions.long() + 1) // ratio)[:, None]) & (context_lens > 0)[:, None]
     return select_topk(index_scores(q, keys, weights), visible, topk)
+
+
+# -- Triton ------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["max_entries", "stride_tables_row"])
+def _index_scores_kernel(
+    q_ptr,
+    weights_ptr,
+    pool_ptr,
+    tables_ptr,
+    positions_ptr,
+    context_lens_ptr,
+    scores_ptr,
+    max_entries,
+    stride_tables_row,
+    num_blocks,
+    scale,
+    stride_q_row,
+    stride_q_head,
+    stride_weights_row,
+    NUM_HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    RATIO: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS_PER_BLOCK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ids = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    head_mask, dim_mask = heads < NUM_HEADS, offs_d < DIM
+    position = tl.load(positions_ptr + row).to(tl.int64)
+    live = tl.load(context_lens_ptr + row).to(tl.int64) + ids * 0  # vector (interpreter)
+    visible = (ids < (position + 1) // RATIO) & (live > 0) & (ids < max_entries)
+    first_token = tl.where(visible, ids, 0).to(tl.int64) * RATIO
+    block = tl.load(tables_ptr + row * stride_tables_row + first_token // BLOCK_SIZE,
+                    mask=visible, other=0).to(tl.int64)  # fmt: skip
+    block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+    pool_row = block * ROWS_PER_BLOCK + (first_token % BLOCK_SIZE) // RATIO
+    keys = tl.load(pool_ptr + pool_row[:, None] * DIM + offs_d[None, :],
+                   mask=visible[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+    q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+    dots = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee")  # [heads, entries]
+    weights = tl.load(weights_ptr + row * stride_weights_row + heads, mask=head_mask, other=0.0)
+    scores = tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
+    scores = tl.where(visible, scores, float("-inf"))
+    tl.store(scores_ptr + row * max_entries + ids, scores, mask=ids < max_entries)
+
+
+def indexer_topk_decode(
+    q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
+    block_size: int, topk: int, max_entries: int,
+) -> torch.Tensor:  # fmt: skip
+    """Triton scores + `select_topk` (same arguments and result as the reference)."""
+    if not use_triton(q):
+        return indexer_topk_decode_reference(
+            q, weights, index_pool, block_tables, positions, context_lens, ratio,
+            block_size, topk, max_entries,
+        )  # fmt: skip
+    num_rows, num_heads, dim = q.shape
+    scores = torch.empty(num_rows, max_entries, device=q.device, dtype=torch.float32)
+    if num_rows:
+        assert index_pool.is_contiguous() and q.stride(-1) == 1 and weights.stride(-1) == 1
+        block_n = 32
+        _index_scores_kernel[(num_rows, triton.cdiv(max_entries, block_n))](
+            q, weights, index_pool, block_tables, positions, context_lens, scores,
+            max_entries, block_tables.stride(0), index_pool.shape[0] - 1, dim**-0.5,
+            q.stride(0), q.stride(1), weights.stride(0),
+            NUM_HEADS=num_heads, DIM=dim, RATIO=ratio, BLOCK_SIZE=block_size,
+            ROWS_PER_BLOCK=rows_per_block(block_size, ratio),
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        )  # fmt: skip
+    return select_topk(scores, scores > float("-inf"), topk)

@@ -26,6 +26,8 @@ from atom.kernels import (
     rotary,
     scatter,
     v4_attention,
+    v4_compressor,
+    v4_indexer,
     v41_engram,
     v41_quant,
 )
@@ -138,6 +140,14 @@ KERNELS = {
     # DeepSeek-V4: the window-ring write (rows from the grid) and the one-pass decode over
     # window + entries + sink (entry count and page-table width are runtime).
     (v4_attention, "_write_window_kernel"): (["num_rows"], ["stride_kv_row"]),
+    (v4_indexer, "_index_scores_kernel"): (
+        ["max_entries", "stride_tables_row"],
+        ["num_blocks", "scale", "stride_q_row", "stride_q_head", "stride_weights_row"],
+    ),
+    (v4_compressor, "_compressor_decode_kernel"): (
+        ["num_rows", "stride_tables_row"],
+        ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row", "num_blocks"],
+    ),
     (v4_attention, "_v4_decode_kernel"): (
         ["num_entries", "stride_tables_row"],
         [
@@ -584,3 +594,51 @@ def test_v41_engram_hash_one_variant():
         v41_engram.engram_hash(tokens[:n], multipliers, primes, offsets)
 
     assert_one_variant(v41_engram, ["_engram_hash_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap,ratio", [(True, 4), (False, 128)])
+def test_v4_compressor_decode_one_variant(overlap, ratio):
+    dim, slots, block_size = 512, 8, 16
+    width = 2 * dim if overlap else dim
+    rows = 2 * ratio if overlap else ratio
+    state_kv = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
+    state_gate = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
+    pool = torch.zeros(4097, max(1, block_size // ratio), dim, device=DEVICE, dtype=BF16)
+    kv = torch.randn(max(SWEEP), width, device=DEVICE, dtype=BF16)
+    bias = torch.randn(ratio, width, device=DEVICE)
+    weight = torch.ones(dim, device=DEVICE)
+    cos, sin = torch.randn(2, 8192, 32, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        state = torch.randint(
+            -1, slots, (n,), device=DEVICE, dtype=torch.int32, generator=generator
+        )
+        positions = torch.randint(0, 8000, (n,), device=DEVICE, generator=generator)
+        tables = _block_tables(n, 8192, 4096)
+        v4_compressor.compressor_decode(
+            state_kv, state_gate, kv[:n], kv[:n], bias, weight, 1e-6, cos, sin, state,
+            positions, tables, pool, ratio, overlap, block_size,
+        )  # fmt: skip
+
+    assert_one_variant(v4_compressor, ["_compressor_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_index_scores_one_variant():
+    heads, dim = 64, 128
+    pool = torch.randn(4097, 4, dim, device=DEVICE, dtype=BF16)
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    weights = torch.randn(64, heads, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        rows = min(n, 64)
+        tables = _block_tables(rows, 4 * n, 4096)
+        positions = torch.randint(0, 4 * n, (rows,), device=DEVICE, generator=generator)
+        lens = (positions + 1).int()
+        v4_indexer.indexer_topk_decode(q[:rows], weights[:rows], pool, tables, positions, lens,
+                                       4, 16, 512, n)  # fmt: skip
+
+    assert_one_variant(v4_indexer, ["_index_scores_kernel"], run)

@@ -12,6 +12,8 @@ from atom.kernels.v4_attention import (
     write_window,
     write_window_reference,
 )
+from atom.kernels.v4_compressor import compressor_decode, compressor_decode_reference
+from atom.kernels.v4_indexer import indexer_topk_decode, indexer_topk_decode_reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -92,3 +94,71 @@ def test_decode_attention_bf16_matches_reference():
     expected = v4_decode_attention_reference(*args, scale=512**-0.5)
     got = v4_decode_attention(*args, scale=512**-0.5)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+)
+@pytest.mark.parametrize(
+    "overlap,ratio,length", [(True, 4, 1), (True, 4, 23), (False, 8, 37), (False, 16, 70)]
+)
+def test_compressor_decode_matches_reference(device, dtype, overlap, ratio, length):
+    """Token by token over a whole sequence (lengths 1 and non-multiples of the ratio),
+    with a padded row beside it: same state, same pool."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bf16 runs on CUDA")
+    torch.manual_seed(ratio + length)
+    dim, rope_half, block_size = 32, 4, 16
+    width = 2 * dim if overlap else dim
+    rows = 2 * ratio if overlap else ratio
+    kv = torch.randn(length, width, device=device, dtype=dtype)
+    gate = torch.randn(length, width, device=device, dtype=dtype)
+    bias = torch.randn(ratio, width, device=device)
+    weight = torch.rand(dim, device=device) + 0.5
+    cos, sin = torch.randn(2, 256, rope_half, device=device)
+    num_blocks = -(-length // block_size) + 2
+    table = torch.randperm(num_blocks, device=device)[None].int()
+    tables = torch.cat([table, table])
+    states = [torch.zeros(3, rows, width, device=device, dtype=dtype) for _ in range(4)]
+    pools = [
+        torch.zeros(num_blocks + 1, max(1, block_size // ratio), dim, device=device, dtype=dtype)
+        for _ in range(2)
+    ]
+    slots = torch.tensor([1, -1], device=device, dtype=torch.int32)
+    for t in range(length):
+        step_kv, step_gate = torch.stack([kv[t], kv[t]]), torch.stack([gate[t], gate[t]])
+        positions = torch.tensor([t, 0], device=device)
+        for fn, (s_kv, s_gate), pool in (
+            (compressor_decode_reference, states[:2], pools[0]),
+            (compressor_decode, states[2:], pools[1]),
+        ):
+            fn(s_kv, s_gate, step_kv, step_gate, bias, weight, 1e-6, cos, sin, slots,
+               positions, tables, pool, ratio, overlap, block_size)  # fmt: skip
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(states[2][:2], states[0][:2], rtol=0, atol=0)
+    torch.testing.assert_close(pools[1][:-1].float(), pools[0][:-1].float(), **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "positions,max_entries,topk", [([0, 5], 4, 2), ([3, 40, 17], 12, 4), ([4000, 1], 1024, 64)]
+)
+def test_indexer_topk_decode_matches_reference(device, positions, max_entries, topk):
+    torch.manual_seed(max_entries + topk)
+    heads, dim, ratio, block_size = 16, 32, 4, 16
+    rows = len(positions)
+    positions = torch.tensor(positions, device=device)
+    context_lens = (positions + 1).int()
+    context_lens[-1] = 0  # a padded row: nothing visible
+    width = max_entries * ratio // block_size + 1
+    num_blocks = rows * width + 1
+    tables = torch.randperm(num_blocks - 1, device=device)[: rows * width].view(rows, width).int()
+    pool = torch.randn(num_blocks + 1, block_size // ratio, dim, device=device)
+    q = torch.randn(rows, heads, dim, device=device)
+    weights = torch.randn(rows, heads, device=device)
+    args = (q, weights, pool, tables, positions, context_lens, ratio, block_size, topk, max_entries)
+    expected = indexer_topk_decode_reference(*args)
+    got = indexer_topk_decode(*args)
+    assert torch.equal(got, expected), (got, expected)
+    assert (got[-1] == -1).all()
