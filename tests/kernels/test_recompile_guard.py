@@ -161,20 +161,19 @@ KERNELS = {
         ["max_entries", "stride_tables_row"],
         ["num_blocks", "scale", "stride_q_row", "stride_q_head", "stride_weights_row"],
     ),
+    # num_blocks (the pool's size) is dynamic too: it differs between engines in one process
     (v4_compressor, "_compressor_decode_kernel"): (
-        ["num_rows", "stride_tables_row"],
-        ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row", "num_blocks"],
+        ["num_rows", "stride_tables_row", "num_blocks"],
+        ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row"],
     ),
     (v4_attention, "_v4_decode_kernel"): (
-        ["num_entries", "stride_tables_row"],
+        ["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"],
         [
-            "num_blocks",  # the pool's size: fixed for the engine's life
             "scale",
             "stride_q_row",
             "stride_q_head",
             "stride_out_row",
             "stride_out_head",
-            "stride_ids_row",
         ],
     ),
     # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
@@ -574,19 +573,30 @@ def test_gdn_kernels_one_variant():
 
     def run(n):
         gdn_conv.causal_conv1d_update(x[:n], conv_state, weight, rows[:n], fresh[:n])
-        gdn_delta_rule.recurrent_gated_delta_rule(
-            q[:n], k[:n], v[:n], g[:n], beta[:n], state, rows[:n], fresh[:n]
-        )
         lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
         cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
         count = len(lens)
         gdn_conv.causal_conv1d_prefill(x, conv_state, weight, cu, rows[:count], fresh[:count])
+
+    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
+
+    # one variant per geometry: the delta-rule kernel serves decode (one token a row) and
+    # varlen prefill (VARLEN constexpr), so each form is swept on its own
+    def run_decode(n):
+        gdn_delta_rule.recurrent_gated_delta_rule(
+            q[:n], k[:n], v[:n], g[:n], beta[:n], state, rows[:n], fresh[:n]
+        )
+
+    def run_prefill(n):
+        lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
+        cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+        count = len(lens)
         gdn_delta_rule.chunk_gated_delta_rule(
             q, k, v, g, beta, state, cu, rows[:count], fresh[:count]
         )
 
-    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
-    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run)
+    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_decode)
+    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_prefill)
 
 
 @pytest.mark.gpu

@@ -81,7 +81,13 @@ def test_minimal_batched_and_one_at_a_time_with_logits():
 def test_minimal_chunked_prefill_and_preemption():
     """Chunks of 7 tokens; the 1-, 7- and 33-token prompts grow to 8 blocks of 16
     together, so 7 blocks force preemptions (recompute from position 0)."""
-    llm = _llm("tiny-minimal", max_num_batched_tokens=7, max_num_seqs=4, num_kvcache_blocks=7)
+    llm = _llm(
+        "tiny-minimal",
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+        num_kvcache_blocks=7,
+        max_model_len=112,
+    )
     assert _tokens(llm) == _expected(MINIMAL)
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -148,7 +154,13 @@ def test_full_chunked_prefill_and_preemption_batched():
     """Chunks of 7 tokens, and 7 blocks for 4 sequences growing to 14: the engram history
     and the partial groups come from the state slot across chunks, and are rebuilt after
     each preemption (recompute)."""
-    llm = _llm("tiny-full", max_num_batched_tokens=7, max_num_seqs=4, num_kvcache_blocks=7)
+    llm = _llm(
+        "tiny-full",
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+        num_kvcache_blocks=7,
+        max_model_len=112,
+    )
     assert _tokens(llm) == _expected(FULL)
     assert llm.engine.scheduler.num_preemptions > 0
 
