@@ -113,7 +113,19 @@ def _gdn_backend() -> PagedAttentionBackend:
     return GDNBackend()
 
 
-BACKENDS = {"mha": MHABackend, "mla": MLABackend, "v4": _v4_backend, "gdn": _gdn_backend}
+def _v41_backend() -> PagedAttentionBackend:
+    from atom.attention.v41 import V41Backend
+
+    return V41Backend()
+
+
+BACKENDS = {
+    "mha": MHABackend,
+    "mla": MLABackend,
+    "v4": _v4_backend,
+    "v41": _v41_backend,
+    "gdn": _gdn_backend,
+}
 
 
 def backend_for(model) -> PagedAttentionBackend:

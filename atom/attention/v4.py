@@ -68,7 +68,10 @@ class V4Backend(PagedAttentionBackend):
         return [BufferSpec("state_slots", (max_num_seqs,), torch.int32, -1)]
 
     def stage(self, slot, seqs, stage) -> None:
-        stage(slot.state_slots, len(seqs))[:] = [seq.state_slot for seq in seqs]
+        # Staged at capacity: a decode step publishes the rows padded to its graph size
+        # (publish writes the pad value -1 into rows past the batch).
+        rows = stage(slot.state_slots, slot.state_slots.capacity)
+        rows[: len(seqs)] = [seq.state_slot for seq in seqs]
 
     def build_metadata(self, slot, step, publish) -> V4AttentionMetadata:
         base = super().build_metadata(slot, step, publish)
@@ -131,8 +134,19 @@ class V4Attention(nn.Module):
         rows = rows_per_block(block_size, self.ratio)
         return rows * (self.head_dim + self.index_head_dim) * itemsize
 
-    def state_shapes(self) -> dict[str, tuple[int, int]]:
-        """Per state slot: name -> (rows, width)."""
+    def pool_shapes(self, block_size: int) -> dict[str, tuple[int, int]]:
+        """Per page-table block: name -> (rows, width)."""
+        if not self.ratio:
+            return {}
+        rows = rows_per_block(block_size, self.ratio)
+        shapes = {"pool": (rows, self.head_dim)}
+        if self.overlap:
+            shapes["index_pool"] = (rows, self.index_head_dim)
+        return shapes
+
+    def state_shapes(self) -> dict[str, tuple]:
+        """Per state slot: name -> (rows, width) (or (rows, width, dtype), default the
+        cache dtype)."""
         shapes = {"ring": (self.window, self.head_dim)}
         if self.ratio:
             rows = 2 * self.ratio if self.overlap else self.ratio
@@ -263,14 +277,7 @@ class V4Attention(nn.Module):
         return attend_with_sink(q, keys, valid, sinks, self.scale)
 
     def _window_prefill(self, kv, slot: int, start: int, end: int):
-        """(keys [end - first, D] at positions [first, end), first): the ring's positions
-        before `start`, then the new ones; the ring then keeps the last `window` ones."""
-        first = max(0, start - self.window + 1)
-        past = torch.arange(first, start, device=kv.device)
-        keys = torch.cat([self.ring[slot, past % self.window].to(kv.dtype), kv])
-        keep = torch.arange(max(start, end - self.window), end, device=kv.device)
-        self.ring[slot, keep % self.window] = kv[keep - start].to(self.ring.dtype)
-        return keys, first
+        return window_prefill(self.ring, kv, slot, start, end)
 
     def _emit_prefill(self, inputs, state_kv, state_gate, pool, slot, start, end, table):
         """Pool the windows closing in [start, end), store them, keep the partial window's
@@ -321,15 +328,28 @@ class V4Attention(nn.Module):
         return out
 
 
+def window_prefill(ring, kv, slot: int, start: int, end: int):
+    """(keys [end - first, D] at positions [first, end), first): the ring's positions
+    before `start`, then the new ones ``kv``; the ring then keeps the last `window` ones."""
+    window = ring.shape[1]
+    first = max(0, start - window + 1)
+    past = torch.arange(first, start, device=kv.device)
+    keys = torch.cat([ring[slot, past % window].to(kv.dtype), kv])
+    keep = torch.arange(max(start, end - window), end, device=kv.device)
+    ring[slot, keep % window] = kv[keep - start].to(ring.dtype)
+    return keys, first
+
+
 def _rows(inputs: CompressorInputs, a: int, b: int) -> CompressorInputs:
     return CompressorInputs(
         inputs.kv[a:b], inputs.gate[a:b], inputs.position_bias, inputs.norm_weight, inputs.eps
     )
 
 
-# -- the cache allocation (atom/model_engine/kv_cache.py delegates V4 layers here) --------
+# -- the cache allocation (atom/model_engine/kv_cache.py delegates V4 and V4.1 layers here)
 def is_v4(layers) -> bool:
-    return bool(layers) and isinstance(layers[0], V4Attention)
+    """Layers with per-sequence state (V4, V4.1: `state_shapes` / `pool_shapes`)."""
+    return bool(layers) and hasattr(layers[0], "state_shapes")
 
 
 def _check_dtype(cache_dtype: torch.dtype) -> None:
@@ -337,6 +357,10 @@ def _check_dtype(cache_dtype: torch.dtype) -> None:
         raise ValueError(
             "kv_cache_dtype='fp8' is not supported for DeepSeek-V4 (v4 backend); use 'auto'"
         )
+
+
+def _state_dtype(shape: tuple, cache_dtype: torch.dtype) -> torch.dtype:
+    return shape[2] if len(shape) > 2 else cache_dtype
 
 
 def v4_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
@@ -347,8 +371,12 @@ def v4_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
 
 def v4_state_bytes(layers, num_state_slots: int, cache_dtype: torch.dtype) -> int:
     """Bytes of the per-sequence state (window rings, compressor rows), scratch slot too."""
-    per_slot = sum(r * w for a in layers for r, w in a.state_shapes().values())
-    return per_slot * (num_state_slots + 1) * cache_dtype.itemsize
+    per_slot = sum(
+        shape[0] * shape[1] * _state_dtype(shape, cache_dtype).itemsize
+        for a in layers
+        for shape in a.state_shapes().values()
+    )
+    return per_slot * (num_state_slots + 1)
 
 
 def allocate_v4_cache(layers, num_blocks, block_size, num_state_slots, cache_dtype, device):
@@ -358,19 +386,13 @@ def allocate_v4_cache(layers, num_blocks, block_size, num_state_slots, cache_dty
     tensors = []
     for layer in layers:
         layer.block_size = block_size
-        for name, (rows, width) in layer.state_shapes().items():
-            state = torch.zeros(num_state_slots + 1, rows, width, dtype=cache_dtype, device=device)
+        for name, shape in layer.state_shapes().items():
+            dtype = _state_dtype(shape, cache_dtype)
+            state = torch.zeros(num_state_slots + 1, *shape[:2], dtype=dtype, device=device)
             setattr(layer, name, state)
             tensors.append(state)
-        if layer.ratio:
-            rows = rows_per_block(block_size, layer.ratio)
-            layer.pool = torch.zeros(
-                num_blocks + 1, rows, layer.head_dim, dtype=cache_dtype, device=device
-            )
-            tensors.append(layer.pool)
-            if layer.overlap:
-                layer.index_pool = torch.zeros(
-                    num_blocks + 1, rows, layer.index_head_dim, dtype=cache_dtype, device=device
-                )
-                tensors.append(layer.index_pool)
+        for name, (rows, width) in layer.pool_shapes(block_size).items():
+            pool = torch.zeros(num_blocks + 1, rows, width, dtype=cache_dtype, device=device)
+            setattr(layer, name, pool)
+            tensors.append(pool)
     return tensors

@@ -1,8 +1,8 @@
 """Per-step metadata publication, direct vs packed, in one run.
 
-    python -m atom.benchmarks.h2d_publication [--breakdown] [--backend mha|mla|v4]
+    python -m atom.benchmarks.h2d_publication [--breakdown] [--backend mha|mla|v4|v41]
 
---backend picks the slot's attention backend (MHABackend, MLABackend or V4Backend); all
+--backend picks the slot's attention backend (MHABackend, MLABackend, V4Backend or V41Backend); all
 build their metadata and derive the slot mapping through the same entry point
 (build_metadata / derive_views over the shared page table), so the figures are the same
 machinery (V4 publishes one more small buffer: each row's state slot).

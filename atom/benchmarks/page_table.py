@@ -1,9 +1,9 @@
 """Per-step cost of keeping the device block table current, three ways, in one run.
 
-    python -m atom.benchmarks.page_table [--device cuda|cpu] [--backend mha|mla|v4]
+    python -m atom.benchmarks.page_table [--device cuda|cpu] [--backend mha|mla|v4|v41]
 
---backend picks the attention backend of the runner slot (MHABackend, MLABackend or
-V4Backend): all take their rows from the same versioned page table, so the atom_* figures
+--backend picks the attention backend of the runner slot (MHABackend, MLABackend,
+V4Backend or V41Backend): all take their rows from the same versioned page table, so the atom_* figures
 are the same machinery for each (each line names the backend).
 
 For B in {1, 64, 256} rows and {128, 2048} blocks per row, one JSON line per case:

@@ -162,15 +162,7 @@ def chunk_gated_delta_rule_reference(
     return out.to(v.dtype)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "stride_q_token",
-        "stride_k_token",
-        "stride_v_token",
-        "stride_out_token",
-        "scratch_slot",
-    ]
-)
+@triton.jit
 def _gated_delta_rule_kernel(
     q_ptr,  # [T, Hk, Dk]
     k_ptr,  # [T, Hk, Dk]

@@ -168,7 +168,8 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor):
+    def mixes(self, streams: torch.Tensor):
+        """(pre [T, N], post [T, N], comb [T, N, N]) from one projection of the streams."""
         n = self.hc_mult
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.eps)
         mixes = F.linear(flat, self.fn.float())
@@ -183,8 +184,24 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return pre, post, comb
+
+    def forward(self, streams: torch.Tensor):
+        pre, post, comb = self.mixes(streams)
+        return post, comb, collapse(streams, pre)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams [T, N, D] weighted by pre [T, N] -> [T, D]."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def expand(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor:
+    """Block output [T, D] into the streams: post_k * out + sum_j comb[j, k] * streams_j."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
 
 
 class HyperHead(nn.Module):

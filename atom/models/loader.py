@@ -4,6 +4,8 @@
 tensors one at a time, and `load_tokenizer` builds the matching transformers tokenizer.
 """
 
+from __future__ import annotations
+
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -14,12 +16,56 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3", "deepseek_v4", "qwen3_next")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v4",
+    "deepseek_v41_text",
+    "qwen3_next",
+)
+# Model types read straight from config.json (no released transformers has their class).
+NATIVE_MODEL_TYPES = ("deepseek_v41_text",)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 class ModelLoadError(ValueError):
     """A checkpoint cannot be opened; the message names the file and what is wrong with it."""
+
+
+class NativeConfig:
+    """A config.json that transformers has no class for, every key kept as an attribute
+    as written (DeepSeek-V4.1: `deepseek_v41_text`). `_name_or_path` is the directory."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+        self._name_or_path = ""
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    @classmethod
+    def from_directory(cls, path: str) -> NativeConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            config = cls(**json.load(f))
+        config._name_or_path = path
+        return config
+
+
+def _native_model_type(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if model_type in NATIVE_MODEL_TYPES else None
+
+
+def _auto_config(path: str) -> PretrainedConfig:
+    if _native_model_type(path) is not None:
+        return NativeConfig.from_directory(path)
+    return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
 @dataclass(frozen=True)
@@ -67,7 +113,7 @@ def read_config(path: str | os.PathLike) -> PretrainedConfig:
     path = os.fspath(path)
     if os.path.isdir(path) and not any(Path(path).glob("*.safetensors")):
         try:
-            return AutoConfig.from_pretrained(path, local_files_only=True)
+            return _auto_config(path)
         except Exception as e:
             raise ModelLoadError(f"{path}: cannot read config.json: {type(e).__name__}: {e}") from e
     return open_model(path).hf_config
@@ -119,7 +165,7 @@ def _open_hf_directory(path: str) -> ModelSource:
             "directory (config.json + *.safetensors) or a .gguf file"
         )
     try:
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_config = _auto_config(path)
     except Exception as e:
         raise ModelLoadError(
             f"{directory / 'config.json'} cannot be read as a transformers config: "

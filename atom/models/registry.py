@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from atom.models.deepseek_v2 import DeepseekV2ForCausalLM
 from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
+from atom.models.deepseek_v41 import DeepseekV41ForCausalLM
 from atom.models.llama import LlamaForCausalLM
 from atom.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -14,6 +15,7 @@ MODELS = {
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "DeepseekV41ForCausalLM": DeepseekV41ForCausalLM,
 }
 
 BY_MODEL_TYPE = {
@@ -23,6 +25,7 @@ BY_MODEL_TYPE = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v4": "DeepseekV4ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v41_text": "DeepseekV41ForCausalLM",
 }
 
 

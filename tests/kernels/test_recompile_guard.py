@@ -30,6 +30,8 @@ from atom.kernels import (
     v4_attention,
     v4_compressor,
     v4_indexer,
+    v41_engram,
+    v41_quant,
 )
 from tests.kernels.recompile_guard import (
     SWEEP,
@@ -159,22 +161,24 @@ KERNELS = {
         ["max_entries", "stride_tables_row"],
         ["num_blocks", "scale", "stride_q_row", "stride_q_head", "stride_weights_row"],
     ),
+    # num_blocks (the pool's size) is dynamic too: it differs between engines in one process
     (v4_compressor, "_compressor_decode_kernel"): (
-        ["num_rows", "stride_tables_row"],
-        ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row", "num_blocks"],
+        ["num_rows", "stride_tables_row", "num_blocks"],
+        ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row"],
     ),
     (v4_attention, "_v4_decode_kernel"): (
-        ["num_entries", "stride_tables_row"],
+        ["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"],
         [
-            "num_blocks",  # the pool's size: fixed for the engine's life
             "scale",
             "stride_q_row",
             "stride_q_head",
             "stride_out_row",
             "stride_out_head",
-            "stride_ids_row",
         ],
     ),
+    # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
+    (v41_quant, "_fake_quant_kernel"): (["num_blocks"], []),
+    (v41_engram, "_engram_hash_kernel"): (["num_tokens"], []),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -184,6 +188,11 @@ DEVICE_FUNCTIONS = {
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
+    (v41_quant, "_exponent"),
+    (v41_quant, "_round_half_even"),
+    (v41_quant, "_e4m3"),
+    (v41_quant, "_pow2_ceil"),
+    (v41_quant, "_e2m1"),
 }
 
 
@@ -564,19 +573,30 @@ def test_gdn_kernels_one_variant():
 
     def run(n):
         gdn_conv.causal_conv1d_update(x[:n], conv_state, weight, rows[:n], fresh[:n])
-        gdn_delta_rule.recurrent_gated_delta_rule(
-            q[:n], k[:n], v[:n], g[:n], beta[:n], state, rows[:n], fresh[:n]
-        )
         lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
         cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
         count = len(lens)
         gdn_conv.causal_conv1d_prefill(x, conv_state, weight, cu, rows[:count], fresh[:count])
+
+    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
+
+    # one variant per geometry: the delta-rule kernel serves decode (one token a row) and
+    # varlen prefill (VARLEN constexpr), so each form is swept on its own
+    def run_decode(n):
+        gdn_delta_rule.recurrent_gated_delta_rule(
+            q[:n], k[:n], v[:n], g[:n], beta[:n], state, rows[:n], fresh[:n]
+        )
+
+    def run_prefill(n):
+        lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
+        cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+        count = len(lens)
         gdn_delta_rule.chunk_gated_delta_rule(
             q, k, v, g, beta, state, cu, rows[:count], fresh[:count]
         )
 
-    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
-    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run)
+    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_decode)
+    assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_prefill)
 
 
 @pytest.mark.gpu
@@ -606,6 +626,37 @@ def test_v4_window_write_and_decode_one_variant():
         )  # fmt: skip
 
     assert_one_variant(v4_attention, ["_write_window_kernel", "_v4_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp8", "fp4", "fp4_e4m3"])
+def test_v41_fake_quant_one_variant(mode):
+    x = torch.randn(max(SWEEP), 32, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        if mode == "fp8":
+            v41_quant.fake_quant_fp8(x[:n], 32)
+        else:
+            v41_quant.fake_quant_fp4(
+                x[:n, :16] if mode == "fp4_e4m3" else x[:n],
+                16 if mode == "fp4_e4m3" else 32,
+                mode == "fp4_e4m3",
+            )
+
+    assert_one_variant(v41_quant, ["_fake_quant_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v41_engram_hash_one_variant():
+    tokens = torch.randint(0, 99092, (max(SWEEP), 4), device=DEVICE)
+    multipliers = torch.randint(1, 2**40, (2, 4), device=DEVICE) * 2 + 1
+    primes = torch.tensor([[[61, 67], [71, 73], [79, 83]]] * 2, device=DEVICE)
+    offsets = torch.zeros(2, 6, dtype=torch.int64, device=DEVICE)
+
+    def run(n):
+        v41_engram.engram_hash(tokens[:n], multipliers, primes, offsets)
+
+    assert_one_variant(v41_engram, ["_engram_hash_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -149,7 +149,7 @@ def test_chunked_prefill_and_preemption(qwen3_next_dirs):
     llm = build_llm(path, max_num_batched_tokens=7, max_num_seqs=4, num_kvcache_blocks=64)
     assert _tokens(llm) == expected
     # 4 sequences of up to 102 tokens do not fit 9 blocks of 16 together
-    llm = build_llm(path, num_kvcache_blocks=9, max_num_seqs=4, max_model_len=256)
+    llm = build_llm(path, num_kvcache_blocks=9, max_num_seqs=4, max_model_len=144)
     assert _tokens(llm) == expected
     assert llm.engine.scheduler.num_preemptions > 0
 

@@ -6,7 +6,7 @@ import torch
 from atom.benchmarks import page_table as page_table_benchmark
 
 
-@pytest.mark.parametrize("backend", ["mha", "mla", "v4"])
+@pytest.mark.parametrize("backend", ["mha", "mla", "v4", "v41"])
 @pytest.mark.parametrize("batch", [4, 64])
 def test_page_table_benchmark_sends_the_bytes_it_claims(backend, batch):
     """docs/benchmarks.md: an unchanged table sends 0 bytes; one row's appended block 24
@@ -26,7 +26,7 @@ def test_page_table_benchmark_sends_the_bytes_it_claims(backend, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["mha", "mla", "v4"])
+@pytest.mark.parametrize("backend", ["mha", "mla", "v4", "v41"])
 def test_h2d_benchmark_with_backend(backend):
     from atom.benchmarks import h2d_publication
 

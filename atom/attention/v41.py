@@ -1,0 +1,314 @@
+"""DeepSeek-V4.1 attention backend ("v41"): sliding window + shared compressed KV + sink.
+
+Same entry point as every backend: `build_metadata` takes the rows of the slot's versioned
+page table and each row's state slot (V4's buffers, V4Backend), `derive_views` fills the
+slot mapping. No V4.1-only table and no V4.1-only publication path.
+
+Per layer ``compress_ratio`` r: 0 = window only; 1 = every token is an entry; r > 1 = r
+tokens softmax-pooled into one entry (non-overlapping; the partial group is state). Only the
+KV-source layers own a compressor and the entries (one pool per source, paged through the
+shared rows: entry w of a ratio-r source sits at block ``row[w * r // block_size]``); a later
+compressed layer reads the latest source's pool. Index-source layers score the entries with
+the lightning indexer against the keys of the latest source that owns keys (two-level top-k,
+atom/kernels/v41_topk.py) and the layers in between reuse the published choice.
+
+Memory (docs/architecture.md, "DeepSeek-V4.1 memory"): per sequence, in its state slot
+(atom/model_engine/state_slots.py), every layer's window ring (FP8-fake-quantised K=V),
+every ratio > 1 source's partial group rows (fp32 projections) and the Engram history
+(the last ``max_ngram - 1`` compressed token ids, on the first layer); per page-table block,
+each source's entries and (index sources) indexer keys.
+
+Decode (one token per row) uses static shapes only (CUDA-graph capturable); any other step
+runs per sequence in torch (host reads), like the v4 backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from atom.attention.v4 import QUERY_CHUNK, V4Backend, window_prefill
+from atom.forward_context import get_forward_context
+from atom.kernels.v4_attention import (
+    attend_with_sink,
+    v4_decode_attention,
+    v4_decode_attention_reference,
+    write_window,
+    write_window_reference,
+)
+from atom.kernels.v4_compressor import entry_rows, rows_per_block
+from atom.kernels.v4_indexer import index_scores
+from atom.kernels.v41_topk import candidate_blocks_reference, two_level_topk_reference
+
+
+class V41Backend(V4Backend):
+    """V4's buffers (rows, slot mapping, each row's state slot) under the name v41."""
+
+    name = "v41"
+
+
+@dataclass
+class SourceInputs:
+    """A KV source's projections of this step's tokens (atom/models/deepseek_v41.py).
+
+    ratio > 1: ``kv``/``gate`` ``[T, D]`` fp32 raw projections (pooled here, then ``finish``);
+    ratio 1: ``kv`` is the normed latent already and ``gate`` is None.
+    ``finish(latent, group_positions)`` -> (entries, index keys or None), both rotated and
+    fake-quantised, from pre-RoPE latents ``[G, D]``."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor | None
+    finish: Callable
+
+
+@dataclass
+class IndexerInputs:
+    q: torch.Tensor  # [T, index_heads, index_head_dim], rotated, fake-quantised
+    weights: torch.Tensor  # [T, index_heads] fp32, scaled by index_heads^-0.5
+
+
+@dataclass
+class SharedChoice:
+    """What one forward's index sources publish for the layers after them. Decode:
+    ``topk`` [B, k] entry ids (-1 none), ``candidates`` [B, N] bool. Prefill: per row,
+    ``rows[row]["topk"]`` [n, N] bool (chosen entries) and ``rows[row]["candidates"]``."""
+
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    rows: dict = field(default_factory=dict)
+
+
+class V41Attention(nn.Module):
+    """One V4.1 layer's cache and attention. Bound tensors (atom/model_engine/kv_cache.py):
+    ``ring`` always; a source with ratio > 1 ``state_kv``/``state_gate``; a source
+    ``pool`` and, owning keys, ``index_pool``; the first layer of an Engram model
+    ``engram_tokens``."""
+
+    def __init__(self, config, layer_idx: int, max_model_len: int, engram_history: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window
+        self.scale = self.head_dim**-0.5
+        self.max_model_len = max_model_len
+        self.ratio = config.compress_ratios[layer_idx]
+        self.is_source = self.ratio > 0 and layer_idx in config.kv_source_layer_ids
+        self.is_index = self.ratio > 0 and layer_idx in config.index_source_layer_ids
+        self.owns_keys = self.is_source and self.is_index
+        self.index_head_dim = config.index_head_dim
+        self.index_topk = config.index_topk
+        self.is_candidate_source = layer_idx == config.candidate_source_layer_id
+        self.uses_candidates = 0 <= config.candidate_source_layer_id < layer_idx
+        self.candidate_topk_blocks = config.candidate_topk_blocks
+        self.candidate_block_size = config.candidate_block_size
+        self.engram_history = engram_history
+        self.block_size = 0  # bound with the tensors by the KV cache allocation
+        self.ring = self.state_kv = self.state_gate = torch.empty(0)
+        self.pool = self.index_pool = self.engram_tokens = torch.empty(0)
+        self._links = {}  # source / key source layers (set by `link`; not submodules)
+
+    def link(self, source: V41Attention | None, key_source: V41Attention | None) -> None:
+        """The KV source whose entries this layer reads, the source of its indexer keys."""
+        self._links = {"source": source, "key_source": key_source}
+
+    @property
+    def source(self) -> V41Attention | None:
+        return self._links.get("source")
+
+    @property
+    def key_source(self) -> V41Attention | None:
+        return self._links.get("key_source")
+
+    # -- layout (used by the KV cache allocation) ------------------------------------------
+    def pool_shapes(self, block_size: int) -> dict[str, tuple[int, int]]:
+        if not self.is_source:
+            return {}
+        rows = rows_per_block(block_size, self.ratio)
+        shapes = {"pool": (rows, self.head_dim)}
+        if self.owns_keys:
+            shapes["index_pool"] = (rows, self.index_head_dim)
+        return shapes
+
+    def block_bytes(self, block_size: int, itemsize: int) -> int:
+        return sum(r * w for r, w in self.pool_shapes(block_size).values()) * itemsize
+
+    def state_shapes(self) -> dict[str, tuple]:
+        shapes = {"ring": (self.window, self.head_dim)}
+        if self.is_source and self.ratio > 1:
+            shapes["state_kv"] = shapes["state_gate"] = (self.ratio, self.head_dim, torch.float32)
+        if self.engram_history:
+            shapes["engram_tokens"] = (self.engram_history, 1, torch.int64)
+        return shapes
+
+    def max_entries(self) -> int:
+        return -(-self.max_model_len // self.ratio)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, q, kv, positions, sinks, source, indexer, shared: SharedChoice):
+        """q [T, H, D] and kv [T, D] rotated (kv fake-quantised) -> output [T, H, D]."""
+        meta = get_forward_context().attention
+        if meta.block_tables is None:  # memory profiling: window only, in query chunks
+            out = torch.empty_like(q)
+            pos = positions.long()
+            for c in range(0, q.shape[0], QUERY_CHUNK):
+                qp = pos[c : c + QUERY_CHUNK]
+                valid = (pos[None, :] <= qp[:, None]) & (pos[None, :] > qp[:, None] - self.window)
+                keys = kv[None].expand(qp.shape[0], -1, -1)
+                out[c : c + QUERY_CHUNK] = attend_with_sink(
+                    q[c : c + QUERY_CHUNK], keys, valid, sinks, self.scale
+                )
+            return out
+        if meta.is_decode:
+            return self._decode(q, kv, positions, sinks, source, indexer, shared, meta)
+        return self._prefill(q, kv, positions, sinks, source, indexer, shared, meta)
+
+    def _decode(self, q, kv, positions, sinks, source, indexer, shared, meta):
+        slots, tables = meta.state_slots, meta.block_tables
+        on_gpu = q.is_cuda  # Triton on CUDA, the torch references on CPU
+        (write_window if on_gpu else write_window_reference)(self.ring, kv, slots, positions)
+        attend = v4_decode_attention if on_gpu else v4_decode_attention_reference
+        if not self.ratio:
+            return attend(
+                q, self.ring, slots, positions, meta.context_lens, None, None, tables, 1,
+                self.block_size, sinks, self.scale,
+            )  # fmt: skip
+        if self.is_source:
+            self._emit_decode(source, slots, positions, tables)
+        if self.is_index:
+            keys_from = self.key_source
+            ids = torch.arange(self.max_entries(), device=q.device)[None]
+            rows = entry_rows(tables, ids.expand(q.shape[0], -1), keys_from.ratio,
+                              self.block_size, keys_from.index_pool.shape[0] - 1)  # fmt: skip
+            keys = keys_from.index_pool.view(-1, self.index_head_dim)[rows]
+            num_visible = (positions.long() + 1) // self.ratio
+            visible = (ids < num_visible[:, None]) & (meta.context_lens > 0)[:, None]
+            scores = index_scores(indexer.q, keys, indexer.weights)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            candidates = shared.candidates if self.uses_candidates else None
+            if self.is_candidate_source:
+                shared.candidates = candidate_blocks_reference(
+                    scores, num_visible, self.candidate_topk_blocks, self.candidate_block_size
+                )
+            shared.topk = two_level_topk_reference(scores, visible, self.index_topk, candidates)
+        source_layer = self.source
+        return attend(
+            q, self.ring, slots, positions, meta.context_lens, source_layer.pool, shared.topk,
+            tables, source_layer.ratio, self.block_size, sinks, self.scale,
+        )  # fmt: skip
+
+    def _emit_decode(self, source: SourceInputs, state_slots, positions, tables) -> None:
+        """Write the token into the partial group; where it closes a group (every token at
+        ratio 1) store the entry (and key). Padded rows touch only scratch rows."""
+        ratio = self.ratio
+        scratch_slot = self.ring.shape[0] - 1
+        slots = torch.where(state_slots < 0, scratch_slot, state_slots).long()
+        positions = positions.long()
+        if ratio > 1:
+            self.state_kv[slots, positions % ratio] = source.kv.float()
+            self.state_gate[slots, positions % ratio] = source.gate.float()
+            latent = pool_groups(self.state_kv[slots], self.state_gate[slots], source.kv.dtype)
+        else:
+            latent = source.kv
+        group = positions // ratio
+        entries, keys = source.finish(latent, group * ratio)
+        num_blocks = self.pool.shape[0] - 1
+        rows = entry_rows(tables, group[:, None], ratio, self.block_size, num_blocks)[:, 0]
+        emits = ((positions + 1) % ratio == 0) & (state_slots >= 0)
+        rows = torch.where(emits, rows, num_blocks * self.pool.shape[1])
+        self.pool.view(-1, self.head_dim)[rows] = entries.to(self.pool.dtype)
+        if keys is not None:
+            self.index_pool.view(-1, self.index_head_dim)[rows] = keys.to(self.index_pool.dtype)
+
+    def _prefill(self, q, kv, positions, sinks, source, indexer, shared, meta):
+        """Per sequence (torch): window over ring + new tokens, then the shared entries."""
+        cu = meta.cu_seqlens_q.tolist()  # host reads: the prefill path is not graphed
+        ends = meta.context_lens[: len(cu) - 1].tolist()
+        slots = meta.state_slots[: len(cu) - 1].tolist()
+        out = torch.zeros_like(q)
+        for row, (end, slot) in enumerate(zip(ends, slots, strict=True)):
+            a, b = cu[row], cu[row + 1]
+            if b == a:
+                continue
+            start = end - (b - a)
+            table = meta.block_tables[row : row + 1]
+            keys, first = window_prefill(self.ring, kv[a:b], slot, start, end)
+            key_pos = torch.arange(first, end, device=q.device)
+            query_pos = torch.arange(start, end, device=q.device)
+            valid = (key_pos[None, :] <= query_pos[:, None]) & (
+                key_pos[None, :] > query_pos[:, None] - self.window
+            )
+            keys = keys[None].expand(b - a, -1, -1)
+            if self.ratio:
+                if self.is_source:
+                    self._emit_prefill(source, a, b, slot, start, end, table)
+                source_layer = self.source
+                entries = source_layer.read_entries(table, end, "pool")
+                if self.is_index:
+                    index_keys = self.key_source.read_entries(table, end, "index_pool")
+                    num_visible = (query_pos + 1) // self.ratio
+                    ids = torch.arange(index_keys.shape[0], device=q.device)
+                    visible = ids[None, :] < num_visible[:, None]
+                    scores = index_scores(indexer.q[a:b], index_keys, indexer.weights[a:b])
+                    scores = scores.masked_fill(~visible, float("-inf"))
+                    published = shared.rows.setdefault(row, {})
+                    candidates = published.get("candidates") if self.uses_candidates else None
+                    if self.is_candidate_source:
+                        published["candidates"] = candidate_blocks_reference(
+                            scores, num_visible, self.candidate_topk_blocks,
+                            self.candidate_block_size,
+                        )  # fmt: skip
+                    chosen = two_level_topk_reference(scores, visible, self.index_topk, candidates)
+                    picked = torch.zeros(b - a, entries.shape[0] + 1, dtype=torch.bool)
+                    picked = picked.to(q.device)
+                    picked.scatter_(1, torch.where(chosen < 0, entries.shape[0], chosen), True)
+                    published["topk"] = picked[:, :-1]
+                picked = shared.rows[row]["topk"]
+                keys = torch.cat([keys, entries[None].expand(b - a, -1, -1).to(keys.dtype)], 1)
+                valid = torch.cat([valid, picked], dim=1)
+            out[a:b] = attend_with_sink(q[a:b], keys, valid, sinks, self.scale)
+        return out
+
+    def _emit_prefill(self, source: SourceInputs, a, b, slot, start, end, table) -> None:
+        """Close the groups completing in [start, end) into the pool (and keys); keep the
+        partial group's rows in the state."""
+        ratio, device = self.ratio, source.kv.device
+        first, last = start // ratio, end // ratio
+        if ratio > 1:
+            base = first * ratio
+            held = torch.arange(base, start, device=device) % ratio
+            kv = torch.cat([self.state_kv[slot, held], source.kv[a:b].float()])
+            gate = torch.cat([self.state_gate[slot, held], source.gate[a:b].float()])
+            tail = torch.arange(last * ratio, end, device=device)
+            self.state_kv[slot, tail % ratio] = kv[tail - base]
+            self.state_gate[slot, tail % ratio] = gate[tail - base]
+            n = (last - first) * ratio
+            latent = pool_groups(
+                kv[:n].view(-1, ratio, self.head_dim),
+                gate[:n].view(-1, ratio, self.head_dim),
+                source.kv.dtype,
+            )
+        else:
+            latent = source.kv[a:b]
+        if last == first:
+            return
+        groups = torch.arange(first, last, device=device)
+        entries, keys = source.finish(latent, groups * ratio)
+        rows = entry_rows(table, groups[None], ratio, self.block_size, self.pool.shape[0] - 1)[0]
+        self.pool.view(-1, self.head_dim)[rows] = entries.to(self.pool.dtype)
+        if keys is not None:
+            self.index_pool.view(-1, self.index_head_dim)[rows] = keys.to(self.index_pool.dtype)
+
+    def read_entries(self, table, end: int, name: str) -> torch.Tensor:
+        """Entries (or keys) 0 .. end // ratio - 1 of one sequence from this source's pool."""
+        pool = getattr(self, name)
+        ids = torch.arange(end // self.ratio, device=pool.device)[None]
+        rows = entry_rows(table, ids, self.ratio, self.block_size, pool.shape[0] - 1)[0]
+        return pool.view(-1, pool.shape[-1])[rows]
+
+
+def pool_groups(kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """kv, gate ``[G, ratio, D]`` fp32 -> softmax(gate)-weighted sums ``[G, D]`` in dtype."""
+    return (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1).to(dtype)

@@ -1,0 +1,491 @@
+"""DeepSeek-V4.1 text model (upstream HF `deepseek_v41`, model_type `deepseek_v41_text`),
+read from config.json and checkpoint-native weight names (`model.layers.N.attn.wq_a`, ...).
+
+Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
+- attention: no per-head q norm; the window K=V is FP8-fake-quantised; per-layer
+  `compress_ratios` with KV-source sharing, index sources with a two-level top-k, FP4 fake
+  quantisation of the compressed KV and the indexer q/k (atom/attention/v41.py,
+  atom/kernels/v41_*.py).
+- mHC: each site's `pre` collapses the streams at the *next* site (the first attention
+  collapses stream 0 only, the final norm takes the last FFN site's `pre`); no head.
+- router: logits / `gate_temp`, sqrtsoftplus, fp32 `bias` for the choice only (`bias_vl`
+  is for image tokens: unused here); one shared expert; routed experts through
+  atom/models/moe.py `routed_experts`.
+- Engram on `engram_layer_ids`: hashed n-gram rows, a gated add to every stream
+  (atom/kernels/v41_engram.py); its history is the sequence's state (the first layer's
+  `engram_tokens` state rows), read and written in `EngramHashes`.
+DSpark draft layers (`mtp.*`) and vision weights are skipped with one log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from atom.attention.v41 import IndexerInputs, SharedChoice, SourceInputs, V41Attention
+from atom.distributed.tensor_parallel import ShardingError
+from atom.forward_context import get_forward_context
+from atom.kernels import v41_quant
+from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
+from atom.kernels.v4_rope import rope_tables
+from atom.kernels.v41_engram import (
+    compressed_token_map,
+    engram_hash,
+    engram_hash_reference,
+    engram_multipliers,
+    engram_offsets,
+    engram_primes,
+    engram_reference,
+)
+from atom.models.deepseek_v4 import (
+    FP32RMSNorm,
+    HyperConnection,
+    SwiGLUMLP,
+    _copy,
+    _inv_freq,
+    collapse,
+    expand,
+)
+from atom.models.moe import routed_experts
+
+logger = logging.getLogger(__name__)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Triton on CUDA, the torch reference on CPU (atom/kernels/v41_quant.py)."""
+    if x.is_cuda:
+        return v41_quant.fake_quant_fp8(x, block)
+    return v41_quant.fake_quant_fp8_reference(x, block)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
+    if x.is_cuda:
+        return v41_quant.fake_quant_fp4(x, block, e4m3_scales)
+    return v41_quant.fake_quant_fp4_reference(x, block, e4m3_scales)
+
+
+def _latest(ids, layer_idx: int) -> int | None:
+    earlier = [i for i in ids if i <= layer_idx]
+    return max(earlier) if earlier else None
+
+
+class Compressor(nn.Module):
+    def __init__(self, config, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
+        self.wgate = (
+            nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
+        )
+        self.norm = FP32RMSNorm(config.head_dim, config.rms_norm_eps)
+
+
+class Indexer(nn.Module):
+    def __init__(self, config, owns_keys: bool):
+        super().__init__()
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
+        q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
+        q = fake_quant_fp4(rope(q, cos, sin), 32)
+        weights = self.weights_proj(hidden).float() * self.num_heads**-0.5
+        return IndexerInputs(q, weights)
+
+
+class DeepseekV41Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, tables: dict, max_model_len: int):
+        super().__init__()
+        self.ratio = config.compress_ratios[layer_idx]
+        self.rope_kind = "compress" if self.ratio else "main"
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.o_groups = config.o_groups
+        hidden, heads_dim = config.hidden_size, self.num_heads * self.head_dim
+        self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_norm = FP32RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
+        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.kv_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.wo_a = nn.Linear(
+            heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, bias=False
+        )
+        self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        engram_history = (
+            config.engram_max_ngram_size - 1 if (layer_idx == 0 and config.engram_layer_ids) else 0
+        )
+        self.attn = V41Attention(config, layer_idx, max_model_len, engram_history)
+        self.compressor = Compressor(config, self.ratio) if self.attn.is_source else None
+        self.indexer = Indexer(config, self.attn.owns_keys) if self.attn.is_index else None
+        self.tables = tables
+
+    def _finish(self, latent: torch.Tensor, group_positions: torch.Tensor):
+        """Pre-RoPE latents [G, D] at their groups' first positions -> (entries, keys)."""
+        cos, sin = (t[group_positions] for t in self.tables["compress"])
+        latent = self.compressor.norm(latent)
+        entries = rope(latent[:, None, :], cos, sin)[:, 0]
+        entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
+        keys = None
+        if self.attn.owns_keys:
+            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)[:, 0]
+            keys = fake_quant_fp4(keys, 32)
+        return entries, keys
+
+    def forward(self, positions, hidden, shared: SharedChoice) -> torch.Tensor:
+        cos, sin = (t[positions] for t in self.tables[self.rope_kind])
+        q_residual = self.q_norm(self.wq_a(hidden))
+        q = rope(self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim), cos, sin)
+        kv = rope(self.kv_norm(self.wkv(hidden))[:, None, :], cos, sin)[:, 0]
+        kv = fake_quant_fp8(kv, 32)
+        source = indexer = None
+        if self.compressor is not None:
+            c = self.compressor
+            if c.wgate is None:  # ratio 1: the latent itself, normed in `_finish`
+                source = SourceInputs(c.wkv(hidden), None, self._finish)
+            else:  # pooled in fp32
+                x = hidden.float()
+                kv_raw = F.linear(x, c.wkv.weight.float())
+                source = SourceInputs(kv_raw, F.linear(x, c.wgate.weight.float()), self._finish)
+        if self.indexer is not None:
+            c_cos, c_sin = (t[positions] for t in self.tables["compress"])
+            indexer = self.indexer.inputs(hidden, q_residual, c_cos, c_sin)
+        out = self.attn(q, kv, positions, self.attn_sink, source, indexer, shared)
+        out = rope(out, cos, -sin)
+        grouped = out.reshape(-1, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
+        weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
+        grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        return self.wo_b(grouped.flatten(1))
+
+
+class DeepseekV41MoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, inter, experts = (
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.n_routed_experts,
+        )
+        if config.scoring_func != "sqrtsoftplus":
+            raise ValueError(f"DeepSeek-V4.1: scoring_func {config.scoring_func!r} (sqrtsoftplus)")
+        self.top_k, self.limit = config.num_experts_per_tok, config.swiglu_limit
+        self.gate_temp, self.norm_topk = config.gate_temp, config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(experts, hidden))
+        self.gate.bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
+        self.experts.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
+        self.shared_experts = SwiGLUMLP(hidden, inter, self.limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float()) / self.gate_temp
+        scores = F.softplus(logits).sqrt()
+        ids = (scores + self.gate.bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.routed_scaling_factor
+        limit = self.limit if self.limit > 0 else None
+        routed = routed_experts(
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, limit
+        )
+        return routed + self.shared_experts(x)
+
+
+class Engram(nn.Module):
+    def __init__(self, config, rows: int):
+        super().__init__()
+        cols = (config.engram_max_ngram_size - 1) * config.engram_n_heads
+        self.eps = config.rms_norm_eps
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.zeros(rows, config.engram_head_dim))
+        self.wkv = nn.Linear(
+            cols * config.engram_head_dim, config.hidden_size * (config.hc_mult + 1), bias=False
+        )
+        self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
+        self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
+
+    def forward(self, streams, hash_ids):
+        return engram_reference(
+            streams,
+            hash_ids,
+            self.embed.weight,
+            self.wkv.weight,
+            self.q_weight,
+            self.k_weight,
+            self.eps,
+        )
+
+
+class EngramHashes(nn.Module):
+    """Hash ids of every token for every engram layer, from the tokens of this step and
+    the sequence's history (its state rows `engram_tokens` [slots + 1, N - 1, 1]:
+    compressed id of position p at row p % (N - 1)), which it then updates."""
+
+    def __init__(self, config, token_map: list[int]):
+        super().__init__()
+        n, heads = config.engram_max_ngram_size, config.engram_n_heads
+        layers = list(config.engram_layer_ids)
+        primes = engram_primes(len(layers), n, heads, config.engram_vocab_size)
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
+        offsets = torch.tensor(engram_offsets(primes), dtype=torch.int64)
+        self.register_buffer("offsets", offsets, persistent=False)
+        multipliers = engram_multipliers(layers, n, config.engram_compressed_vocab_size)
+        self.register_buffer("multipliers", multipliers, persistent=False)
+        self.register_buffer(
+            "token_map", torch.tensor(token_map, dtype=torch.int64), persistent=False
+        )
+        self.pad = token_map[config.engram_pad_id]
+        self.max_ngram = n
+
+    def tokens(self, input_ids, positions, history: V41Attention) -> torch.Tensor:
+        """Compressed ids [T, N]: column s = the token s positions back (pad before 0)."""
+        ids = self.token_map[input_ids]
+        positions = positions.long()
+        meta = get_forward_context().attention
+        n, device = self.max_ngram, ids.device
+        shifts = torch.arange(n, device=device)
+        back = positions[:, None] - shifts  # [T, N] absolute positions
+        if meta.block_tables is None:  # profiling: one sequence, no history
+            index = torch.arange(ids.shape[0], device=device)[:, None] - shifts
+            tokens = ids[index.clamp(min=0)]
+            return torch.where((back >= 0) & (index >= 0), tokens, self.pad)
+        ring = history.engram_tokens[..., 0]  # [slots + 1, N - 1]
+        slots = meta.state_slots
+        scratch = ring.shape[0] - 1
+        if meta.is_decode:
+            rows = torch.arange(ids.shape[0], device=device)
+            chunk_start = positions
+            token_index = rows
+        else:
+            cu = meta.cu_seqlens_q.long()
+            token_index = torch.arange(ids.shape[0], device=device)
+            rows = torch.searchsorted(cu[1:], token_index, right=True)
+            chunk_start = positions - (token_index - cu[rows])
+        row_slots = torch.where(slots[rows] < 0, scratch, slots[rows]).long()
+        in_chunk = back >= chunk_start[:, None]
+        from_chunk = ids[(token_index[:, None] - shifts).clamp(min=0)]
+        from_ring = ring[row_slots[:, None], back.clamp(min=0) % (n - 1)]
+        tokens = torch.where(in_chunk, from_chunk, from_ring)
+        tokens = torch.where(back >= 0, tokens, self.pad)
+        # the last N - 1 tokens of each chunk become the history (a decode row: its token)
+        if meta.is_decode:
+            last = torch.ones_like(positions, dtype=torch.bool)
+        else:
+            chunk_end = meta.context_lens.long()[rows]
+            last = positions >= chunk_end - (n - 1)
+        write_slots = torch.where(last, row_slots, scratch)
+        ring[write_slots, positions % (n - 1)] = torch.where(
+            last, ids, ring[write_slots, positions % (n - 1)]
+        )
+        return tokens
+
+    def forward(self, input_ids, positions, history: V41Attention) -> torch.Tensor:
+        tokens = self.tokens(input_ids, positions, history)
+        hash_ids = engram_hash if tokens.is_cuda else engram_hash_reference  # Triton on CUDA
+        return hash_ids(tokens, self.multipliers, self.primes, self.offsets)
+
+
+class DeepseekV41DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, tables: dict, max_model_len: int):
+        super().__init__()
+        self.attn = DeepseekV41Attention(config, layer_idx, tables, max_model_len)
+        self.ffn = DeepseekV41MoE(config)
+        self.attn_norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+        self.engram = None
+        if layer_idx in config.engram_layer_ids:
+            index = list(config.engram_layer_ids).index(layer_idx)
+            self.engram_index = index
+            self.engram = Engram(config, config.engram_num_embeddings[index])
+
+    def forward(self, streams, pre, positions, hash_ids, shared):
+        """streams [T, hc, D], pre [T, hc] (the previous site's) -> (streams, this pre)."""
+        if self.engram is not None:
+            streams = self.engram(streams, hash_ids[:, self.engram_index])
+        attn_pre, post, comb = self.attn_hc.mixes(streams)
+        out = self.attn(positions, self.attn_norm(collapse(streams, pre)), shared)
+        streams = expand(out, streams, post, comb)
+        ffn_pre, post, comb = self.ffn_hc.mixes(streams)
+        out = self.ffn(self.ffn_norm(collapse(streams, attn_pre)))
+        return expand(out, streams, post, comb), ffn_pre
+
+
+class DeepseekV41Model(nn.Module):
+    def __init__(self, config, max_model_len: int, token_map: list[int] | None):
+        super().__init__()
+        self.hc_mult = config.hc_mult
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        max_position = max(max_model_len, 1)
+        device = self.embed.weight.device
+        self.tables = {
+            kind: tuple(t.to(device) for t in rope_tables(_inv_freq(config, kind), max_position))
+            for kind in ("main", "compress")
+        }
+        self.layers = nn.ModuleList(
+            DeepseekV41DecoderLayer(config, i, self.tables, max_model_len)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hashes = EngramHashes(config, token_map) if config.engram_layer_ids else None
+        _link_sources(config, [layer.attn.attn for layer in self.layers])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        pre = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0  # the first site collapses stream 0
+        hash_ids = None
+        if self.hashes is not None:
+            hash_ids = self.hashes(input_ids, positions, self.layers[0].attn.attn)
+        shared = SharedChoice()
+        for layer in self.layers:
+            streams, pre = layer(streams, pre, positions, hash_ids, shared)
+        return self.norm(collapse(streams, pre))
+
+
+def _link_sources(config, layers: list[V41Attention]) -> None:
+    for i, layer in enumerate(layers):
+        if not layer.ratio:
+            continue
+        source = _latest(config.kv_source_layer_ids, i)
+        index = _latest(config.index_source_layer_ids, i)
+        if source is None or index is None or not layers[source].ratio:
+            raise ValueError(
+                f"deepseek_v41 layer {i} (compress ratio {layer.ratio}) has no KV source and "
+                "index source at or before it (kv_source_layer_ids, index_source_layer_ids)"
+            )
+        keys = [s for s in config.kv_source_layer_ids if s <= i and layers[s].owns_keys]
+        layer.link(layers[source], layers[max(keys)] if keys and layer.is_index else None)
+        if layer.is_index and layer.key_source is None:
+            raise ValueError(f"deepseek_v41 index layer {i} has no KV source with indexer keys")
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    attention_backend = "v41"  # the ModelRunner gives its slots a V41Backend
+
+    def __init__(self, config, max_position: int | None = None, tp=None):
+        super().__init__()
+        self.validate_tensor_parallel(config, 1 if tp is None else tp.world_size)
+        self.config = config
+        token_map = _engram_token_map(config) if config.engram_layer_ids else None
+        self.model = DeepseekV41Model(
+            config, max_position or config.max_position_embeddings, token_map
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed.weight
+
+    @staticmethod
+    def validate_tensor_parallel(config, world_size: int) -> None:
+        if world_size > 1:
+            raise ShardingError(
+                "deepseek_v41: tensor parallelism is not supported yet; run with "
+                "--tensor-parallel-size 1"
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @property
+    def attention_layers(self) -> list[V41Attention]:
+        return [layer.attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint-native tensors in (see `module_name`); every parameter must be
+        set. DSpark (`mtp.*`) and vision tensors are skipped with one log line."""
+        targets = dict(self.named_parameters(remove_duplicate=False))
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        inter = self.config.moe_intermediate_size
+        loaded, skipped = set(), 0
+        for source, tensor in weights:
+            if _SKIPPED.match(source):
+                skipped += 1
+                continue
+            if source.endswith(("gate.bias_vl", "embed.scale")):
+                continue  # image tokens only / fp8 tables only
+            name = module_name(source)
+            if name == "lm_head.weight" and tied:
+                continue
+            expert = _EXPERT.match(name)
+            if expert is not None:
+                prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
+                target = f"{prefix}.down_proj" if part == "w2" else f"{prefix}.gate_up_proj"
+                if target not in targets or index >= targets[target].shape[0]:
+                    raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
+                dest = targets[target].data[index]
+                if part != "w2":
+                    dest = dest.narrow(0, 0 if part == "w1" else inter, inter)
+                _copy(dest, tensor, source)
+                loaded.add(f"{target}#{index}.{part}")
+                continue
+            if name not in targets:
+                raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
+            _copy(targets[name].data, tensor, source)
+            loaded.add(name)
+        if skipped:
+            logger.info("deepseek_v41: skipped %d DSpark / vision tensors (not supported)", skipped)
+        expected = set()
+        for name, target in targets.items():
+            if tied and name == "lm_head.weight":
+                continue
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+                expected |= {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+
+
+def _engram_token_map(config) -> list[int]:
+    """The tokenizer-derived compressed token map (the model directory's tokenizer.json)."""
+    path = os.path.join(getattr(config, "_name_or_path", "") or "", "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"deepseek_v41 engram layers need the model's tokenizer.json (not found at {path}): "
+            "the n-gram hashes use the tokenizer-derived compressed token map"
+        )
+    token_map, size = compressed_token_map(path)
+    if size != config.engram_compressed_vocab_size:
+        raise ValueError(
+            f"{path}: the compressed vocabulary has {size} ids, config.json says "
+            f"engram_compressed_vocab_size {config.engram_compressed_vocab_size}; the engram "
+            "hashes would not match the tables"
+        )
+    return token_map
+
+
+_SKIPPED = re.compile(r"^(mtp\.|.*\.mtp\.|vision\.|aligner\.|image_(start|end|newline)$)")
+_EXPERT = re.compile(r"(.*\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_RENAMES = [
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]
+
+
+def module_name(name: str) -> str:
+    """This module's name of a checkpoint-native V4.1 tensor (the same names except the mHC
+    parameters `hc_attn_fn` -> `attn_hc.fn` and the shared expert's w1/w2/w3)."""
+    for pattern, replacement in _RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name

@@ -1,0 +1,218 @@
+"""DeepSeek-V4.1 (v41 backend) against the upstream reference's golden outputs, CPU fp32.
+
+The golden files (../shared/reference/deepseek_v41/, README there) hold what the upstream
+HF `deepseek_v41` implementation produced on two tiny random checkpoints: 24 greedy tokens
+for four prompts (1, 7, 33, 70 tokens: shorter and longer than the window and every
+compress group), the last prompt logits and, for tiny-full, every position's engram hash ids.
+
+- tiny-minimal (no fake quantisation takes effect, no engram): exact tokens batched and one
+  at a time, last prompt logits within 1e-4; the same tokens under chunked prefill,
+  preemption, packed publication and two micro-batches.
+- tiny-full (FP8/FP4 fake quantisation, two-level top-k, engram): exact tokens, except a
+  mismatch whose deciding position comes at or after a position the golden file lists as
+  rounding-fragile (`EXCUSED` records which were needed: none in this run); the hash ids
+  the engine computed (chunked prefill and decode, history from the sequence's state) equal
+  the recorded ones at every position.
+Every test leaves every KV block and state slot free (tests/engine_support.py).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atom.attention.v41 import V41Backend
+from atom.forward_context import AttentionMetadata, forward_context
+from atom.sampling_params import SamplingParams
+from tests.engine_support import build_llm
+
+REFERENCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "deepseek_v41"
+if not (REFERENCE / "tiny-minimal" / "golden.json").is_file():
+    pytest.skip(f"no DeepSeek-V4.1 reference data at {REFERENCE}", allow_module_level=True)
+
+# Positions excused in tiny-full (prompt index -> fragile position that explained a
+# mismatch). Empty: atom matched every token of this run exactly.
+EXCUSED: dict[int, int] = {}
+
+
+def _golden(name):
+    return json.loads((REFERENCE / name / "golden.json").read_text())
+
+
+MINIMAL, FULL = _golden("tiny-minimal"), _golden("tiny-full")
+PROMPTS = [p["prompt_ids"] for p in MINIMAL["prompts"]]
+assert PROMPTS == [p["prompt_ids"] for p in FULL["prompts"]]
+
+
+def _params(n=24):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _llm(name, **kwargs):
+    kwargs.setdefault("num_kvcache_blocks", 64)
+    kwargs.setdefault("max_model_len", 128)
+    return build_llm(str(REFERENCE / name), skip_tokenizer_init=True, **kwargs)
+
+
+def _tokens(llm, prompts=PROMPTS, n=24):
+    return [o.token_ids for o in llm.generate(prompts, _params(n), use_tqdm=False)]
+
+
+def _expected(golden, n=24):
+    return [p["greedy_continuation"][:n] for p in golden["prompts"]]
+
+
+def test_minimal_batched_and_one_at_a_time_with_logits():
+    llm = _llm("tiny-minimal")
+    assert all(isinstance(s.backend, V41Backend) for s in llm.engine.model_runner.slots)
+    assert _tokens(llm) == _expected(MINIMAL)
+    model = llm.engine.model_runner.model
+    logits = []
+    compute = model.compute_logits
+    model.compute_logits = lambda hidden: logits.append(compute(hidden)) or logits[-1]
+    for prompt, golden in zip(PROMPTS, MINIMAL["prompts"], strict=True):
+        logits.clear()
+        assert _tokens(llm, [prompt], 12) == [golden["greedy_continuation"][:12]]
+        expected = torch.tensor(golden["prompt_last_logits"])
+        torch.testing.assert_close(logits[0][0], expected, atol=1e-4, rtol=0)
+
+
+def test_minimal_chunked_prefill_and_preemption():
+    """Chunks of 7 tokens; the 1-, 7- and 33-token prompts grow to 8 blocks of 16
+    together, so 7 blocks force preemptions (recompute from position 0)."""
+    llm = _llm(
+        "tiny-minimal",
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+        num_kvcache_blocks=7,
+        max_model_len=112,
+    )
+    assert _tokens(llm) == _expected(MINIMAL)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_minimal_packed_publication_and_two_micro_batches():
+    llm = _llm("tiny-minimal", h2d_backend="packed", max_num_batched_tokens=40)
+    assert _tokens(llm, n=8) == _expected(MINIMAL, 8)
+    llm = _llm("tiny-minimal", num_micro_batches=2, max_num_batched_tokens=24)
+    assert len(llm.engine.model_runner.slots) == 2
+    assert _tokens(llm, n=8) == _expected(MINIMAL, 8)
+
+
+def _fragile_positions(prompt_golden) -> list[int]:
+    return sorted(
+        {w["position"] for kind in prompt_golden["quant_fragility"].values() for w in kind["where"]}
+    )
+
+
+def test_full_greedy_with_quantisation_and_engram_hash_ids():
+    llm = _llm("tiny-full", max_num_batched_tokens=20)
+    hashes = llm.engine.model_runner.model.model.hashes
+    seen: list[dict[int, list]] = []  # per prompt: position -> (token, hash ids) computed
+    forward = hashes.forward
+
+    def record(input_ids, positions, history):
+        ids = forward(input_ids, positions, history)
+        for token, position, row in zip(
+            input_ids.tolist(), positions.tolist(), ids.tolist(), strict=True
+        ):
+            seen[-1].setdefault(position, []).append((token, row))
+        return ids
+
+    hashes.forward = record
+    outputs = []
+    for prompt in PROMPTS:  # one at a time: positions name the rows
+        seen.append({})
+        outputs.append(llm.generate([prompt], _params(), use_tqdm=False)[0].token_ids)
+    excused = {}
+    for index, (tokens, golden) in enumerate(zip(outputs, FULL["prompts"], strict=True)):
+        expected = golden["greedy_continuation"]
+        if tokens == expected:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b)
+        deciding = len(golden["prompt_ids"]) + first - 1
+        earlier = [p for p in _fragile_positions(golden) if p <= deciding]
+        assert earlier, f"prompt {index}: token {first} differs with no fragile position before"
+        excused[index] = max(earlier)
+    assert excused == EXCUSED
+    # hash ids at every prompt position equal the recorded ones; at every position of the
+    # sequence (decode steps: history from the state slot) they equal those of one
+    # stateless pass over the whole sequence
+    for tokens, golden, computed_at in zip(outputs, FULL["prompts"], seen, strict=True):
+        sequence = golden["prompt_ids"] + tokens[:-1]
+        with forward_context(AttentionMetadata(None, None, None, None, len(sequence), False)):
+            whole = forward(torch.tensor(sequence), torch.arange(len(sequence)), None)
+        for position, token in enumerate(sequence):
+            computed = [ids for t, ids in computed_at[position] if t == token]
+            assert computed and all(c == whole[position].tolist() for c in computed), position
+            if position < len(golden["prompt_ids"]):
+                assert computed[0] == golden["engram_hash_ids"][position], position
+
+
+def test_full_chunked_prefill_and_preemption_batched():
+    """Chunks of 7 tokens, and 7 blocks for 4 sequences growing to 14: the engram history
+    and the partial groups come from the state slot across chunks, and are rebuilt after
+    each preemption (recompute)."""
+    llm = _llm(
+        "tiny-full",
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+        num_kvcache_blocks=7,
+        max_model_len=112,
+    )
+    assert _tokens(llm) == _expected(FULL)
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+# bf16 on CUDA: each greedy token, while the sequence still equals the golden one, must be
+# within this fraction of the largest |logit| of the golden fp32 best choice there (the
+# golden top-5 at that position). Provisional, as V4's bf16 bound: replace it with the
+# regret measured on the H200 (the test prints it).
+BF16_REGRET = 0.08
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-minimal", "tiny-full"])
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_bf16_cuda_greedy_close_to_golden(name, enforce_eager):
+    """bf16 on CUDA (Triton fake quantisation, engram hashing, window write and decode
+    attention over the source's pool; CUDA graphs for decode)."""
+    golden = _golden(name)
+    llm = _llm(
+        name, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
+        cuda_graph_batch_sizes=[1, 2, 4],
+    )  # fmt: skip
+    outputs = _tokens(llm)
+    worst = 0.0
+    for tokens, record in zip(outputs, golden["prompts"], strict=True):
+        for i, token in enumerate(tokens):
+            ids, logits = record["continuation_top5_ids"][i], record["continuation_top5_logits"][i]
+            assert token in ids, (record["prompt_ids"][:4], i, token, ids)
+            regret = (logits[0] - logits[ids.index(token)]) / max(abs(v) for v in logits)
+            worst = max(worst, regret)
+            assert regret <= BF16_REGRET, (i, regret)
+            if token != record["greedy_continuation"][i]:
+                break  # the golden logits describe the golden sequence only
+    print(f"{name} bf16 {'eager' if enforce_eager else 'graphs'}: worst regret {worst:.4f}")
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_minimal_greedy_matches_golden():
+    """The CUDA paths (Triton kernels, decode graphs) in fp32 give the golden tokens."""
+    llm = _llm("tiny-minimal", device="cuda", cuda_graph_batch_sizes=[1, 2, 4])
+    assert _tokens(llm) == _expected(MINIMAL)
+
+
+def test_memory_profiling_forward_runs_without_a_cache(monkeypatch):
+    """The CUDA sizing run (no blocks, no state slots yet) goes through every layer,
+    engram included, in query chunks."""
+    import atom.attention.v41
+
+    monkeypatch.setattr(atom.attention.v41, "QUERY_CHUNK", 64)
+    llm = _llm("tiny-full", num_kvcache_blocks=8)
+    model = llm.engine.model_runner.model
+    n = 100  # more than one query chunk
+    with torch.no_grad(), forward_context(AttentionMetadata(None, None, None, None, n, False)):
+        hidden = model(torch.randint(3, 256, (n,)), torch.arange(n))
+    assert hidden.shape == (n, 64) and torch.isfinite(hidden).all()
