@@ -220,16 +220,8 @@ class V4Attention(nn.Module):
 
     def _prefill(self, q, kv, positions, sinks, compressor, indexer, meta):
         """Per sequence (torch): window over ring + new tokens, entries closed so far."""
-        cu = meta.cu_seqlens_q.tolist()  # host reads: the prefill path is not graphed
-        ends = meta.context_lens[: len(cu) - 1].tolist()
-        slots = meta.state_slots[: len(cu) - 1].tolist()
         out = torch.zeros_like(q)
-        for row, (end, slot) in enumerate(zip(ends, slots, strict=True)):
-            a, b = cu[row], cu[row + 1]
-            if b == a:
-                continue
-            start = end - (b - a)
-            table = meta.block_tables[row : row + 1]
+        for _row, a, b, start, end, slot, table in prefill_sequences(meta):
             window = self._window_prefill(kv[a:b], slot, start, end)
             entries = index_keys = None
             if self.ratio:
@@ -326,6 +318,19 @@ class V4Attention(nn.Module):
                 q[c:c_end], (kv, 0), None, None, None, sinks, 0, c, c_end, 0
             )
         return out
+
+
+def prefill_sequences(meta):
+    """Each sequence with queries this step (host reads: the prefill path is not graphed):
+    (batch row, first query row, end query row, first position, end position, state slot,
+    its page-table row [1, width])."""
+    cu = meta.cu_seqlens_q.tolist()
+    ends = meta.context_lens[: len(cu) - 1].tolist()
+    slots = meta.state_slots[: len(cu) - 1].tolist()
+    for row, (end, slot) in enumerate(zip(ends, slots, strict=True)):
+        a, b = cu[row], cu[row + 1]
+        if b > a:
+            yield row, a, b, end - (b - a), end, slot, meta.block_tables[row : row + 1]
 
 
 def window_prefill(ring, kv, slot: int, start: int, end: int):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from atom.attention.v4 import QUERY_CHUNK, V4Backend, window_prefill
+from atom.attention.v4 import QUERY_CHUNK, V4Backend, prefill_sequences, window_prefill
 from atom.forward_context import get_forward_context
 from atom.kernels.v4_attention import (
     attend_with_sink,
@@ -224,16 +224,8 @@ class V41Attention(nn.Module):
 
     def _prefill(self, q, kv, positions, sinks, source, indexer, shared, meta):
         """Per sequence (torch): window over ring + new tokens, then the shared entries."""
-        cu = meta.cu_seqlens_q.tolist()  # host reads: the prefill path is not graphed
-        ends = meta.context_lens[: len(cu) - 1].tolist()
-        slots = meta.state_slots[: len(cu) - 1].tolist()
         out = torch.zeros_like(q)
-        for row, (end, slot) in enumerate(zip(ends, slots, strict=True)):
-            a, b = cu[row], cu[row + 1]
-            if b == a:
-                continue
-            start = end - (b - a)
-            table = meta.block_tables[row : row + 1]
+        for row, a, b, start, end, slot, table in prefill_sequences(meta):
             keys, first = window_prefill(self.ring, kv[a:b], slot, start, end)
             key_pos = torch.arange(first, end, device=q.device)
             query_pos = torch.arange(start, end, device=q.device)
