@@ -137,7 +137,9 @@ class DeepseekV41Attention(nn.Module):
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
-            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)[:, 0]
+            wk = self.indexer.wk  # the latent is fp32 when pooled; wk is in the model's dtype
+            keys = rope(self.indexer.k_norm(wk(latent.to(wk.weight.dtype)))[:, None, :], cos, sin)
+            keys = keys[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
 

@@ -200,7 +200,7 @@ def test_bf16_cuda_greedy_close_to_golden(name, enforce_eager):
 @pytest.mark.gpu
 def test_cuda_fp32_minimal_greedy_matches_golden():
     """The CUDA paths (Triton kernels, decode graphs) in fp32 give the golden tokens."""
-    llm = _llm("tiny-minimal", device="cuda", cuda_graph_batch_sizes=[1, 2, 4])
+    llm = _llm("tiny-minimal", device="cuda", dtype="float32", cuda_graph_batch_sizes=[1, 2, 4])
     assert _tokens(llm) == _expected(MINIMAL)
 
 

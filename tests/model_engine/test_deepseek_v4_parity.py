@@ -226,7 +226,7 @@ def test_bf16_cuda_logits_close_to_hf(v4_dirs, kind, enforce_eager):
 def test_cuda_fp32_greedy_matches_hf(v4_dirs):
     """The CUDA paths (Triton decode, graphs) in fp32 give HF's tokens exactly."""
     path = v4_dirs["a"]
-    llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
+    llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=256,
                     cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm) == _hf(path)
 

@@ -219,7 +219,7 @@ def test_bf16_cuda_logits_close_to_hf(qwen3_next_dirs, enforce_eager):
 def test_cuda_fp32_greedy_matches_hf(qwen3_next_dirs):
     """The CUDA paths (Triton kernels, graphs, chunked prefill) in fp32 give HF's tokens."""
     path = qwen3_next_dirs["a"]
-    llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
+    llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=256,
                     max_num_batched_tokens=32, cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm) == _hf(path)
 
