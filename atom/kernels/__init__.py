@@ -23,7 +23,6 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot`'s input precision for operands of ``dtype``: "ieee" for fp32 (a GPU's
     default rounds fp32 operands to TF32, ~1e-3 relative: enough to flip greedy near-ties
