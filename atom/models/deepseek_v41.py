@@ -244,6 +244,7 @@ class EngramHashes(nn.Module):
         offsets = torch.tensor(engram_offsets(primes), dtype=torch.int64)
         self.register_buffer("offsets", offsets, persistent=False)
         multipliers = engram_multipliers(layers, n, config.engram_compressed_vocab_size)
+        multipliers = multipliers.to(self.primes.device)  # numpy-made: on the CPU
         self.register_buffer("multipliers", multipliers, persistent=False)
         self.register_buffer(
             "token_map", torch.tensor(token_map, dtype=torch.int64), persistent=False
