@@ -135,6 +135,7 @@ def _topk_kernel(
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK: tl.constexpr,
+    RANK_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     zero = row * 0
@@ -194,12 +195,13 @@ def _topk_kernel(
     if MODE == 0:
         tl.debug_barrier()  # the compacted picks just written are read back below
         # each pick's rank: picks with a larger key, or an equal key and a lower index
-        for start in range(0, k, BLOCK):
-            mine = start + offs
+        pairs = tl.arange(0, RANK_BLOCK)
+        for start in range(0, k, RANK_BLOCK):
+            mine = start + pairs
             mine_keys = tl.load(scratch_keys_ptr + row * k + mine, mask=mine < k, other=0)
-            rank = tl.zeros([BLOCK], tl.int32)
-            for other_start in range(0, k, BLOCK):
-                other = other_start + offs
+            rank = tl.zeros([RANK_BLOCK], tl.int32)
+            for other_start in range(0, k, RANK_BLOCK):
+                other = other_start + pairs
                 other_keys = tl.load(scratch_keys_ptr + row * k + other, mask=other < k,
                                      other=0)  # fmt: skip
                 beats = (other_keys[None, :] > mine_keys[:, None]) | (
@@ -211,7 +213,7 @@ def _topk_kernel(
             tl.store(out_ptr + row * stride_out_row + rank, values, mask=mine < k)
 
 
-_BLOCK = 128
+_BLOCK, _RANK_BLOCK = 512, 64  # entries per scan tile; picks per side of a rank tile
 
 
 def two_level_topk(
@@ -237,6 +239,7 @@ def two_level_topk(
         scores, allowed, out, out, scratch[0], scratch[1], width, width, k,
         scores.stride(0), allowed.stride(0), out.stride(0),
         MODE=MODE_ENTRIES, GROUP=1, BLOCK_G=1, BLOCK=_BLOCK,
+        RANK_BLOCK=_RANK_BLOCK,
     )  # fmt: skip
     return out
 
@@ -259,6 +262,6 @@ def candidate_blocks(
             scores, keep, visible, keep, keep, keep, num_blocks, width, k,
             scores.stride(0), 0, keep.stride(0),
             MODE=MODE_BLOCKS, GROUP=block_size, BLOCK_G=triton.next_power_of_2(block_size),
-            BLOCK=_BLOCK,
+            BLOCK=_BLOCK, RANK_BLOCK=_RANK_BLOCK,
         )  # fmt: skip
     return keep.bool()
