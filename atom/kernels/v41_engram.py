@@ -242,6 +242,7 @@ def _engram_gate_kernel(
     num_tokens,
     stride_streams_row,
     eps,
+    scale,  # DIM^-0.5
     HC: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -267,7 +268,7 @@ def _engram_gate_kernel(
         k_sq += key * key
         dot += h * weight[None, :] * key
     rstd = tl.rsqrt(tl.sum(h_sq, axis=1) / DIM + eps) * tl.rsqrt(tl.sum(k_sq, axis=1) / DIM + eps)
-    gate_logit = tl.sum(dot, axis=1) * rstd * (1.0 / tl.sqrt(DIM * 1.0))
+    gate_logit = tl.sum(dot, axis=1) * rstd * scale
     root = tl.sqrt(tl.maximum(tl.abs(gate_logit), 1e-6))
     gate = tl.sigmoid(tl.where(gate_logit < 0, -root, root))
     out_rows = out_ptr + (tokens[:, None] * HC + stream) * DIM
@@ -306,7 +307,7 @@ def engram(streams, hash_ids, table, wkv, q_weight, k_weight, eps: float) -> tor
     )  # fmt: skip
     weight = (q_weight.float() * k_weight.float()).contiguous()
     _engram_gate_kernel[(triton.cdiv(num_tokens, block_t), hc)](
-        streams, kv, weight, out, num_tokens, streams.stride(0), eps,
+        streams, kv, weight, out, num_tokens, streams.stride(0), eps, dim**-0.5,
         HC=hc, DIM=dim, BLOCK_T=block_t, BLOCK_D=min(256, triton.next_power_of_2(dim)),
     )  # fmt: skip
     return out

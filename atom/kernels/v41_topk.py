@@ -258,10 +258,11 @@ def candidate_blocks(
         scores = scores.float()
         assert scores.stride(-1) == 1
         visible = num_visible.to(torch.int64)
+        block_group = triton.next_power_of_2(block_size)
         _topk_kernel[(num_rows,)](
             scores, keep, visible, keep, keep, keep, num_blocks, width, k,
             scores.stride(0), 0, keep.stride(0),
-            MODE=MODE_BLOCKS, GROUP=block_size, BLOCK_G=triton.next_power_of_2(block_size),
-            BLOCK=_BLOCK, RANK_BLOCK=_RANK_BLOCK,
+            MODE=MODE_BLOCKS, GROUP=block_size, BLOCK_G=block_group,
+            BLOCK=max(16, _BLOCK // block_group), RANK_BLOCK=_RANK_BLOCK,  # 512 entries a tile
         )  # fmt: skip
     return keep.bool()

@@ -137,8 +137,9 @@ class DeepseekV41Attention(nn.Module):
         entries = rope(latent[:, None, :], cos, sin)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
-        if self.attn.owns_keys:
-            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)[:, 0]
+        if self.attn.owns_keys:  # a pooled (ratio > 1) latent is fp32: wk takes the model dtype
+            keys = self.indexer.k_norm(self.indexer.wk(latent.to(self.indexer.wk.weight.dtype)))
+            keys = rope(keys[:, None, :], cos, sin)[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
 

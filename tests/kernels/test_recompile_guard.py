@@ -183,7 +183,10 @@ KERNELS = {
     # the Engram lookup: gathered GEMM, then the gate (the hash-id row stride is the number
     # of engram columns of every layer, the streams' row stride hc * hidden: geometry)
     (v41_engram, "_engram_kv_kernel"): (["num_tokens"], ["stride_hash_row"]),
-    (v41_engram, "_engram_gate_kernel"): (["num_tokens"], ["stride_streams_row", "eps"]),
+    (v41_engram, "_engram_gate_kernel"): (
+        ["num_tokens"],
+        ["stride_streams_row", "eps", "scale"],
+    ),
     # the two-level top-k: row width (entries or blocks), k and the row strides (the width
     # again, for prefill rows of every length) are runtime
     (v41_topk, "_topk_kernel"): (

@@ -189,8 +189,10 @@ def test_engram_lookup_kernel_matches_reference(tokens):
 
 # bf16 Engram lookup on CUDA against the fp32 reference of the same bf16 inputs:
 # max |error| / max |reference|. The kernel keeps key and value in fp32 and rounds only its
-# output, so the gap is bf16 output rounding (2^-9 of an element at most); the CPU proxy
-# of that (the reference in fp32, output rounded to bf16) measured 1.9e-3.
+# output, so the gap is bf16 output rounding (at most 2^-8 = 3.9e-3 of an element). CPU
+# proxy of the kernel (the fp32 reference, output rounded to bf16), this test's shapes:
+# 2.8e-3 / 2.1e-3 / 3.3e-3 at 1 / 37 / 512 tokens; the torch reference run in bf16 itself
+# is 2.8e-3 / 3.7e-3 / 7.7e-3 from fp32. The H200 figure is printed by the test.
 ENGRAM_BF16_BOUND = 1e-2
 
 

@@ -13,6 +13,11 @@ compress group), the last prompt logits and, for tiny-full, every position's eng
   rounding-fragile (`EXCUSED` records which were needed: none in this run); the hash ids
   the engine computed (chunked prefill and decode, history from the sequence's state) equal
   the recorded ones at every position.
+- bf16: on CPU, the engine runs (a pooled fp32 latent meets bf16 indexer weights) and the
+  last prompt logits stay within the measured bf16 gap; `gpu`: bf16 on CUDA, Triton
+  kernels, eager and CUDA graphs, teacher-forced logit gaps within bounds measured with the
+  CPU bf16 proxy (printed on every run), divergences only at flips the gap explains; fp32
+  on CUDA gives the golden tokens of tiny-minimal.
 Every test leaves every KV block and state slot free (tests/engine_support.py).
 """
 
@@ -165,36 +170,122 @@ def test_full_chunked_prefill_and_preemption_batched():
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-# bf16 on CUDA: each greedy token, while the sequence still equals the golden one, must be
-# within this fraction of the largest |logit| of the golden fp32 best choice there (the
-# golden top-5 at that position). Provisional, as V4's bf16 bound: replace it with the
-# regret measured on the H200 (the test prints it).
-BF16_REGRET = 0.08
+def _capture_logits(llm) -> list:
+    """Every `compute_logits` result of the engine's model, appended as it runs."""
+    model = llm.engine.model_runner.model
+    captured, compute = [], model.compute_logits
+    model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+    return captured
+
+
+def logit_gaps(llm, golden) -> list[list[float]]:
+    """Teacher-forced logit gaps: per prompt, per position of the golden sequence (the last
+    prompt token, then each golden continuation token but the last), max |logit - golden| /
+    max |golden| over the golden top-5 ids there (the full vocabulary at the last prompt
+    token). One prefill per prefix; independent of the engine's own greedy choices."""
+    captured = _capture_logits(llm)
+    gaps = []
+    for record in golden["prompts"]:
+        prompt, continuation = record["prompt_ids"], record["greedy_continuation"]
+        per_position = []
+        for i in range(len(continuation)):
+            captured.clear()
+            llm.generate([prompt + continuation[:i]], _params(1), use_tqdm=False)
+            logits = captured[0][0].float().cpu()
+            if i == 0:
+                ids = list(range(logits.shape[0]))
+                expected = torch.tensor(record["prompt_last_logits"])
+            else:
+                ids = record["continuation_top5_ids"][i]
+                expected = torch.tensor(record["continuation_top5_logits"][i])
+            gap = (logits[ids] - expected).abs().max() / expected.abs().max()
+            per_position.append(gap.item())
+        gaps.append(per_position)
+    return gaps
+
+
+def divergences(outputs, golden, gaps) -> list[tuple[int, float, float]]:
+    """Per prompt whose greedy tokens leave the golden ones: (position, the golden fp32
+    decision's margin there (top-1 minus top-2) relative to the largest |top-5 logit|,
+    the teacher-forced gap measured there)."""
+    found = []
+    for tokens, record, gap in zip(outputs, golden["prompts"], gaps, strict=True):
+        expected = record["greedy_continuation"]
+        first = next(
+            (i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None
+        )
+        if first is not None:
+            scale = max(abs(v) for v in record["continuation_top5_logits"][first])
+            margin = record["continuation_top1_minus_top2"][first] / scale
+            found.append((first, round(margin, 4), round(gap[first], 4)))
+    return found
+
+
+def gap_summary(gaps) -> tuple[float, float]:
+    flat = sorted(g for per_prompt in gaps for g in per_prompt)
+    return flat[len(flat) // 2], flat[-1]
+
+
+# bf16 (Triton kernels on CUDA) against the golden fp32 logits, teacher-forced
+# (`logit_gaps`, 96 positions a model): the median and the largest gap. Measured with the
+# CPU bf16 proxy (the torch references in bf16; `python -m
+# tests.model_engine.test_deepseek_v41_parity` prints it), 2026-12-01: tiny-minimal median
+# 0.010, max 0.53; tiny-full median 0.114, max 0.53. Most positions carry bf16 noise; a few
+# (6 of 96 above 0.1 in tiny-minimal) jump where noise flips a top-k choice (router,
+# indexer: cut gaps down to 2e-4), and in tiny-full fake quantisation turns the noise into
+# whole FP8/FP4 steps (56 of 96 above 0.1). Bounds: median 3x / 1.75x, max 1.5x the proxy;
+# the H200 run prints its own figures (docs/benchmarks.md, "DeepSeek-V4.1 kernels and bf16").
+BF16_MEDIAN_GAP = {"tiny-minimal": 0.03, "tiny-full": 0.2}
+BF16_MAX_GAP = 0.8
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-minimal", "tiny-full"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_bf16_cuda_greedy_close_to_golden(name, enforce_eager):
-    """bf16 on CUDA (Triton fake quantisation, engram hashing, window write and decode
-    attention over the source's pool; CUDA graphs for decode)."""
+def test_bf16_cuda_close_to_golden(name, enforce_eager):
+    """bf16 on CUDA (Triton fake quantisation, engram hashing and lookup, indexer scores,
+    two-level top-k, window write and decode attention over the source's pool; CUDA graphs
+    for decode): teacher-forced logits within the measured bounds; a free-running greedy
+    token leaves the golden sequence only where the golden margin is within twice the gap
+    measured at that position (the proxy: every divergence was a flip spike)."""
     golden = _golden(name)
     llm = _llm(
         name, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=[1, 2, 4],
     )  # fmt: skip
     outputs = _tokens(llm)
+    gaps = logit_gaps(llm, golden)
+    median, worst = gap_summary(gaps)
+    found = divergences(outputs, golden, gaps)
+    print(
+        f"{name} bf16 {'eager' if enforce_eager else 'graphs'}: teacher-forced logit gap "
+        f"median {median:.4f} (bound {BF16_MEDIAN_GAP[name]}), max {worst:.4f} (bound "
+        f"{BF16_MAX_GAP}), last prompt token {max(p[0] for p in gaps):.4f}; divergences "
+        f"(position, golden margin, gap there) {found}"
+    )
+    assert median <= BF16_MEDIAN_GAP[name] and worst <= BF16_MAX_GAP
+    assert all(margin <= 2 * gap for _, margin, gap in found), found
+
+
+# bf16 on CPU, max |logit - golden| / max |golden| at the last prompt token over the four
+# prompts: measured 0.288 (tiny-full, 2026-12-01; fake quantisation steps); bound 1.5x.
+BF16_CPU_LAST_LOGIT_GAP = 0.45
+
+
+def test_bf16_cpu_runs_with_last_logits_close():
+    golden = FULL
+    llm = _llm("tiny-full", dtype="bfloat16")
+    captured = _capture_logits(llm)
     worst = 0.0
-    for tokens, record in zip(outputs, golden["prompts"], strict=True):
-        for i, token in enumerate(tokens):
-            ids, logits = record["continuation_top5_ids"][i], record["continuation_top5_logits"][i]
-            assert token in ids, (record["prompt_ids"][:4], i, token, ids)
-            regret = (logits[0] - logits[ids.index(token)]) / max(abs(v) for v in logits)
-            worst = max(worst, regret)
-            assert regret <= BF16_REGRET, (i, regret)
-            if token != record["greedy_continuation"][i]:
-                break  # the golden logits describe the golden sequence only
-    print(f"{name} bf16 {'eager' if enforce_eager else 'graphs'}: worst regret {worst:.4f}")
+    for record in golden["prompts"]:
+        captured.clear()
+        tokens = llm.generate([record["prompt_ids"]], _params(4), use_tqdm=False)[0].token_ids
+        assert len(tokens) == 4
+        expected = torch.tensor(record["prompt_last_logits"])
+        gap = (captured[0][0].float() - expected).abs().max() / expected.abs().max()
+        worst = max(worst, gap.item())
+    print(f"tiny-full bf16 cpu: last prompt token logit gap {worst:.4f}")
+    assert worst <= BF16_CPU_LAST_LOGIT_GAP
 
 
 @pytest.mark.gpu
@@ -216,3 +307,16 @@ def test_memory_profiling_forward_runs_without_a_cache(monkeypatch):
     with torch.no_grad(), forward_context(AttentionMetadata(None, None, None, None, n, False)):
         hidden = model(torch.randint(3, 256, (n,)), torch.arange(n))
     assert hidden.shape == (n, 64) and torch.isfinite(hidden).all()
+
+
+if __name__ == "__main__":  # the CPU bf16 proxy of the GPU bounds above
+    for model_name in ("tiny-minimal", "tiny-full"):
+        golden_record = _golden(model_name)
+        engine = _llm(model_name, dtype="bfloat16")
+        tokens_out = _tokens(engine)
+        per_prompt = logit_gaps(engine, golden_record)
+        median_gap, max_gap = gap_summary(per_prompt)
+        print(
+            f"{model_name} bf16 cpu: teacher-forced logit gap median {median_gap:.4f}, max "
+            f"{max_gap:.4f}; divergences {divergences(tokens_out, golden_record, per_prompt)}"
+        )
