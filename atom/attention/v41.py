@@ -19,7 +19,9 @@ every ratio > 1 source's partial group rows (fp32 projections) and the Engram hi
 each source's entries and (index sources) indexer keys.
 
 Decode (one token per row) uses static shapes only (CUDA-graph capturable); any other step
-runs per sequence in torch (host reads), like the v4 backend.
+runs per sequence in torch (host reads), like the v4 backend. On CUDA the choice is Triton
+in both (the two-level top-k, atom/kernels/v41_topk.py), and decode scores the key source's
+pool with V4's indexer kernel; on CPU the torch references (golden-exact).
 """
 
 from __future__ import annotations
