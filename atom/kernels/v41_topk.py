@@ -234,9 +234,12 @@ def two_level_topk(
     allowed = allowed.to(torch.int8).contiguous()
     scores = scores.float()
     assert scores.stride(-1) == 1 and allowed.stride(-1) == 1
-    scratch = torch.empty(2, num_rows, k, dtype=torch.int64, device=scores.device)
+    # two allocations, not two halves of one: a half can lose the 16-byte alignment Triton
+    # specializes pointers on (a new variant for odd num_rows * k)
+    scratch_keys = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
+    scratch_values = torch.empty_like(scratch_keys)
     _topk_kernel[(num_rows,)](
-        scores, allowed, out, out, scratch[0], scratch[1], width, width, k,
+        scores, allowed, out, out, scratch_keys, scratch_values, width, width, k,
         scores.stride(0), allowed.stride(0), out.stride(0),
         MODE=MODE_ENTRIES, GROUP=1, BLOCK_G=1, BLOCK=_BLOCK,
         RANK_BLOCK=_RANK_BLOCK,
