@@ -137,9 +137,10 @@ class DeepseekV41Attention(nn.Module):
         entries = rope(latent[:, None, :], cos, sin)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
-        if self.attn.owns_keys:  # a pooled (ratio > 1) latent is fp32: wk takes the model dtype
-            keys = self.indexer.k_norm(self.indexer.wk(latent.to(self.indexer.wk.weight.dtype)))
-            keys = rope(keys[:, None, :], cos, sin)[:, 0]
+        if self.attn.owns_keys:
+            wk = self.indexer.wk  # the latent is fp32 when pooled; wk is in the model's dtype
+            keys = rope(self.indexer.k_norm(wk(latent.to(wk.weight.dtype)))[:, None, :], cos, sin)
+            keys = keys[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
 
@@ -245,6 +246,7 @@ class EngramHashes(nn.Module):
         offsets = torch.tensor(engram_offsets(primes), dtype=torch.int64)
         self.register_buffer("offsets", offsets, persistent=False)
         multipliers = engram_multipliers(layers, n, config.engram_compressed_vocab_size)
+        multipliers = multipliers.to(self.primes.device)  # numpy-made: on the CPU
         self.register_buffer("multipliers", multipliers, persistent=False)
         self.register_buffer(
             "token_map", torch.tensor(token_map, dtype=torch.int64), persistent=False

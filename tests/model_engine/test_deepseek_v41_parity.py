@@ -13,11 +13,10 @@ compress group), the last prompt logits and, for tiny-full, every position's eng
   rounding-fragile (`EXCUSED` records which were needed: none in this run); the hash ids
   the engine computed (chunked prefill and decode, history from the sequence's state) equal
   the recorded ones at every position.
-- bf16: on CPU, the engine runs (a pooled fp32 latent meets bf16 indexer weights) and the
-  last prompt logits stay within the measured bf16 gap; `gpu`: bf16 on CUDA, Triton
-  kernels, eager and CUDA graphs, teacher-forced logit gaps within bounds measured with the
-  CPU bf16 proxy (printed on every run), divergences only at flips the gap explains; fp32
-  on CUDA gives the golden tokens of tiny-minimal.
+- bf16: on CPU the engine runs (a pooled fp32 latent meets bf16 indexer weights) with the
+  last prompt logits within the measured gap; `gpu`: bf16 on CUDA (Triton fake quantisation,
+  engram hashing and lookup, indexer scores, two-level top-k, decode attention; eager and
+  graphs) against fp32 on the same tokens; fp32 on CUDA gives the golden tokens.
 Every test leaves every KV block and state slot free (tests/engine_support.py).
 """
 
@@ -170,114 +169,80 @@ def test_full_chunked_prefill_and_preemption_batched():
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def _capture_logits(llm) -> list:
-    """Every `compute_logits` result of the engine's model, appended as it runs."""
+# bf16 on CUDA against fp32 on the same tokens. The fp32 logits come from atom on CPU,
+# which the tests above hold to the golden tokens and logits (the golden files' top-5 cannot
+# serve once a bf16 run leaves the golden sequence). Two figures per run: the agreement (the
+# fraction of generated positions where bf16 chose fp32's best token) and the worst regret
+# ((best fp32 logit - fp32 logit of the chosen token) / max|fp32 logit| at that position).
+# Top-k selections and fake-quant rounding make bf16 flips discrete: most positions agree
+# exactly and a few pick a clearly worse token (tiny-full's every fake-quant step is
+# active). The bounds are the figures measured on the H200 (docs/benchmarks.md) with margin;
+# the test prints them.
+# H200 2026-12-01 (eager and graphs alike): tiny-minimal 0.958 / 0.267, tiny-full
+# 0.656 / 0.615; bf16 on CPU (torch references) 0.958 / 0.267 and 0.667 / 0.696.
+BF16_BOUNDS = {"tiny-minimal": (0.90, 0.35), "tiny-full": (0.60, 0.80)}  # agreement, regret
+
+
+def fp32_agreement_and_regret(name, prompts, outputs) -> tuple[float, float]:
+    llm = _llm(name)
     model = llm.engine.model_runner.model
-    captured, compute = [], model.compute_logits
+    captured = []
+    compute = model.compute_logits
     model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
-    return captured
-
-
-def logit_gaps(llm, golden) -> list[list[float]]:
-    """Teacher-forced logit gaps: per prompt, per position of the golden sequence (the last
-    prompt token, then each golden continuation token but the last), max |logit - golden| /
-    max |golden| over the golden top-5 ids there (the full vocabulary at the last prompt
-    token). One prefill per prefix; independent of the engine's own greedy choices."""
-    captured = _capture_logits(llm)
-    gaps = []
-    for record in golden["prompts"]:
-        prompt, continuation = record["prompt_ids"], record["greedy_continuation"]
-        per_position = []
-        for i in range(len(continuation)):
-            captured.clear()
-            llm.generate([prompt + continuation[:i]], _params(1), use_tqdm=False)
-            logits = captured[0][0].float().cpu()
-            if i == 0:
-                ids = list(range(logits.shape[0]))
-                expected = torch.tensor(record["prompt_last_logits"])
-            else:
-                ids = record["continuation_top5_ids"][i]
-                expected = torch.tensor(record["continuation_top5_logits"][i])
-            gap = (logits[ids] - expected).abs().max() / expected.abs().max()
-            per_position.append(gap.item())
-        gaps.append(per_position)
-    return gaps
-
-
-def divergences(outputs, golden, gaps) -> list[tuple[int, float, float]]:
-    """Per prompt whose greedy tokens leave the golden ones: (position, the golden fp32
-    decision's margin there (top-1 minus top-2) relative to the largest |top-5 logit|,
-    the teacher-forced gap measured there)."""
-    found = []
-    for tokens, record, gap in zip(outputs, golden["prompts"], gaps, strict=True):
-        expected = record["greedy_continuation"]
-        first = next(
-            (i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b), None
-        )
-        if first is not None:
-            scale = max(abs(v) for v in record["continuation_top5_logits"][first])
-            margin = record["continuation_top1_minus_top2"][first] / scale
-            found.append((first, round(margin, 4), round(gap[first], 4)))
-    return found
-
-
-def gap_summary(gaps) -> tuple[float, float]:
-    flat = sorted(g for per_prompt in gaps for g in per_prompt)
-    return flat[len(flat) // 2], flat[-1]
-
-
-# bf16 (Triton kernels on CUDA) against the golden fp32 logits, teacher-forced
-# (`logit_gaps`, 96 positions a model): the median and the largest gap. Measured with the
-# CPU bf16 proxy (the torch references in bf16; `python -m
-# tests.model_engine.test_deepseek_v41_parity` prints it), 2026-12-01: tiny-minimal median
-# 0.010, max 0.53; tiny-full median 0.114, max 0.53. Most positions carry bf16 noise; a few
-# (6 of 96 above 0.1 in tiny-minimal) jump where noise flips a top-k choice (router,
-# indexer: cut gaps down to 2e-4), and in tiny-full fake quantisation turns the noise into
-# whole FP8/FP4 steps (56 of 96 above 0.1). Bounds: median 3x / 1.75x, max 1.5x the proxy;
-# the H200 run prints its own figures (docs/benchmarks.md, "DeepSeek-V4.1 kernels and bf16").
-BF16_MEDIAN_GAP = {"tiny-minimal": 0.03, "tiny-full": 0.2}
-BF16_MAX_GAP = 0.8
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    regrets = []
+    for prompt, generated in zip(prompts, outputs, strict=True):
+        captured.clear()
+        llm.generate([prompt + generated], params, use_tqdm=False)
+        rows = captured[0][len(prompt) - 1 :]  # the logits that chose each generated token
+        assert rows.shape[0] == len(generated), rows.shape
+        chosen = rows.gather(1, torch.tensor(generated)[:, None])[:, 0]
+        regrets.append((rows.max(dim=-1).values - chosen) / rows.abs().max(dim=-1).values)
+    regrets = torch.cat(regrets)
+    return float((regrets == 0).float().mean()), float(regrets.max())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-minimal", "tiny-full"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_bf16_cuda_close_to_golden(name, enforce_eager):
-    """bf16 on CUDA (Triton fake quantisation, engram hashing and lookup, indexer scores,
-    two-level top-k, window write and decode attention over the source's pool; CUDA graphs
-    for decode): teacher-forced logits within the measured bounds; a free-running greedy
-    token leaves the golden sequence only where the golden margin is within twice the gap
-    measured at that position (the proxy: every divergence was a flip spike)."""
-    golden = _golden(name)
+def test_bf16_cuda_greedy_close_to_fp32(name, enforce_eager):
+    """bf16 on CUDA (Triton fake quantisation, engram hashing and lookup, indexer scores
+    over the key source's pool, two-level top-k, window write and decode attention over the
+    source's pool; CUDA graphs for decode)."""
     llm = _llm(
         name, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=[1, 2, 4],
     )  # fmt: skip
-    outputs = _tokens(llm)
-    gaps = logit_gaps(llm, golden)
-    median, worst = gap_summary(gaps)
-    found = divergences(outputs, golden, gaps)
-    print(
-        f"{name} bf16 {'eager' if enforce_eager else 'graphs'}: teacher-forced logit gap "
-        f"median {median:.4f} (bound {BF16_MEDIAN_GAP[name]}), max {worst:.4f} (bound "
-        f"{BF16_MAX_GAP}), last prompt token {max(p[0] for p in gaps):.4f}; divergences "
-        f"(position, golden margin, gap there) {found}"
-    )
-    assert median <= BF16_MEDIAN_GAP[name] and worst <= BF16_MAX_GAP
-    assert all(margin <= 2 * gap for _, margin, gap in found), found
+    agreement, regret = fp32_agreement_and_regret(name, PROMPTS, _tokens(llm))
+    mode = "eager" if enforce_eager else "graphs"
+    print(f"{name} bf16 {mode}: agreement {agreement:.3f}, worst regret {regret:.4f}")
+    min_agreement, max_regret = BF16_BOUNDS[name]
+    assert agreement >= min_agreement and regret <= max_regret, (agreement, regret)
 
 
-# bf16 on CPU, max |logit - golden| / max |golden| at the last prompt token over the four
-# prompts: measured 0.288 (tiny-full, 2026-12-01; fake quantisation steps); bound 1.5x.
+def test_fp32_agreement_of_the_golden_tokens_is_one():
+    """The measure itself, on CPU: the golden continuations are fp32 greedy (agreement 1,
+    regret 0); a last token changed is one disagreement with a positive regret."""
+    outputs = _expected(MINIMAL, 6)
+    assert fp32_agreement_and_regret("tiny-minimal", PROMPTS, outputs) == (1.0, 0.0)
+    outputs[0][-1] = (outputs[0][-1] + 1) % 256  # the last: no later position sees it
+    agreement, regret = fp32_agreement_and_regret("tiny-minimal", PROMPTS, outputs)
+    assert agreement == pytest.approx(23 / 24) and regret > 0.0
+
+
+# bf16 on CPU (torch references), max |logit - golden| / max |golden| at the last prompt
+# token over the four prompts: measured 0.288 (tiny-full, 2026-12-01; fake quantisation
+# turns bf16 noise into whole FP8/FP4 steps); bound 1.5x.
 BF16_CPU_LAST_LOGIT_GAP = 0.45
 
 
 def test_bf16_cpu_runs_with_last_logits_close():
-    golden = FULL
     llm = _llm("tiny-full", dtype="bfloat16")
-    captured = _capture_logits(llm)
+    model = llm.engine.model_runner.model
+    captured, compute = [], model.compute_logits
+    model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
     worst = 0.0
-    for record in golden["prompts"]:
+    for record in FULL["prompts"]:
         captured.clear()
         tokens = llm.generate([record["prompt_ids"]], _params(4), use_tqdm=False)[0].token_ids
         assert len(tokens) == 4
@@ -291,7 +256,7 @@ def test_bf16_cpu_runs_with_last_logits_close():
 @pytest.mark.gpu
 def test_cuda_fp32_minimal_greedy_matches_golden():
     """The CUDA paths (Triton kernels, decode graphs) in fp32 give the golden tokens."""
-    llm = _llm("tiny-minimal", device="cuda", cuda_graph_batch_sizes=[1, 2, 4])
+    llm = _llm("tiny-minimal", device="cuda", dtype="float32", cuda_graph_batch_sizes=[1, 2, 4])
     assert _tokens(llm) == _expected(MINIMAL)
 
 
@@ -307,16 +272,3 @@ def test_memory_profiling_forward_runs_without_a_cache(monkeypatch):
     with torch.no_grad(), forward_context(AttentionMetadata(None, None, None, None, n, False)):
         hidden = model(torch.randint(3, 256, (n,)), torch.arange(n))
     assert hidden.shape == (n, 64) and torch.isfinite(hidden).all()
-
-
-if __name__ == "__main__":  # the CPU bf16 proxy of the GPU bounds above
-    for model_name in ("tiny-minimal", "tiny-full"):
-        golden_record = _golden(model_name)
-        engine = _llm(model_name, dtype="bfloat16")
-        tokens_out = _tokens(engine)
-        per_prompt = logit_gaps(engine, golden_record)
-        median_gap, max_gap = gap_summary(per_prompt)
-        print(
-            f"{model_name} bf16 cpu: teacher-forced logit gap median {median_gap:.4f}, max "
-            f"{max_gap:.4f}; divergences {divergences(tokens_out, golden_record, per_prompt)}"
-        )
