@@ -73,7 +73,6 @@ def two_level_topk_reference(
 
 # -- Triton ----------------------------------------------------------------------------------
 MODE_ENTRIES, MODE_BLOCKS = 0, 1
-_KEY_RANGE = 2**32  # order keys live in [0, 2^32)
 
 
 @triton.jit
