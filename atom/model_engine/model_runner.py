@@ -55,8 +55,12 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         extra_kv_block_bytes: int = 0,
         pp: PipelineGroup | None = None,
+        catch_up_rows: int | None = None,
     ):
         self.config = config
+        # A speculative draft model's runner: its short catch-up steps (at most
+        # `catch_up_rows` tokens per sequence) replay CUDA graphs (verify_graphs.py).
+        self.catch_up_rows = catch_up_rows
         # Bytes per block of a cache that shares these block ids (a speculative draft
         # model's): the budget is split so that both caches hold the same blocks.
         self.extra_kv_block_bytes = extra_kv_block_bytes
@@ -105,7 +109,12 @@ class ModelRunner:
                 graphs.capture()
         self.verify_graphs: list[VerifyGraphs] | None = None
         if self.graphs is not None and config.speculative_method is not None:
-            self.verify_graphs = self._capture_verify_graphs(sizes)
+            self.verify_graphs = self._capture_verify_graphs(
+                sizes, config.num_speculative_tokens + 1
+            )
+        elif self.graphs is not None and catch_up_rows:
+            self.verify_graphs = self._capture_verify_graphs(sizes, catch_up_rows)
+        self.eager_forwards = 0  # forwards run outside CUDA graphs (tests, benchmarks)
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""
@@ -113,14 +122,14 @@ class ModelRunner:
         return sum(p.copies for p in publishers), sum(p.bytes for p in publishers)
 
     # -- set-up ----------------------------------------------------------------------------
-    def _capture_verify_graphs(self, sizes: list[int]) -> list[VerifyGraphs]:
-        """Speculative decoding: graphs of verify steps (k + 1 tokens per sequence)."""
-        rows = self.config.num_speculative_tokens + 1
+    def _capture_verify_graphs(self, sizes: list[int], rows: int) -> list[VerifyGraphs]:
+        """Speculative decoding: graphs of steps of up to `rows` tokens per sequence (the
+        target's verify steps: k + 1; the draft's catch-up steps: 2)."""
         tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         sizes = [s for s in sizes if s * rows <= tokens and s <= 64]
         graphs = []
         for slot in self.slots:
-            verify = VerifyGraphs(self.model, slot, sizes, self.config.num_speculative_tokens)
+            verify = VerifyGraphs(self.model, slot, sizes, rows)
             verify.capture()
             graphs.append(verify)
         return graphs
@@ -325,7 +334,7 @@ class ModelRunner:
         plan = SamplingPlan.build(batch, step.sampling_seqs, self.hf_config.vocab_size, self.device)
         prompt = None
 
-        verify_size = self._verify_graph_size(index, batch, step)
+        verify_size = self._verify_graph_size(index, batch, step, plan)
         with profiling.stage("forward"):
             if placeholders is not None and (self.pp is None or self.pp.is_first):
                 dst, src = placeholders
@@ -334,8 +343,11 @@ class ModelRunner:
                 assert plan is None or not plan.has_prompt_logprobs, "prompt logprobs in a graph"
                 logits = graphs.run(graph_size, step.num_seqs)
             elif verify_size is not None:
-                logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
+                logits = self.verify_graphs[index].run(
+                    verify_size, step.num_seqs, step.num_tokens, logits_indices
+                )
             else:
+                self.eager_forwards += 1
                 with forward_context(metadata):
                     hidden = self._forward(input_ids, positions, step.num_tokens)
                 if hidden is None:  # a pipeline stage that is not the last
@@ -357,15 +369,15 @@ class ModelRunner:
                 return self.sampler(logits, sampling), None
             return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
 
-    def _verify_graph_size(self, index: int, batch: ScheduledBatch, step) -> int | None:
-        """The verify graph size a speculative step replays at, or None (eager): every
-        sequence verifies exactly k drafts (so every token is a verify row)."""
-        if self.verify_graphs is None or batch.draft_token_ids is None:
+    def _verify_graph_size(self, index: int, batch: ScheduledBatch, step, plan) -> int | None:
+        """The multi-token graph size a step replays at, or None (eager): a verify step
+        (target) or a catch-up step (draft runner) whose sequences have at most the
+        graph's tokens each, and that samples."""
+        if self.verify_graphs is None or batch.is_decode_only or not step.sampling_seqs:
             return None
-        rows = self.config.num_speculative_tokens + 1
-        if step.num_verify_rows != step.num_tokens or step.num_tokens != rows * step.num_seqs:
+        if plan is not None or (batch.draft_token_ids is None and not self.catch_up_rows):
             return None
-        return self.verify_graphs[index].padded_size(step.num_seqs)
+        return self.verify_graphs[index].fits(step.num_seqs, step.max_seqlen_q)
 
 
 def verify_rows_per_step(config: Config) -> int | None:
