@@ -57,6 +57,63 @@ def test_self_draft_accepts_everything_and_matches(target, expected):
     assert llm.engine.stats.steps < 2 * 20
 
 
+def test_draft_steps_run_back_to_back_with_one_host_wait(target, expected):
+    """Per verify step the draft launches its catch-up and d - 1 decodes without reading a
+    token in between (each feeds the next on the device), then waits once; after a step
+    that kept every draft the catch-up computes 2 tokens (a CUDA-graph size on GPU)."""
+    llm = self_draft(target)
+    proposer = llm.engine.speculator.proposer
+    events = []
+    launch, propose = proposer.runner.launch, proposer.propose
+
+    def spy_launch(batch):
+        handle = launch(batch)
+        result = handle.result
+        handle.result = lambda: events.append("wait") or result()
+        events.append("launch")
+        return handle
+
+    def spy_propose(seqs, counts):
+        events.append("propose")
+        return propose(seqs, counts)
+
+    proposer.runner.launch, proposer.propose = spy_launch, spy_propose
+    prompt = PROMPTS[1]
+    assert generate(llm, [prompt]) == expected[0][1:2]
+    stats = llm.engine.speculator.stats
+    cycles = [c.split() for c in " ".join(events).split("propose") if c.strip()]
+    assert len(cycles) == stats.num_drafts == proposer.host_syncs
+    for cycle in cycles:  # launch ... launch, then the reads
+        launches = cycle.count("launch")
+        assert cycle[:launches] == ["launch"] * launches and "launch" not in cycle[launches:]
+    # one draft launch per draft token (batch 1), every draft kept
+    assert proposer.draft_forwards == stats.proposed_tokens == stats.accepted_tokens
+    # the first catch-up: the prompt and the prefill's token; then 2 per step
+    assert proposer.catch_up_tokens == len(prompt) + 1 + 2 * (stats.num_drafts - 1)
+
+
+def test_benchmark_margin_weights_make_a_small_draft_exact(tmp_path):
+    """atom/benchmarks/speculative.py's weights: token x predicts perm(x) (the greedy
+    output follows the permutation), so a 1-layer draft with the same tables proposes
+    what the target decodes: every draft accepted."""
+    from atom.benchmarks.speculative import TINY, set_margin_weights
+
+    shape = dict(TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    transformers.LlamaConfig(**shape).save_pretrained(tmp_path / "target")
+    transformers.LlamaConfig(**dict(shape, num_hidden_layers=1)).save_pretrained(tmp_path / "d")
+    llm = build_llm(
+        str(tmp_path / "target"), load_format="dummy", speculative_method="draft",
+        speculative_model=str(tmp_path / "d"), **LEN,
+    )  # fmt: skip
+    perm = set_margin_weights(llm.engine.model_runner.model)
+    assert torch.equal(set_margin_weights(llm.engine.speculator.proposer.runner.model), perm)
+    prompt = [t % TINY["vocab_size"] for t in random_prompts(3, [12])[0]]
+    tokens = generate(llm, [prompt])[0]
+    chain = [prompt[-1]] + tokens
+    assert tokens == [int(perm[t]) for t in chain[:-1]]
+    assert llm.engine.speculator.stats.acceptance_rate == 1.0
+
+
 def test_different_draft_has_low_acceptance_and_matches(target, tiny_model_dirs, expected):
     llm = build_llm(
         target, speculative_method="draft", speculative_model=tiny_model_dirs["qwen2"], **LEN
