@@ -339,6 +339,8 @@ class ModelRunner:
             if placeholders is not None and (self.pp is None or self.pp.is_first):
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
+            if batch.device_drafts is not None:
+                fill_device_drafts(input_ids, drafts, batch.device_drafts, step.num_seqs)
             if graph_size is not None:
                 assert plan is None or not plan.has_prompt_logprobs, "prompt logprobs in a graph"
                 logits = graphs.run(graph_size, step.num_seqs)
@@ -364,7 +366,10 @@ class ModelRunner:
                 rows = len(step.sampling_seqs)
                 return torch.empty(rows, dtype=torch.int64, device=self.device), None
             if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
-                return verify_rows(logits, sampling, drafts), None
+                verified = verify_rows(logits, sampling, drafts)
+                if batch.device_drafts is not None:  # [3, rows]: and the drafts, for the host
+                    verified = torch.cat((verified, drafts.unsqueeze(0)))
+                return verified, None
             if plan is None:
                 return self.sampler(logits, sampling), None
             return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
@@ -378,6 +383,16 @@ class ModelRunner:
         if plan is not None or (batch.draft_token_ids is None and not self.catch_up_rows):
             return None
         return self.verify_graphs[index].fits(step.num_seqs, step.max_seqlen_q)
+
+
+def fill_device_drafts(input_ids, row_drafts, device_drafts, num_seqs: int) -> None:
+    """A verify step whose drafts the proposer left on the device (every sequence: its
+    last token, then d drafts): the drafts into the input ids (tokens 1..d of each
+    sequence) and into the rows they are checked at (rows 0..d-1; row d checks none)."""
+    drafts = device_drafts.view(num_seqs, -1)
+    per_seq = drafts.shape[1] + 1
+    input_ids[: num_seqs * per_seq].view(num_seqs, per_seq)[:, 1:] = drafts
+    row_drafts.view(num_seqs, per_seq)[:, :-1] = drafts
 
 
 def verify_rows_per_step(config: Config) -> int | None:
@@ -422,21 +437,24 @@ class StepHandle:
         host_tokens: torch.Tensor | None,
         done: torch.cuda.Event | None,
         logprobs: StepLogprobs | None = None,
+        device_tokens: torch.Tensor | None = None,
     ):
         self._tokens = host_tokens
         self._done = done
         self._logprobs = logprobs
+        # the sampled tokens where the step left them (a draft chain feeds them on)
+        self.device_tokens = device_tokens
 
     @classmethod
     def of(cls, tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> StepHandle:
         if not tokens.is_cuda:
-            return cls(tokens, None, logprobs)
+            return cls(tokens, None, logprobs, tokens)
         host = tokens.to("cpu", non_blocking=True)
         if logprobs is not None:
             logprobs = logprobs.to_host()
         done = torch.cuda.Event()
         done.record()
-        return cls(host, done, logprobs)
+        return cls(host, done, logprobs, tokens)
 
     def result(self) -> list[int]:
         if self._done is not None:

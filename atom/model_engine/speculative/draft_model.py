@@ -19,8 +19,11 @@ from a CUDA graph, verify_graphs.py). A sequence freed and re-admitted (preempti
 `block_version` bumped) starts again from 0.
 
 The d launches of a step go back to back on the draft runner's slot, each one's tokens
-staying on the device for the next; the host waits once, after the last (`host_syncs`
-counts the waits: one per step unless a long catch-up needs several chunks).
+staying on the device for the next. When every sequence of the step drafts the same d
+(`propose_on_device`: the common decode step), the drafts stay there for the target's
+verify step too (DeviceDrafts) and the host does not wait at all; otherwise it waits once,
+after the last launch (`host_syncs` counts the waits; a long catch-up cut into several
+chunks adds one).
 
 Proposals are greedy (one-hot q), which is what the rejection sampler assumes.
 """
@@ -30,8 +33,11 @@ from __future__ import annotations
 import weakref
 from dataclasses import replace
 
+import torch
+
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from atom.model_engine.speculative.proposers import DeviceDrafts
 from atom.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -84,18 +90,35 @@ class DraftModelProposer:
         return computed if version == seq.block_version else 0
 
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
-        active = [(s, c) for s, c in zip(seqs, counts, strict=True) if c > 0]
-        drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
-        if active:
-            launches = self._catch_up([s for s, _ in active])
-            if len(launches) > 1:  # first drafts in several launches: read them now
-                self._collect(launches, drafts)
-                launches = []
-            self._decode_chain(active, drafts, launches)
-            self._collect(launches, drafts)
+        drafts = self._propose(seqs, counts, on_device=False)
         return [
             drafts.get(s.seq_id, []) if c > 0 else [] for s, c in zip(seqs, counts, strict=True)
         ]
+
+    def propose_on_device(self, seqs: list[Sequence], counts: list[int]):
+        """Every sequence drafts counts[0]: the drafts stay on the device (DeviceDrafts),
+        unless a long catch-up took several launches (then read, as `propose`)."""
+        drafts = self._propose(seqs, counts, on_device=True)
+        if isinstance(drafts, DeviceDrafts):
+            return drafts
+        return [drafts[s.seq_id] for s in seqs]
+
+    def _propose(self, seqs, counts, on_device: bool):
+        active = [(s, c) for s, c in zip(seqs, counts, strict=True) if c > 0]
+        drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
+        if not active:
+            return drafts
+        launches = self._catch_up([s for s, _ in active])
+        if len(launches) > 1:  # first drafts in several launches: read them now
+            self._collect(launches, drafts)
+            launches = []
+        self._decode_chain(active, drafts, launches)
+        if on_device and len(launches) == counts[0]:
+            # launch j's row i is draft j + 1 of sequence i: [num_seqs, d] in batch order
+            tokens = [handle.device_tokens for _, handle in launches]
+            return DeviceDrafts(torch.stack(tokens, dim=1).reshape(-1), counts[0])
+        self._collect(launches, drafts)
+        return drafts
 
     def _launch(self, views, num_new):
         decodes = 0
