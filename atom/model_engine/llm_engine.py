@@ -204,9 +204,15 @@ class LLMEngine:
         weights = None
         if config.load_format != "dummy":
             weights = open_model(config.model).weights()
-        # After a verify step that kept every draft, the draft catches up on 2 tokens.
+        # After a verify step that kept every draft, the draft catches up on 2 tokens;
+        # its k launches per step alternate between two slots (back to back).
         return ModelRunner(
-            config, draft_hf, weights, self.max_model_len, catch_up_rows=CATCH_UP_TOKENS
+            config,
+            draft_hf,
+            weights,
+            self.max_model_len,
+            catch_up_rows=CATCH_UP_TOKENS,
+            alternate_slots=True,
         )
 
     def _eos_token_ids(self) -> set[int]:

@@ -56,11 +56,17 @@ class ModelRunner:
         extra_kv_block_bytes: int = 0,
         pp: PipelineGroup | None = None,
         catch_up_rows: int | None = None,
+        alternate_slots: bool = False,
     ):
         self.config = config
         # A speculative draft model's runner: its short catch-up steps (at most
-        # `catch_up_rows` tokens per sequence) replay CUDA graphs (verify_graphs.py).
+        # `catch_up_rows` tokens per sequence) replay CUDA graphs (verify_graphs.py), and
+        # its launches alternate between two slots, so that the host stages launch n + 1
+        # while launch n - 1's copies may still be in flight (a slot's producer guard waits
+        # for its own previous copies only).
         self.catch_up_rows = catch_up_rows
+        self.alternate_slots = alternate_slots
+        self._next_slot = 0
         # Bytes per block of a cache that shares these block ids (a speculative draft
         # model's): the budget is split so that both caches hold the same blocks.
         self.extra_kv_block_bytes = extra_kv_block_bytes
@@ -96,7 +102,7 @@ class ModelRunner:
                 backend=backend_for(self.model),
                 max_sampling_rows=verify_rows_per_step(config),
             )
-            for index in range(config.num_micro_batches)
+            for index in range(2 if alternate_slots else config.num_micro_batches)
         ]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
@@ -231,10 +237,18 @@ class ModelRunner:
         two halves, each run on its own slot; their tokens are joined in batch order.
         """
         previous = self._last_sampled
+        if self.alternate_slots:  # the whole batch on the slot not used last time
+            index, self._next_slot = self._next_slot, 1 - self._next_slot
+            results = [self._launch_part(index, batch, previous)]
+            return self._handle(results)
         parts = split_batch(batch, len(self.slots))
         if self.pp is not None:
             return self._launch_stage(batch, parts, previous)
         results = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        return self._handle(results)
+
+    def _handle(self, results) -> StepHandle:
+        """The step's handle from each micro-batch's (tokens, logprobs), in batch order."""
         logprobs, offset = [], 0
         for part_tokens, part_logprobs in results:
             logprobs.append((part_logprobs, offset))

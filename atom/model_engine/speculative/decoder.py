@@ -6,9 +6,10 @@ successor cannot draft, `needs_tokens` False, stays in flight as usual):
 
     scheduler.lookahead = decoder.lookahead  # before scheduling: drafts each decode may get
     batch = scheduler.schedule()             # 1 + drafts tokens per decode, blocks for them
-    decoder.propose(batch)                   # batch.draft_token_ids
+    decoder.propose(batch)                   # batch.draft_token_ids (or device_drafts)
     handle = runner.launch(batch)            # one forward verifies every row
     emitted = decoder.on_verified(batch, handle.result())  # KV rollback, counters
+                                             # (device drafts come back with the result)
     scheduler.on_complete(batch, emitted)    # appends, stop/EOS checks inside the run
 
 KV rollback: the verify step wrote KV for every draft; a sequence that kept `a` of its
