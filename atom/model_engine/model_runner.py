@@ -38,7 +38,7 @@ from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
 from atom.model_engine.sampling_step import SamplingPlan
 from atom.model_engine.scheduler import ScheduledBatch
-from atom.model_engine.speculative.verify import verify_rows
+from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.models.registry import model_class
 
@@ -397,16 +397,6 @@ class ModelRunner:
         if plan is not None or (batch.draft_token_ids is None and not self.catch_up_rows):
             return None
         return self.verify_graphs[index].fits(step.num_seqs, step.max_seqlen_q)
-
-
-def fill_device_drafts(input_ids, row_drafts, device_drafts, num_seqs: int) -> None:
-    """A verify step whose drafts the proposer left on the device (every sequence: its
-    last token, then d drafts): the drafts into the input ids (tokens 1..d of each
-    sequence) and into the rows they are checked at (rows 0..d-1; row d checks none)."""
-    drafts = device_drafts.view(num_seqs, -1)
-    per_seq = drafts.shape[1] + 1
-    input_ids[: num_seqs * per_seq].view(num_seqs, per_seq)[:, 1:] = drafts
-    row_drafts.view(num_seqs, per_seq)[:, :-1] = drafts
 
 
 def verify_rows_per_step(config: Config) -> int | None:
