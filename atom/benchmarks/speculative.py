@@ -114,7 +114,7 @@ def _launch_counts(llm, prompt, args) -> dict:
         llm.generate([prompt], params, use_tqdm=False)
         torch.cuda.synchronize()
     steps = max(1, engine.stats.steps - steps)
-    counts = {"kernels": 0, "graphs": 0, "syncs": 0}
+    counts = {"kernels": 0, "graphs": 0, "syncs": 0, "sync_ms": 0.0}
     for event in prof.key_averages():
         name = event.key
         if name in (
@@ -127,8 +127,11 @@ def _launch_counts(llm, prompt, args) -> dict:
         elif name == "cudaGraphLaunch":
             counts["graphs"] += event.count
         elif name.endswith("Synchronize") and name.startswith("cuda"):
+            # calls (the producer guard's included, which mostly find the copy done) and
+            # the host time they blocked
             counts["syncs"] += event.count
-    return {f"{key}_per_step": round(value / steps, 2) for key, value in counts.items()}
+            counts["sync_ms"] += event.cpu_time_total / 1e3
+    return {f"{key}_per_step": round(value / steps, 3) for key, value in counts.items()}
 
 
 def run_case(name: str, model_dir: str, args, prompt, oracle=None, **engine_kwargs) -> dict:

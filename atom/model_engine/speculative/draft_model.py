@@ -127,7 +127,9 @@ class DraftModelProposer:
                 break
             decodes += 1
         self.draft_forwards += 1
-        return self.runner.launch(ScheduledBatch(views, num_new, decodes))
+        # greedy, no logprobs or penalties: no sampling plan to look for
+        batch = ScheduledBatch(views, num_new, decodes, needs_sampling_plan=False)
+        return self.runner.launch(batch)
 
     def _collect(self, launches, drafts: dict[int, list[int]]) -> None:
         """Append each launch's tokens to the drafts of the views that sampled them: one
