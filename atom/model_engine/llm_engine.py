@@ -18,7 +18,11 @@ from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
-from atom.model_engine.speculative.draft_model import draft_config, draft_kv_block_bytes
+from atom.model_engine.speculative.draft_model import (
+    CATCH_UP_TOKENS,
+    draft_config,
+    draft_kv_block_bytes,
+)
 from atom.model_engine.state_slots import StateSlots
 from atom.model_engine.structured_output import GrammarBackend, accept_tokens
 from atom.models.default_model import default_model_path
@@ -200,7 +204,16 @@ class LLMEngine:
         weights = None
         if config.load_format != "dummy":
             weights = open_model(config.model).weights()
-        return ModelRunner(config, draft_hf, weights, self.max_model_len)
+        # After a verify step that kept every draft, the draft catches up on 2 tokens;
+        # its k launches per step alternate between two slots (back to back).
+        return ModelRunner(
+            config,
+            draft_hf,
+            weights,
+            self.max_model_len,
+            catch_up_rows=CATCH_UP_TOKENS,
+            alternate_slots=True,
+        )
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()

@@ -38,7 +38,7 @@ from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
 from atom.model_engine.sampling_step import SamplingPlan
 from atom.model_engine.scheduler import ScheduledBatch
-from atom.model_engine.speculative.verify import verify_rows
+from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.models.registry import model_class
 
@@ -55,8 +55,18 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         extra_kv_block_bytes: int = 0,
         pp: PipelineGroup | None = None,
+        catch_up_rows: int | None = None,
+        alternate_slots: bool = False,
     ):
         self.config = config
+        # A speculative draft model's runner: its short catch-up steps (at most
+        # `catch_up_rows` tokens per sequence) replay CUDA graphs (verify_graphs.py), and
+        # its launches alternate between two slots, so that the host stages launch n + 1
+        # while launch n - 1's copies may still be in flight (a slot's producer guard waits
+        # for its own previous copies only).
+        self.catch_up_rows = catch_up_rows
+        self.alternate_slots = alternate_slots
+        self._next_slot = 0
         # Bytes per block of a cache that shares these block ids (a speculative draft
         # model's): the budget is split so that both caches hold the same blocks.
         self.extra_kv_block_bytes = extra_kv_block_bytes
@@ -92,7 +102,7 @@ class ModelRunner:
                 backend=backend_for(self.model),
                 max_sampling_rows=verify_rows_per_step(config),
             )
-            for index in range(config.num_micro_batches)
+            for index in range(2 if alternate_slots else config.num_micro_batches)
         ]
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
@@ -105,7 +115,12 @@ class ModelRunner:
                 graphs.capture()
         self.verify_graphs: list[VerifyGraphs] | None = None
         if self.graphs is not None and config.speculative_method is not None:
-            self.verify_graphs = self._capture_verify_graphs(sizes)
+            self.verify_graphs = self._capture_verify_graphs(
+                sizes, config.num_speculative_tokens + 1
+            )
+        elif self.graphs is not None and catch_up_rows:
+            self.verify_graphs = self._capture_verify_graphs(sizes, catch_up_rows)
+        self.eager_forwards = 0  # forwards run outside CUDA graphs (tests, benchmarks)
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""
@@ -113,14 +128,14 @@ class ModelRunner:
         return sum(p.copies for p in publishers), sum(p.bytes for p in publishers)
 
     # -- set-up ----------------------------------------------------------------------------
-    def _capture_verify_graphs(self, sizes: list[int]) -> list[VerifyGraphs]:
-        """Speculative decoding: graphs of verify steps (k + 1 tokens per sequence)."""
-        rows = self.config.num_speculative_tokens + 1
+    def _capture_verify_graphs(self, sizes: list[int], rows: int) -> list[VerifyGraphs]:
+        """Speculative decoding: graphs of steps of up to `rows` tokens per sequence (the
+        target's verify steps: k + 1; the draft's catch-up steps: 2)."""
         tokens = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         sizes = [s for s in sizes if s * rows <= tokens and s <= 64]
         graphs = []
         for slot in self.slots:
-            verify = VerifyGraphs(self.model, slot, sizes, self.config.num_speculative_tokens)
+            verify = VerifyGraphs(self.model, slot, sizes, rows)
             verify.capture()
             graphs.append(verify)
         return graphs
@@ -222,10 +237,18 @@ class ModelRunner:
         two halves, each run on its own slot; their tokens are joined in batch order.
         """
         previous = self._last_sampled
+        if self.alternate_slots:  # the whole batch on the slot not used last time
+            index, self._next_slot = self._next_slot, 1 - self._next_slot
+            results = [self._launch_part(index, batch, previous)]
+            return self._handle(results)
         parts = split_batch(batch, len(self.slots))
         if self.pp is not None:
             return self._launch_stage(batch, parts, previous)
         results = [self._launch_part(index, part, previous) for index, part in enumerate(parts)]
+        return self._handle(results)
+
+    def _handle(self, results) -> StepHandle:
+        """The step's handle from each micro-batch's (tokens, logprobs), in batch order."""
         logprobs, offset = [], 0
         for part_tokens, part_logprobs in results:
             logprobs.append((part_logprobs, offset))
@@ -325,17 +348,22 @@ class ModelRunner:
         plan = SamplingPlan.build(batch, step.sampling_seqs, self.hf_config.vocab_size, self.device)
         prompt = None
 
-        verify_size = self._verify_graph_size(index, batch, step)
+        verify_size = self._verify_graph_size(index, batch, step, plan)
         with profiling.stage("forward"):
             if placeholders is not None and (self.pp is None or self.pp.is_first):
                 dst, src = placeholders
                 input_ids[dst] = previous[src]
+            if batch.device_drafts is not None:
+                fill_device_drafts(input_ids, drafts, batch.device_drafts, step.num_seqs)
             if graph_size is not None:
                 assert plan is None or not plan.has_prompt_logprobs, "prompt logprobs in a graph"
                 logits = graphs.run(graph_size, step.num_seqs)
             elif verify_size is not None:
-                logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
+                logits = self.verify_graphs[index].run(
+                    verify_size, step.num_seqs, step.num_tokens, logits_indices
+                )
             else:
+                self.eager_forwards += 1
                 with forward_context(metadata):
                     hidden = self._forward(input_ids, positions, step.num_tokens)
                 if hidden is None:  # a pipeline stage that is not the last
@@ -352,20 +380,23 @@ class ModelRunner:
                 rows = len(step.sampling_seqs)
                 return torch.empty(rows, dtype=torch.int64, device=self.device), None
             if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
-                return verify_rows(logits, sampling, drafts), None
+                verified = verify_rows(logits, sampling, drafts)
+                if batch.device_drafts is not None:  # [3, rows]: and the drafts, for the host
+                    verified = torch.cat((verified, drafts.unsqueeze(0)))
+                return verified, None
             if plan is None:
                 return self.sampler(logits, sampling), None
             return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
 
-    def _verify_graph_size(self, index: int, batch: ScheduledBatch, step) -> int | None:
-        """The verify graph size a speculative step replays at, or None (eager): every
-        sequence verifies exactly k drafts (so every token is a verify row)."""
-        if self.verify_graphs is None or batch.draft_token_ids is None:
+    def _verify_graph_size(self, index: int, batch: ScheduledBatch, step, plan) -> int | None:
+        """The multi-token graph size a step replays at, or None (eager): a verify step
+        (target) or a catch-up step (draft runner) whose sequences have at most the
+        graph's tokens each, and that samples."""
+        if self.verify_graphs is None or batch.is_decode_only or not step.sampling_seqs:
             return None
-        rows = self.config.num_speculative_tokens + 1
-        if step.num_verify_rows != step.num_tokens or step.num_tokens != rows * step.num_seqs:
+        if plan is not None or (batch.draft_token_ids is None and not self.catch_up_rows):
             return None
-        return self.verify_graphs[index].padded_size(step.num_seqs)
+        return self.verify_graphs[index].fits(step.num_seqs, step.max_seqlen_q)
 
 
 def verify_rows_per_step(config: Config) -> int | None:
@@ -410,21 +441,24 @@ class StepHandle:
         host_tokens: torch.Tensor | None,
         done: torch.cuda.Event | None,
         logprobs: StepLogprobs | None = None,
+        device_tokens: torch.Tensor | None = None,
     ):
         self._tokens = host_tokens
         self._done = done
         self._logprobs = logprobs
+        # the sampled tokens where the step left them (a draft chain feeds them on)
+        self.device_tokens = device_tokens
 
     @classmethod
     def of(cls, tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> StepHandle:
         if not tokens.is_cuda:
-            return cls(tokens, None, logprobs)
+            return cls(tokens, None, logprobs, tokens)
         host = tokens.to("cpu", non_blocking=True)
         if logprobs is not None:
             logprobs = logprobs.to_host()
         done = torch.cuda.Event()
         done.record()
-        return cls(host, done, logprobs)
+        return cls(host, done, logprobs, tokens)
 
     def result(self) -> list[int]:
         if self._done is not None:

@@ -173,6 +173,8 @@ class RunnerSlot:
             stage(self.placeholder_dst, n)[:] = cu[1:][list(rows_)] - 1
             stage(self.placeholder_src, n)[:] = src
             np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
+        elif batch.device_drafts is not None:  # drafts filled on the device
+            np.maximum(ids, 0, out=ids)
         stage(self.input_ids, padded_tokens)[:num_tokens] = ids
         stage(self.positions, padded_tokens)[:num_tokens] = positions
         stage(self.context_lens, padded)[:num_seqs] = ends

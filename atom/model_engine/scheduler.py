@@ -40,6 +40,11 @@ class ScheduledBatch:
     num_draft_tokens: list[int] | None = None
     draft_token_ids: list[list[int]] | None = None
     emitted: dict[int, list[int]] | None = None
+    # Drafts left on the device by the proposer (a torch int64 tensor [num_seqs * d], batch
+    # order; every sequence decodes with d drafts): `draft_token_ids` then holds
+    # placeholders, which the runner fills on the device, and the verify step's result
+    # brings the drafts to the host.
+    device_drafts: object | None = None
     # False when no request of the batch asks for logprobs, penalties, grammars... (the
     # engine knows without a scan); None: unknown, the runner looks (sampling_step.py).
     needs_sampling_plan: bool | None = None

@@ -1,5 +1,7 @@
 """Speculative decoding on CUDA: verify steps replayed from CUDA graphs (padded batch
-sizes) give the tokens of eager verify steps and of plain decoding; direct and packed."""
+sizes) give the tokens of eager verify steps and of plain decoding; direct and packed; the
+draft's catch-up steps replay graphs too; the benchmark's margin weights make bf16 greedy
+decoding agree between decode and verify shapes."""
 
 import pytest
 
@@ -32,6 +34,15 @@ def test_self_draft_verify_graphs_match_eager_and_plain(tiny_model_dirs, h2d_bac
     verify = graphs.engine.model_runner.verify_graphs[0]
     assert verify.replays > 0 and verify.padded_replays > 0
     assert eager.engine.model_runner.verify_graphs is None
+    # outside graphs: the target's prefill step and the draft's catch-up on the prompts;
+    # every later draft step is a decode or a 2-token catch-up, replayed
+    draft = graphs.engine.speculator.proposer.runner
+    assert graphs.engine.model_runner.eager_forwards == 1
+    assert draft.eager_forwards == 1 and len(draft.slots) == 2  # launches alternate slots
+    assert sum(g.replays for g in draft.verify_graphs) > 0
+    assert all(g.rows_per_seq == 2 for g in draft.verify_graphs)
+    # drafts stayed on the device: the host never waited for the draft's tokens
+    assert graphs.engine.speculator.proposer.host_syncs == 0
 
 
 def test_ngram_and_a_different_draft_match_plain_on_cuda(tiny_model_dirs):
@@ -56,3 +67,37 @@ def test_bf16_self_draft_runs_and_mostly_accepts(tiny_model_dirs):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.token_ids) == 24 for o in outputs)
     assert llm.engine.speculator.stats.acceptance_rate > 0.9
+
+
+def test_bf16_margin_weights_accept_every_draft(tmp_path):
+    """The benchmark's weights (atom/benchmarks/speculative.py): with large logit margins a
+    bf16 self-draft, a 1-layer draft and the plain run give the same tokens, every draft
+    accepted."""
+    import transformers
+
+    from atom.benchmarks.speculative import TINY, set_margin_weights
+
+    shape = dict(TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    transformers.LlamaConfig(**shape).save_pretrained(tmp_path / "target")
+    transformers.LlamaConfig(**dict(shape, num_hidden_layers=1)).save_pretrained(tmp_path / "d")
+    kwargs = dict(
+        device="cuda", load_format="dummy", num_kvcache_blocks=512, max_num_seqs=8,
+        max_model_len=256,
+    )  # fmt: skip
+    prompts = [[t % TINY["vocab_size"] for t in p] for p in PROMPTS]
+    outputs, rates = [], []
+    for draft in (None, tmp_path / "target", tmp_path / "d"):
+        spec = (
+            {} if draft is None else dict(speculative_method="draft", speculative_model=str(draft))
+        )
+        llm = build_llm(str(tmp_path / "target"), **kwargs, **spec)
+        runners = [llm.engine.model_runner]
+        if draft is not None:
+            runners.append(llm.engine.speculator.proposer.runner)
+        for runner in runners:
+            set_margin_weights(runner.model)
+        outputs.append([o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+        if draft is not None:
+            rates.append(llm.engine.speculator.stats.acceptance_rate)
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+    assert rates == [1.0, 1.0]

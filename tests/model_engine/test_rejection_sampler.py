@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from atom.model_engine.sampler import SamplingTensors
-from atom.model_engine.speculative.verify import accepted_tokens, target_probs, verify_rows
+from atom.model_engine.speculative.verify import (
+    accepted_tokens,
+    fill_device_drafts,
+    target_probs,
+    verify_rows,
+)
 
 VOCAB = 6
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
@@ -88,3 +93,13 @@ def test_seeded_rows_repeat_and_greedy_rows_stay_greedy():
         runs.append(verify_rows(logits, params, drafts).tolist())
     assert runs[0] == runs[1]
     assert runs[0][0][2] == 0 and runs[0][1][2] == 0  # greedy row: argmax, draft 3 rejected
+
+
+def test_device_drafts_fill_input_ids_and_verify_rows():
+    """Two sequences, 2 drafts each, left on the device by the proposer: token 0 of each
+    sequence is its last real token, rows 0..1 check the drafts, row 2 checks none."""
+    input_ids = torch.tensor([11, 0, 0, 22, 0, 0, 99])  # 99: past the step, untouched
+    rows = torch.full((6,), -1)
+    fill_device_drafts(input_ids, rows, torch.tensor([1, 2, 3, 4]), num_seqs=2)
+    assert input_ids.tolist() == [11, 1, 2, 22, 3, 4, 99]
+    assert rows.tolist() == [1, 2, -1, 3, 4, -1]

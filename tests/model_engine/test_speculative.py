@@ -57,6 +57,76 @@ def test_self_draft_accepts_everything_and_matches(target, expected):
     assert llm.engine.stats.steps < 2 * 20
 
 
+def test_draft_steps_run_back_to_back_and_stay_on_the_device(target, expected):
+    """Per verify step the draft launches its catch-up and d - 1 decodes without reading a
+    token (each feeds the next on the device, and the verify step takes the drafts from
+    there); after a step that kept every draft the catch-up computes 2 tokens (a CUDA-graph
+    size on GPU). A batch whose sequences draft different numbers reads them once."""
+    llm = self_draft(target)
+    proposer = llm.engine.speculator.proposer
+    events = []
+    launch, propose = proposer.runner.launch, proposer.propose
+
+    def spy_launch(batch):
+        handle = launch(batch)
+        result = handle.result
+        handle.result = lambda: events.append("wait") or result()
+        events.append("launch")
+        return handle
+
+    proposer.runner.launch = spy_launch
+    prompt = PROMPTS[1]
+    assert generate(llm, [prompt]) == expected[0][1:2]
+    stats = llm.engine.speculator.stats
+    assert "wait" not in events and proposer.host_syncs == 0
+    # one draft launch per draft token (batch 1), every draft kept
+    assert proposer.draft_forwards == len(events) == stats.proposed_tokens
+    assert stats.accepted_tokens == stats.proposed_tokens
+    # the first catch-up: the prompt and the prefill's token; then 2 per step
+    assert proposer.catch_up_tokens == len(prompt) + 1 + 2 * (stats.num_drafts - 1)
+
+    # sequences near their max_tokens draft fewer: the drafts come to the host, one wait
+    events.clear()
+
+    def spy(name, method):
+        return lambda seqs, counts: events.append(name) or method(seqs, counts)
+
+    proposer.propose = spy("host", propose)
+    proposer.propose_on_device = spy("device", proposer.propose_on_device)
+    shorts = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 3)]
+    assert generate(llm, PROMPTS[:2], shorts) == [expected[0][0], expected[0][1][:3]]
+    cycles = " ".join(events).replace("host", "|host").replace("device", "|device")
+    cycles = [c.split() for c in cycles.split("|")[1:]]
+    assert {c[0] for c in cycles} == {"host", "device"}  # both kinds of steps ran
+    assert proposer.host_syncs == sum(c[0] == "host" for c in cycles)
+    for kind, *cycle in cycles:  # launch ... launch, then the reads (host steps only)
+        launches = cycle.count("launch")
+        assert cycle[:launches] == ["launch"] * launches and "launch" not in cycle[launches:]
+        assert ("wait" in cycle) == (kind == "host")
+
+
+def test_benchmark_margin_weights_make_a_small_draft_exact(tmp_path):
+    """atom/benchmarks/speculative.py's weights: token x predicts perm(x) (the greedy
+    output follows the permutation), so a 1-layer draft with the same tables proposes
+    what the target decodes: every draft accepted."""
+    from atom.benchmarks.speculative import TINY, set_margin_weights
+
+    shape = dict(TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    transformers.LlamaConfig(**shape).save_pretrained(tmp_path / "target")
+    transformers.LlamaConfig(**dict(shape, num_hidden_layers=1)).save_pretrained(tmp_path / "d")
+    llm = build_llm(
+        str(tmp_path / "target"), load_format="dummy", speculative_method="draft",
+        speculative_model=str(tmp_path / "d"), **LEN,
+    )  # fmt: skip
+    perm = set_margin_weights(llm.engine.model_runner.model)
+    assert torch.equal(set_margin_weights(llm.engine.speculator.proposer.runner.model), perm)
+    prompt = [t % TINY["vocab_size"] for t in random_prompts(3, [12])[0]]
+    tokens = generate(llm, [prompt])[0]
+    chain = [prompt[-1]] + tokens
+    assert tokens == [int(perm[t]) for t in chain[:-1]]
+    assert llm.engine.speculator.stats.acceptance_rate == 1.0
+
+
 def test_different_draft_has_low_acceptance_and_matches(target, tiny_model_dirs, expected):
     llm = build_llm(
         target, speculative_method="draft", speculative_model=tiny_model_dirs["qwen2"], **LEN

@@ -6,9 +6,10 @@ successor cannot draft, `needs_tokens` False, stays in flight as usual):
 
     scheduler.lookahead = decoder.lookahead  # before scheduling: drafts each decode may get
     batch = scheduler.schedule()             # 1 + drafts tokens per decode, blocks for them
-    decoder.propose(batch)                   # batch.draft_token_ids
+    decoder.propose(batch)                   # batch.draft_token_ids (or device_drafts)
     handle = runner.launch(batch)            # one forward verifies every row
     emitted = decoder.on_verified(batch, handle.result())  # KV rollback, counters
+                                             # (device drafts come back with the result)
     scheduler.on_complete(batch, emitted)    # appends, stop/EOS checks inside the run
 
 KV rollback: the verify step wrote KV for every draft; a sequence that kept `a` of its
@@ -24,8 +25,8 @@ import logging
 
 from atom.config import Config
 from atom.model_engine.scheduler import ScheduledBatch
-from atom.model_engine.sequence import Sequence, SequenceStatus
-from atom.model_engine.speculative.proposers import NgramProposer, Proposer
+from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from atom.model_engine.speculative.proposers import DeviceDrafts, NgramProposer, Proposer
 from atom.model_engine.speculative.verify import accepted_tokens
 
 logger = logging.getLogger(__name__)
@@ -84,11 +85,19 @@ class SpeculativeDecoder:
         )
 
     def propose(self, batch: ScheduledBatch) -> None:
-        """Fill `batch.draft_token_ids` (left None when no sequence drafts: a plain step)."""
+        """Fill `batch.draft_token_ids` (left None when no sequence drafts: a plain step)
+        and, when the proposer leaves them on the device, `batch.device_drafts`."""
         counts = batch.num_draft_tokens
         if not counts or not any(counts):
             return
-        drafts = self.proposer.propose(batch.seqs, counts)
+        on_device = getattr(self.proposer, "propose_on_device", None)
+        if on_device is not None and _uniform_decodes(batch):
+            drafts = on_device(batch.seqs, counts)
+        else:
+            drafts = self.proposer.propose(batch.seqs, counts)
+        if isinstance(drafts, DeviceDrafts):
+            batch.device_drafts = drafts.tokens
+            drafts = [[PLACEHOLDER_TOKEN] * count for count in counts]
         for seq, draft, count in zip(batch.seqs, drafts, counts, strict=True):
             if len(draft) != count:
                 raise RuntimeError(
@@ -101,8 +110,14 @@ class SpeculativeDecoder:
     def on_verified(self, batch: ScheduledBatch, result) -> list[list[int]]:
         """From the verify rows' (tokens, accepted) to each sampling sequence's new tokens;
         moves each drafting sequence's computed count back past its rejected drafts."""
-        tokens, accepted = result
+        tokens, accepted, *checked = result
         index = {seq: i for i, seq in enumerate(batch.seqs)}
+        if checked:  # the drafts came from the device: the rows carry them back
+            row = 0
+            for seq, _ in batch.sampled:
+                draft = batch.draft_token_ids[index[seq]]
+                draft[:] = checked[0][row : row + len(draft)]
+                row += len(draft) + 1
         drafts = [batch.draft_token_ids[index[seq]] for seq, _ in batch.sampled]
         emitted = accepted_tokens(drafts, tokens, accepted)
         for (seq, position), draft, new in zip(batch.sampled, drafts, emitted, strict=True):
@@ -113,6 +128,17 @@ class SpeculativeDecoder:
             self.stats.record(len(draft), num_accepted)
             self.proposer.on_verified(seq, position, len(draft), num_accepted)
         return emitted
+
+
+def _uniform_decodes(batch: ScheduledBatch) -> bool:
+    """Every sequence of the step decodes with the same number of drafts (the shape the
+    runner fills from device drafts)."""
+    counts = batch.num_draft_tokens
+    first = counts[0]
+    return first > 0 and all(
+        count == first and new == first + 1 and len(seq) - seq.num_computed_tokens == 1
+        for seq, new, count in zip(batch.seqs, batch.num_new_tokens, counts, strict=True)
+    )
 
 
 def make_decoder(config: Config, max_model_len: int, draft_runner=None) -> SpeculativeDecoder:

@@ -13,8 +13,17 @@ Per step and drafting sequence with L tokens and d drafts:
 2. d - 1 decode steps, each feeding the previous draft back on the device (the runner's
    placeholder fix-up, no host round trip) and taking the next greedy token.
 The draft's KV is valid for real tokens only: after the verify step kept `a` drafts, it
-holds positions < L + min(a, d - 1). A sequence freed and re-admitted (preemption;
+holds positions < L + min(a, d - 1), so the next catch-up has 1 token (a decode step) or,
+when every draft was kept, `CATCH_UP_TOKENS` = 2 (a short step the draft runner replays
+from a CUDA graph, verify_graphs.py). A sequence freed and re-admitted (preemption;
 `block_version` bumped) starts again from 0.
+
+The d launches of a step go back to back on the draft runner's slot, each one's tokens
+staying on the device for the next. When every sequence of the step drafts the same d
+(`propose_on_device`: the common decode step), the drafts stay there for the target's
+verify step too (DeviceDrafts) and the host does not wait at all; otherwise it waits once,
+after the last launch (`host_syncs` counts the waits; a long catch-up cut into several
+chunks adds one).
 
 Proposals are greedy (one-hot q), which is what the rejection sampler assumes.
 """
@@ -24,11 +33,15 @@ from __future__ import annotations
 import weakref
 from dataclasses import replace
 
+import torch
+
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from atom.model_engine.speculative.proposers import DeviceDrafts
 from atom.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
+CATCH_UP_TOKENS = 2  # the most a catch-up step computes per sequence between verify steps
 
 
 class _DraftView:
@@ -60,7 +73,11 @@ class DraftModelProposer:
         self._computed: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = (
             weakref.WeakKeyDictionary()
         )
-        self.draft_forwards = 0  # draft runner launches (tests, benchmarks)
+        # Counters (tests, benchmarks): draft runner launches, host waits for draft
+        # tokens, tokens computed by catch-up launches.
+        self.draft_forwards = 0
+        self.host_syncs = 0
+        self.catch_up_tokens = 0
 
     def lookahead(self, seq: Sequence, limit: int) -> int:
         return limit
@@ -73,16 +90,35 @@ class DraftModelProposer:
         return computed if version == seq.block_version else 0
 
     def propose(self, seqs: list[Sequence], counts: list[int]) -> list[list[int]]:
-        active = [(s, c) for s, c in zip(seqs, counts, strict=True) if c > 0]
-        drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
-        if active:
-            first = self._catch_up([s for s, _ in active])
-            for (seq, _), token in zip(active, first, strict=True):
-                drafts[seq.seq_id].append(token)
-            self._decode_chain(active, drafts)
+        drafts = self._propose(seqs, counts, on_device=False)
         return [
             drafts.get(s.seq_id, []) if c > 0 else [] for s, c in zip(seqs, counts, strict=True)
         ]
+
+    def propose_on_device(self, seqs: list[Sequence], counts: list[int]):
+        """Every sequence drafts counts[0]: the drafts stay on the device (DeviceDrafts),
+        unless a long catch-up took several launches (then read, as `propose`)."""
+        drafts = self._propose(seqs, counts, on_device=True)
+        if isinstance(drafts, DeviceDrafts):
+            return drafts
+        return [drafts[s.seq_id] for s in seqs]
+
+    def _propose(self, seqs, counts, on_device: bool):
+        active = [(s, c) for s, c in zip(seqs, counts, strict=True) if c > 0]
+        drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in active}
+        if not active:
+            return drafts
+        launches = self._catch_up([s for s, _ in active])
+        if len(launches) > 1:  # first drafts in several launches: read them now
+            self._collect(launches, drafts)
+            launches = []
+        self._decode_chain(active, drafts, launches)
+        if on_device and len(launches) == counts[0]:
+            # launch j's row i is draft j + 1 of sequence i: [num_seqs, d] in batch order
+            tokens = [handle.device_tokens for _, handle in launches]
+            return DeviceDrafts(torch.stack(tokens, dim=1).reshape(-1), counts[0])
+        self._collect(launches, drafts)
+        return drafts
 
     def _launch(self, views, num_new):
         decodes = 0
@@ -91,53 +127,66 @@ class DraftModelProposer:
                 break
             decodes += 1
         self.draft_forwards += 1
-        return self.runner.launch(ScheduledBatch(views, num_new, decodes))
+        # greedy, no logprobs or penalties: no sampling plan to look for
+        batch = ScheduledBatch(views, num_new, decodes, needs_sampling_plan=False)
+        return self.runner.launch(batch)
 
-    def _catch_up(self, seqs: list[Sequence]) -> list[int]:
-        """Draft KV of every unseen position; returns each sequence's first draft."""
+    def _collect(self, launches, drafts: dict[int, list[int]]) -> None:
+        """Append each launch's tokens to the drafts of the views that sampled them: one
+        wait, for the last launch (the device runs a slot's launches in order)."""
+        if not launches:
+            return
+        launches[-1][1].result()
+        self.host_syncs += 1
+        for views, handle in launches:
+            for view, token in zip(views, handle.result(), strict=True):
+                drafts[view.seq_id].append(token)
+
+    def _catch_up(self, seqs: list[Sequence]) -> list:
+        """Launch the draft KV of every unseen position; returns the launches as (views
+        that sampled, handle): each sequence's first draft is in one of them."""
         views = [_DraftView(s, s.token_ids, self._valid(s)) for s in seqs]
-        first: dict[int, int] = {}
-        while len(first) < len(views):
+        launches = []
+        pending = [v for v in views if v.num_computed_tokens < len(v)]
+        while pending:
             budget, batch, num_new = self.budget, [], []
-            for view in views:
-                left = len(view) - view.num_computed_tokens
-                if left == 0 or budget == 0:
-                    continue
-                n = min(left, budget)
+            for view in pending:
+                if budget == 0:
+                    break
+                n = min(len(view) - view.num_computed_tokens, budget)
                 batch.append(view)
                 num_new.append(n)
                 budget -= n
-            tokens = self._launch(batch, num_new).result()
+            handle = self._launch(batch, num_new)
+            self.catch_up_tokens += sum(num_new)
             samplers = []
             for view, n in zip(batch, num_new, strict=True):
                 view.num_computed_tokens += n
                 if view.num_computed_tokens == len(view):
                     samplers.append(view)
-            for view, token in zip(samplers, tokens, strict=True):
-                first[view.seq_id] = token
+            launches.append((samplers, handle))
+            pending = [v for v in pending if v.num_computed_tokens < len(v)]
         for seq, view in zip(seqs, views, strict=True):
             self._computed[seq] = (seq.block_version, view.num_computed_tokens)
-        return [first[s.seq_id] for s in seqs]
+        return launches
 
-    def _decode_chain(self, active, drafts: dict[int, list[int]]) -> None:
-        """Drafts 2..d: decode steps whose input is the previous draft (on the device)."""
-        handles, rows = [], {}  # rows: seq_id -> row in the previous launch's tokens
+    def _decode_chain(self, active, drafts: dict[int, list[int]], launches: list) -> None:
+        """Drafts 2..d: decode steps whose input is the previous draft, read on the device
+        from the previous launch (`drafts` holds the ones already on the host)."""
+        rows = {view.seq_id: row for row, view in enumerate(launches[-1][0])} if launches else {}
         for step in range(2, max(c for _, c in active) + 1):
             views = []
             for seq, count in active:
                 if count < step:
                     continue
-                ids = seq.token_ids + drafts[seq.seq_id]
+                known = drafts[seq.seq_id]
+                ids = seq.token_ids + known + [PLACEHOLDER_TOKEN] * (step - 1 - len(known))
                 pending = None
-                if step > 2:  # the previous draft is still on the device
-                    pending = (len(ids) + step - 3, rows[seq.seq_id])
-                    ids = ids + [PLACEHOLDER_TOKEN] * (step - 2)
+                if len(known) < step - 1:  # the previous draft is still on the device
+                    pending = (len(ids) - 1, rows[seq.seq_id])
                 views.append(_DraftView(seq, ids, len(ids) - 1, pending))
-            handles.append((views, self._launch(views, [1] * len(views))))
+            launches.append((views, self._launch(views, [1] * len(views))))
             rows = {view.seq_id: row for row, view in enumerate(views)}
-        for views, handle in handles:
-            for view, token in zip(views, handle.result(), strict=True):
-                drafts[view.seq_id].append(token)
 
     def on_verified(self, seq: Sequence, position: int, num_drafts: int, num_accepted: int):
         self._computed[seq] = (seq.block_version, position + min(num_accepted, num_drafts - 1))

@@ -14,16 +14,31 @@ draft model can write its own KV into them:
 `may_propose(seq)`: with asynchronous scheduling, whether `seq` (its last token still on
 the device) could get drafts once that token is known; False lets the next step be
 scheduled without waiting for it.
+
+A proposer whose drafts come out of device work (the draft model) may also offer
+`propose_on_device(seqs, counts)` for steps in which every sequence drafts the same
+number d: it returns `DeviceDrafts` (nothing read back: the verify step takes them on the
+device) or, when it had to read them anyway, the lists `propose` returns.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from atom.model_engine.sequence import Sequence
+
+
+@dataclass
+class DeviceDrafts:
+    """Drafts still on the device: `tokens` [num_seqs * per_seq] int64, in batch order."""
+
+    tokens: torch.Tensor
+    per_seq: int
 
 
 class Proposer(Protocol):

@@ -84,3 +84,13 @@ def accepted_tokens(
     if row != len(tokens):
         raise ValueError(f"{len(tokens)} verified rows for {row} drafted ones")
     return out
+
+
+def fill_device_drafts(input_ids, row_drafts, device_drafts, num_seqs: int) -> None:
+    """A verify step whose drafts the proposer left on the device (every sequence: its
+    last token, then d drafts): the drafts into the input ids (tokens 1..d of each
+    sequence) and into the rows they are checked at (rows 0..d-1; row d checks none)."""
+    drafts = device_drafts.view(num_seqs, -1)
+    per_seq = drafts.shape[1] + 1
+    input_ids[: num_seqs * per_seq].view(num_seqs, per_seq)[:, 1:] = drafts
+    row_drafts.view(num_seqs, per_seq)[:, :-1] = drafts

@@ -1,14 +1,18 @@
-"""CUDA graphs of the verify forward: S sequences x (k + 1) tokens, at padded batch sizes.
+"""CUDA graphs of short multi-token steps: S sequences x up to R tokens, padded sizes.
 
-A verify step in which every sequence drafts exactly k tokens (the common case: the draft
-proposer always does, the n-gram proposer on repetitive text often) has a fixed shape, so
-its forward (the varlen attention kernel with max_seqlen_q = k + 1, the MLP, the LM head
-over every row) is captured once per padded batch size on the slot's fixed buffers, like
-the decode graphs. The slot stages and publishes the step eagerly (at its real size) and
-derives the slot mapping; before a replay at a larger size the padding rows of the
-buffers the graph reads are made well-defined on the device: context lengths 0 and
-cu_seqlens repeating the last value (zero-length queries: no attention work), slot
-mapping -1 (no KV write). Verification (verify.py) runs eagerly on the replayed logits.
+Two steps of speculative decoding have such a shape: the target's verify step (R = k + 1:
+each sequence's last token and its drafts) and the draft model's catch-up step (R = 2:
+after a verify step that kept every draft, the draft has not seen its last draft and the
+bonus token). Their forward (the varlen attention kernel with max_seqlen_q = R, the MLP,
+the LM head over every row) is captured once per padded batch size on the slot's fixed
+buffers, like the decode graphs, over S x R token rows. The slot stages and publishes the
+step eagerly (at its real size, tokens packed at the front) and derives the slot mapping;
+before a replay the padding of the buffers the graph reads is made well-defined on the
+device: context lengths 0 and cu_seqlens repeating the last value (zero-length queries:
+no attention work), slot mapping -1 (no KV write). Token rows past the step's tokens
+compute garbage that no one reads; a step whose sequences have fewer than R tokens reads
+its sampled rows through the published logits indices. Sampling or verification
+(verify.py) runs eagerly on the replayed logits.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 class VerifyGraphs:
-    def __init__(self, model, slot, batch_sizes: list[int], num_speculative_tokens: int):
+    def __init__(self, model, slot, batch_sizes: list[int], rows_per_seq: int):
         self.model = model
         self.slot = slot
-        self.rows_per_seq = num_speculative_tokens + 1
+        self.rows_per_seq = rows_per_seq
         self.batch_sizes = sorted(set(batch_sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -81,16 +85,31 @@ class VerifyGraphs:
             self.graphs, self.logits = {}, {}
         torch.cuda.synchronize()
 
-    def run(self, padded_size: int, batch_size: int) -> torch.Tensor:
-        """Replay at `padded_size` after the slot's flush; logits of the real rows."""
+    def fits(self, num_seqs: int, max_tokens_per_seq: int) -> int | None:
+        """The padded size a step of `num_seqs` sequences of at most `max_tokens_per_seq`
+        tokens each replays at, or None (eager)."""
+        if max_tokens_per_seq > self.rows_per_seq:
+            return None
+        return self.padded_size(num_seqs)
+
+    def run(
+        self,
+        padded_size: int,
+        batch_size: int,
+        num_tokens: int,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Replay at `padded_size` after the slot's flush; logits of the sampled rows
+        (`logits_indices`, or every token row of the step)."""
         slot = self.slot
-        tokens = batch_size * self.rows_per_seq
+        padded_tokens = padded_size * self.rows_per_seq
         if padded_size > batch_size:
-            padded_tokens = padded_size * self.rows_per_seq
             slot.context_lens.device[batch_size:padded_size].fill_(0)
-            slot.cu_seqlens_q.device[batch_size + 1 : padded_size + 1].fill_(tokens)
-            slot.slot_mapping[tokens:padded_tokens].fill_(-1)
+            slot.cu_seqlens_q.device[batch_size + 1 : padded_size + 1].fill_(num_tokens)
             self.padded_replays += 1
+        if padded_tokens > num_tokens:
+            slot.slot_mapping[num_tokens:padded_tokens].fill_(-1)
         self.graphs[padded_size].replay()
         self.replays += 1
-        return self.logits[padded_size][:tokens]
+        logits = self.logits[padded_size][:num_tokens]
+        return logits if logits_indices is None else logits[logits_indices]
