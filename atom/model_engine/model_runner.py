@@ -36,7 +36,7 @@ from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cac
 from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
-from atom.model_engine.sampling_step import SamplingPlan
+from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
@@ -77,6 +77,8 @@ class ModelRunner:
         uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
         self.num_state_slots = config.max_num_seqs if uses_state else 0
         self.sampler = Sampler()
+        # Penalties, logit_bias, min_tokens state of running requests, shared by the slots.
+        self.sampling_state = SamplingState(config.max_num_seqs, hf_config.vocab_size, self.device)
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
             RunnerSlot(
@@ -91,6 +93,7 @@ class ModelRunner:
                 h2d_checked=config.h2d_checked,
                 backend=backend_for(self.model),
                 max_sampling_rows=verify_rows_per_step(config),
+                sampling_state=self.sampling_state,
             )
             for index in range(config.num_micro_batches)
         ]
@@ -222,6 +225,7 @@ class ModelRunner:
         two halves, each run on its own slot; their tokens are joined in batch order.
         """
         previous = self._last_sampled
+        self.sampling_state.begin_step(batch.seqs)
         parts = split_batch(batch, len(self.slots))
         if self.pp is not None:
             return self._launch_stage(batch, parts, previous)
@@ -319,10 +323,10 @@ class ModelRunner:
         sampling = step.sampling_seqs and slot.publish_sampling(step)
         logits_indices = slot.publish_logits_indices(step)
         drafts = slot.publish_draft_tokens(step)  # speculative steps only
+        # Log-probabilities, grammars, penalties...: None unless a request asks for them.
+        plan = slot.publish_sampling_plan(step)
         with profiling.stage("publish"):
             slot.flush()
-        # Log-probabilities, grammars, penalties...: None unless a request asks for them.
-        plan = SamplingPlan.build(batch, step.sampling_seqs, self.hf_config.vocab_size, self.device)
         prompt = None
 
         verify_size = self._verify_graph_size(index, batch, step)
@@ -355,7 +359,7 @@ class ModelRunner:
                 return verify_rows(logits, sampling, drafts), None
             if plan is None:
                 return self.sampler(logits, sampling), None
-            return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
+            return plan.sample(self.sampler, logits, sampling, prompt)
 
     def _verify_graph_size(self, index: int, batch: ScheduledBatch, step) -> int | None:
         """The verify graph size a speculative step replays at, or None (eager): every
