@@ -66,9 +66,11 @@ def test_async_graphs_penalties_and_logprobs(small_model):
     )  # fmt: skip
     results = []
     for async_scheduling in (False, True):
+        # A fixed cache, as the other GPU engine tests: sized from free memory, the second
+        # engine would see the first one's cache (still alive in `_ENGINES`) as used.
         llm = build_llm(
             path, device="cuda", dtype="float32", max_model_len=256,
-            async_scheduling=async_scheduling, gpu_memory_utilization=0.2,
+            async_scheduling=async_scheduling, num_kvcache_blocks=64,
         )  # fmt: skip
         results.append(llm.generate(prompts, params, use_tqdm=False))
     assert [o.token_ids for o in results[0]] == [o.token_ids for o in results[1]]
