@@ -259,7 +259,8 @@ class RunnerSlot:
 
     def _stage_sampling_plan(self, batch, sampling_seqs, cu, ends) -> SamplingPlan | None:
         """The step's SamplingPlan: the previous step's again when this decode batch is the
-        same (layout, consecutive step, no state row taken back since), else staged anew."""
+        same (layout, consecutive steps both decode-only, so the same sampling rows; no state
+        row taken back since), else staged anew."""
         previous, key = self._plan, self._plan_key
         self._plan = None
         self._plan_key = None
@@ -272,14 +273,15 @@ class RunnerSlot:
             and batch.is_decode_only
             and batch.layout is not None
             and batch.step is not None
-            and key == (batch.layout, batch.step - 1, epoch)
+            and key == (batch.layout, batch.step - 1, epoch, True)  # both decode-only
         ):
             plan = previous.again()
         else:
             plan = SamplingPlan.stage(self, batch, sampling_seqs, cu, ends)
         if plan is not None and batch.layout is not None and batch.step is not None:
             self._plan = plan
-            self._plan_key = (batch.layout, batch.step, self.sampling_state.epoch)
+            epoch = self.sampling_state.epoch
+            self._plan_key = (batch.layout, batch.step, epoch, batch.is_decode_only)
         return plan
 
     def stage_builds(self, rows: int, entries: int):
