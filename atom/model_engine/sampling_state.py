@@ -122,6 +122,8 @@ class SamplingState:
         self.row_floats = torch.zeros(rows, 3, dtype=torch.float32, device=device)
         self.row_floats[:, 2] = 1.0
         self.row_ints = torch.zeros(rows, 4, dtype=torch.int32, device=device)
+        self._num_output = self.row_ints[:, 1]  # a view: output tokens so far
+        self._ones = torch.ones(rows, dtype=torch.int32, device=device)
         self.bias_tokens = torch.zeros(rows, 1, dtype=torch.int32, device=device)
         self.bias_values = torch.zeros(rows, 1, dtype=torch.float32, device=device)
         self.stop_ids = torch.zeros(rows, 1, dtype=torch.int32, device=device)
@@ -231,11 +233,11 @@ class SamplingState:
         self.stop_ids.index_put_((stop[:, 0], stop[:, 1]), stop[:, 2].int())
 
     def count_sampled(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count each row's sampled token (device tensors [S]; null rows count harmlessly)."""
-        rows = state_rows.long()
-        ones = torch.ones_like(rows, dtype=torch.int32)
-        self.counts.index_put_((rows, tokens), ones, accumulate=True)
-        self.row_ints[:, 1].index_put_((rows,), ones, accumulate=True)
+        """Count each row's sampled token (device tensors [S]; null rows count harmlessly:
+        their options are neutral)."""
+        ones = self._ones[: len(tokens)]
+        self.counts.index_put_((state_rows, tokens), ones, accumulate=True)
+        self._num_output.index_put_((state_rows,), ones, accumulate=True)
 
     def tables(self):
         """The kernel's state arguments (atom/kernels/sampling.py)."""
