@@ -14,7 +14,10 @@ owned by `SamplingState` (atom/model_engine/sampling_state.py):
     x = where(seen, x > 0 ? x / repetition : x * repetition, x)   seen: prompt or output
     x -= frequency * count ; x -= presence * (count > 0)
 
-`logprob_candidates` + `merge_logprobs`: log-softmax statistics (per-block max and sum of
+`greedy_with_sampling_options`: the same pass, keeping each block's maximum and its first
+index instead of writing the logits (all-greedy steps without a grammar).
+
+`logprob_candidates`: log-softmax statistics (per-block max and sum of
 exponentials) and each block's top k of the RAW logits in one pass, merged on [S, blocks];
 `count_greater`: the sampled token's rank (how many logits exceed its own), one pass.
 Nothing sorts the vocabulary.
@@ -58,10 +61,14 @@ def _sampling_options_kernel(
     stop_ids_ptr,
     stop_width,
     vocab_size,
+    block_max_ptr,
+    block_arg_ptr,
     BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr,  # store each block's (max, first argmax) instead of the logits
 ):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    block = tl.program_id(1)
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < vocab_size
     x = tl.load(logits_ptr + row * logits_stride + offs, mask=mask, other=0.0).to(tl.float32)
     state = tl.load(state_rows_ptr + row).to(tl.int64)
@@ -87,7 +94,15 @@ def _sampling_options_kernel(
     x = tl.where(seen, penalised, x)
     x = x - frequency * output
     x = x - tl.where(output > 0, presence, 0.0)
-    tl.store(out_ptr + row * vocab_size + offs, x, mask=mask)
+    if GREEDY:
+        x = tl.where(mask, x, float("-inf"))
+        best = tl.max(x, 0)
+        index = tl.min(tl.where((x == best) & mask, offs, vocab_size), 0)
+        slot = row * tl.num_programs(1) + block
+        tl.store(block_max_ptr + slot, best)
+        tl.store(block_arg_ptr + slot, tl.minimum(index, vocab_size - 1))
+    else:
+        tl.store(out_ptr + row * vocab_size + offs, x, mask=mask)
 
 
 def apply_sampling_options(logits, state_rows, counts, row_floats, row_ints, bias_tokens, bias_values, stop_ids):  # fmt: skip
@@ -105,9 +120,35 @@ def apply_sampling_options(logits, state_rows, counts, row_floats, row_ints, bia
     _sampling_options_kernel[grid](
         logits, logits.stride(0), out, state_rows, counts, row_floats, row_ints,
         bias_tokens, bias_values, bias_tokens.shape[1], stop_ids, stop_ids.shape[1], vocab,
-        BLOCK=BLOCK,
+        out, out, BLOCK=BLOCK, GREEDY=False,
     )  # fmt: skip
     return out
+
+
+def greedy_with_sampling_options(logits, state_rows, counts, row_floats, row_ints, bias_tokens, bias_values, stop_ids):  # fmt: skip
+    """argmax [S] int64 (first index of the maximum) of the logits with the options applied,
+    without writing them: each block's (max, argmax), then a merge over [S, blocks]."""
+    if not use_triton(logits):
+        return apply_sampling_options_reference(
+            logits, state_rows, counts, row_floats, row_ints, bias_tokens, bias_values, stop_ids
+        ).argmax(dim=-1)
+    rows, vocab = logits.shape
+    num_blocks = triton.cdiv(vocab, BLOCK)
+    block_max = torch.empty(rows, num_blocks, dtype=torch.float32, device=logits.device)
+    block_arg = torch.empty(rows, num_blocks, dtype=torch.int64, device=logits.device)
+    if rows:
+        _sampling_options_kernel[(rows, num_blocks)](
+            logits, logits.stride(0), block_max, state_rows, counts, row_floats, row_ints,
+            bias_tokens, bias_values, bias_tokens.shape[1], stop_ids, stop_ids.shape[1], vocab,
+            block_max, block_arg, BLOCK=BLOCK, GREEDY=True,
+        )  # fmt: skip
+    return block_arg.gather(1, block_max.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def greedy_with_sampling_options_reference(logits, state_rows, counts, row_floats, row_ints, bias_tokens, bias_values, stop_ids):  # fmt: skip
+    return apply_sampling_options_reference(
+        logits, state_rows, counts, row_floats, row_ints, bias_tokens, bias_values, stop_ids
+    ).argmax(dim=-1)
 
 
 def apply_sampling_options_reference(logits, state_rows, counts, row_floats, row_ints, bias_tokens, bias_values, stop_ids):  # fmt: skip

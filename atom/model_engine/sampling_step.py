@@ -12,7 +12,9 @@ before and nothing here runs. Its three phases follow the runner slot's step:
 - `publish` (at the sampler, before the slot's flush): through the slot's publisher.
 - `sample` (after the LM head), vLLM V1's order on the device: raw log-probability
   statistics of the logits as the LM head returns them; the grammar bitmask; logit_bias,
-  min_tokens and penalties in one kernel over the SamplingState; the Sampler; the sampled
+  min_tokens and penalties in one kernel over the SamplingState (for all-greedy steps
+  without a grammar the same kernel also takes the argmax, writing no logits); the
+  Sampler; the sampled
   tokens counted into their state rows; the chosen tokens' log-probabilities and ranks.
 """
 
@@ -169,14 +171,18 @@ class SamplingPlan:
                 state.apply_builds(self.builds, *self.build_tensors)
             elif self.fallback_builds is not None:
                 state.apply_builds(*self.fallback_builds)
-            processed = ops.options(logits, self.state_rows, *state.tables())
+        if state is not None and params.all_greedy and self.bitmask is None:
+            tokens = ops.greedy(logits, self.state_rows, *state.tables())  # nothing written
         else:
-            processed = logits.float()
-            if self.bitmask is not None and processed.data_ptr() == logits.data_ptr():
-                processed = processed.clone()  # the raw logits stay for the ranks
-        if self.bitmask is not None:
-            processed = apply_token_bitmask(processed, self.bitmask)
-        tokens = sampler(processed, params)
+            if state is not None:
+                processed = ops.options(logits, self.state_rows, *state.tables())
+            else:
+                processed = logits.float()
+                if self.bitmask is not None and processed.data_ptr() == logits.data_ptr():
+                    processed = processed.clone()  # the raw logits stay for the ranks
+            if self.bitmask is not None:
+                processed = apply_token_bitmask(processed, self.bitmask)
+            tokens = sampler(processed, params)
         if state is not None:
             state.count_sampled(self.state_rows, tokens)
         sample = None
@@ -198,14 +204,21 @@ class SamplingPlan:
 @dataclass(frozen=True)
 class _Ops:
     options: object
+    greedy: object
     candidates: object
     count_greater: object
 
 
 # The engine runs the Triton kernels on CUDA and their torch references on CPU.
-_KERNELS = _Ops(kernels.apply_sampling_options, kernels.logprob_candidates, kernels.count_greater)
+_KERNELS = _Ops(
+    kernels.apply_sampling_options,
+    kernels.greedy_with_sampling_options,
+    kernels.logprob_candidates,
+    kernels.count_greater,
+)
 _REFERENCES = _Ops(
     kernels.apply_sampling_options_reference,
+    kernels.greedy_with_sampling_options_reference,
     kernels.logprob_candidates_reference,
     kernels.count_greater_reference,
 )

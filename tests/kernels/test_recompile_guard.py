@@ -720,9 +720,12 @@ def test_v4_index_scores_one_variant():
 
 
 @pytest.mark.gpu
-def test_sampling_kernels_one_variant():
-    """Batch, vocabulary, bias / stop table widths and k all swept."""
+@pytest.mark.parametrize("greedy", [False, True])
+def test_sampling_kernels_one_variant(greedy):
+    """Batch, vocabulary, bias / stop table widths and k all swept (the options kernel in
+    one mode per sweep: GREEDY is a constexpr switch, one variant per mode)."""
     generator = _generator()
+    options = sampling.greedy_with_sampling_options if greedy else sampling.apply_sampling_options
 
     def run(n):
         rows, vocab, k = 1 + n % 64, 1000 + n % 7000, n % 21
@@ -735,7 +738,7 @@ def test_sampling_kernels_one_variant():
         ints[:, 2:].clamp_(max=width)  # entries within the tables' width
         tokens = torch.randint(0, vocab, (8, width), device=DEVICE, dtype=torch.int32)
         values = torch.rand(8, width, device=DEVICE)
-        sampling.apply_sampling_options(logits, state_rows, counts, floats, ints, tokens, values, tokens)  # fmt: skip
+        options(logits, state_rows, counts, floats, ints, tokens, values, tokens)
         ids = torch.arange(rows, device=DEVICE)
         sampling.logprob_candidates(logits, ids, k)
         sampling.count_greater(logits, ids, torch.zeros(rows, device=DEVICE))

@@ -74,6 +74,8 @@ def _check_options(seqs, vocab, device, dtype, generator):
     torch.testing.assert_close(
         sampling.apply_sampling_options(logits, rows, *state.tables()).cpu(), expected
     )
+    greedy = sampling.greedy_with_sampling_options(logits, rows, *state.tables())
+    assert greedy.tolist() == expected.argmax(dim=-1).tolist()
     # Two steps followed on the device: the sampled tokens counted into their rows.
     for _ in range(2):
         tokens = torch.randint(0, vocab, (len(seqs),), generator=generator)
@@ -84,6 +86,8 @@ def _check_options(seqs, vocab, device, dtype, generator):
         torch.testing.assert_close(
             sampling.apply_sampling_options(logits, rows, *state.tables()).cpu(), expected
         )
+        greedy = sampling.greedy_with_sampling_options(logits, rows, *state.tables())
+        assert greedy.tolist() == expected.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
