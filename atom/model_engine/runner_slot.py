@@ -115,7 +115,7 @@ class RunnerSlot:
             BufferSpec("state_build_floats", (rows, 3), torch.float32, 0.0),
             BufferSpec("state_build_entries", (build_entries, 3), torch.int32, 0),
             BufferSpec("state_build_values", (build_entries,), torch.float32, 0.0),
-            BufferSpec("token_bitmask", (rows, -(-vocab_size // 32)), torch.int32, -1),
+            BufferSpec("token_bitmask", (rows, -(-vocab_size // 32)), torch.int32, -1, False),
             BufferSpec("logprob_rows", (rows,), torch.int64, 0),
             BufferSpec("prompt_logprob_rows", (tokens,), torch.int64, 0),
             BufferSpec("prompt_logprob_targets", (tokens,), torch.int64, 0),

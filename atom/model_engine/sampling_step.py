@@ -161,8 +161,8 @@ class SamplingPlan:
         rows = None
         if self.logprob_rows:
             rows = self.logprob_index
-            if rows is None:
-                rows = torch.arange(self.num_rows, device=logits.device)
+            if rows is None:  # every row: kept for the steps that reuse this plan
+                rows = self.logprob_index = torch.arange(self.num_rows, device=logits.device)
             k = max(self.logprob_k)
             lse, top_values, top_ids = ops.candidates(logits, rows, k)
         state = self.state
@@ -187,7 +187,7 @@ class SamplingPlan:
             state.count_sampled(self.state_rows, tokens)
         sample = None
         if rows is not None:
-            chosen_tokens = tokens if self.logprob_index is None else tokens[rows]
+            chosen_tokens = tokens if self.all_rows_logprobs else tokens[rows]
             chosen = logits[rows, chosen_tokens].float()
             ranks = ops.count_greater(logits, rows, chosen) + 1
             sample = LogprobTensors(chosen - lse, ranks, top_ids, top_values - lse.unsqueeze(1))
