@@ -244,8 +244,10 @@ def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
     device = logits.device
     block_max = torch.empty(rows, num_blocks, dtype=torch.float32, device=device)
     block_sum = torch.empty_like(block_max)
-    top_values = torch.empty(rows, num_blocks * k, dtype=torch.float32, device=device)
-    top_ids = torch.empty(rows, num_blocks * k, dtype=torch.int64, device=device)
+    # at least one column: Triton refuses the null pointer of an empty CUDA tensor (k = 0)
+    width = max(num_blocks * k, 1)
+    top_values = torch.empty(rows, width, dtype=torch.float32, device=device)
+    top_ids = torch.empty(rows, width, dtype=torch.int64, device=device)
     if rows:
         _logprob_candidates_kernel[(rows, num_blocks)](
             logits, logits.stride(0), row_ids, block_max, block_sum, top_values, top_ids,
@@ -253,7 +255,7 @@ def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
         )  # fmt: skip
     best = block_max.max(dim=1, keepdim=True).values
     lse = (best + (block_sum * (block_max - best).exp()).sum(1, keepdim=True).log()).squeeze(1)
-    values, order = top_values.topk(k, dim=1) if k else (top_values, top_values.long())
+    values, order = top_values[:, : num_blocks * k].topk(k, dim=1)
     return lse, values, top_ids.gather(1, order)
 
 

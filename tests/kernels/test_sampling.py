@@ -64,6 +64,17 @@ def _reference(seqs, logits, vocab):
     return apply_logits_processors(logits.float().cpu().clone(), inputs)
 
 
+def _check_greedy(tokens, expected):
+    """Each token holds its row's maximum (the first one, up to the last bit of rounding:
+    a GPU may fuse the penalty's multiply-subtract)."""
+    tokens = tokens.cpu()
+    best = expected.max(dim=-1).values
+    got = expected.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(got, best, rtol=1e-6, atol=1e-5)
+    first = expected.argmax(dim=-1)
+    assert (tokens == first).float().mean() > 0.9
+
+
 def _check_options(seqs, vocab, device, dtype, generator):
     logits = (torch.randn(len(seqs), vocab, generator=generator) * 3).to(device, dtype)
     state, rows = _state(seqs, vocab, device)
@@ -74,8 +85,7 @@ def _check_options(seqs, vocab, device, dtype, generator):
     torch.testing.assert_close(
         sampling.apply_sampling_options(logits, rows, *state.tables()).cpu(), expected
     )
-    greedy = sampling.greedy_with_sampling_options(logits, rows, *state.tables())
-    assert greedy.tolist() == expected.argmax(dim=-1).tolist()
+    _check_greedy(sampling.greedy_with_sampling_options(logits, rows, *state.tables()), expected)
     # Two steps followed on the device: the sampled tokens counted into their rows.
     for _ in range(2):
         tokens = torch.randint(0, vocab, (len(seqs),), generator=generator)
@@ -87,7 +97,7 @@ def _check_options(seqs, vocab, device, dtype, generator):
             sampling.apply_sampling_options(logits, rows, *state.tables()).cpu(), expected
         )
         greedy = sampling.greedy_with_sampling_options(logits, rows, *state.tables())
-        assert greedy.tolist() == expected.argmax(dim=-1).tolist()
+        _check_greedy(greedy, expected)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -136,7 +146,13 @@ def _check_logprobs(logits, rows, k):
     torch.testing.assert_close(
         (top_values - lse.unsqueeze(1)).cpu(), expected.top_values.cpu(), rtol=0, atol=1e-5
     )
-    assert top_ids.tolist() == expected.top_ids.tolist()
+    # Ids carry their values (bf16 logits tie often: ties may come in any order) and are
+    # distinct in each row.
+    raw = logits[rows].float()
+    torch.testing.assert_close(raw.gather(1, top_ids), top_values, rtol=0, atol=0)
+    assert all(len(set(ids)) == len(ids) for ids in top_ids.tolist())
+    if logits.dtype == torch.float32:
+        assert top_ids.tolist() == expected.top_ids.tolist()
 
 
 @pytest.mark.parametrize("k", [0, 1, 20])
