@@ -6,8 +6,10 @@
 1. `sampler` (device time, CUDA events; wall time on CPU): the step's sampling on random
    bf16 logits [batch, vocab], plain greedy argmax vs the SamplingPlan with presence,
    frequency and repetition penalties, 16 logit_bias entries and 20 logprobs per row over
-   prompts of --prompt-len and outputs of --output-len tokens; plus the host time of
-   building that plan (SamplingPlan.build).
+   prompts of --prompt-len and outputs of --output-len tokens (the SamplingState rows
+   already built); plus the host time of the plan staged in a RunnerSlot and published:
+   `host_plan_ms` for an unchanged decode batch (the steady state), and for the first
+   step (every state row built from its tokens) and a step that replaces one request.
 2. `engine` (CUDA): the same workload end to end, random Llama-3.2-1B-shape weights,
    --batch prompts decoding --decode-len tokens, plain greedy vs the options; decode
    milliseconds per step of each (a prefill-only run subtracted).
@@ -22,11 +24,12 @@ import json
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from atom.benchmarks.offline_throughput import LLAMA_32_1B
+from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler, SamplingTensors
-from atom.model_engine.sampling_step import SamplingPlan
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -68,30 +71,64 @@ def timed(fn, device: torch.device, iters: int) -> float:
     return (time.perf_counter() - begin) * 1e3 / iters
 
 
+def _decode_batch(seqs: list, layout: int, step: int) -> ScheduledBatch:
+    return ScheduledBatch(seqs, [1] * len(seqs), len(seqs), layout=layout, grown=[], step=step)
+
+
+def _stage_plan(slot: RunnerSlot, batch: ScheduledBatch):
+    """Host side of one step's SamplingPlan (what RunnerSlot.prepare runs), published."""
+    with slot.publisher.producer_guard(slot._buffers):
+        n = len(batch.seqs)
+        cu = np.arange(n + 1, dtype=np.int64)
+        ends = np.fromiter((len(s) for s in batch.seqs), np.int64, n)
+        plan = slot._stage_sampling_plan(batch, batch.seqs, cu, ends)
+        plan.publish(slot)
+    slot.flush()
+    return plan
+
+
 def sampler_cost(args, device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(0)
     vocab, batch = args.vocab, args.batch
     bias = torch.randint(0, vocab, (16,), generator=generator).tolist()
     params = SamplingParams(**options(args.output_len + 8, bias))
     seqs = []
-    for _ in range(batch):
+    for _ in range(batch + 1):  # one spare: the "one request replaced" step
         ids = torch.randint(0, vocab, (args.prompt_len + args.output_len,), generator=generator)
         seq = Sequence(ids[: args.prompt_len].tolist(), params)
         seq.token_ids += ids[args.prompt_len :].tolist()
         seq.num_computed_tokens = len(seq) - 1  # a decode step
         seqs.append(seq)
-    step = ScheduledBatch(seqs, [1] * batch, batch)
+    spare, seqs = seqs[-1], seqs[:-1]
+    max_len = args.prompt_len + args.output_len + 16
+    slot = RunnerSlot(0, batch, max(batch, 2048), -(-max_len // 16), 16, vocab, device)
     logits = torch.randn(batch, vocab, generator=generator).to(device, torch.bfloat16)
     sampler, greedy = Sampler(), SamplingTensors(all_greedy=True)
 
-    begin = time.perf_counter()
-    plan = SamplingPlan.build(step, seqs, vocab, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    build_ms = (time.perf_counter() - begin) * 1e3
+    def host_ms(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - begin) * 1e3
+
+    # Host: the first step builds every state row (prompt + output tokens of each request);
+    # the next steps of the same batch reuse the plan; replacing one request re-maps the
+    # rows and builds one.
+    step = iter(range(1, 1 << 30))
+    plans = []
+    first_ms = host_ms(lambda: plans.append(_stage_plan(slot, _decode_batch(seqs, 1, next(step)))))  # fmt: skip
+    plans[-1].sample(sampler, logits, greedy)  # apply the builds
+    steady = [host_ms(lambda: plans.append(_stage_plan(slot, _decode_batch(seqs, 1, next(step))))) for _ in range(args.iters)]  # fmt: skip
+    replaced = [spare, *seqs[1:]]
+    one_row_ms = host_ms(lambda: plans.append(_stage_plan(slot, _decode_batch(replaced, 2, next(step)))))  # fmt: skip
+    plans[-1].sample(sampler, logits, greedy)
+    plan = _stage_plan(slot, _decode_batch(replaced, 2, next(step)))  # reused: no builds
+
     plain_ms = timed(lambda: sampler(logits, greedy), device, args.iters)
-    # The plan's tensors are reused (penalties scatter into the logits copy, not them).
-    with_ms = timed(lambda: plan.sample(sampler, logits, greedy, None), device, args.iters)
+    with_ms = timed(lambda: plan.sample(sampler, logits, greedy), device, args.iters)
     record = dict(
         case="sampler",
         device=str(device),
@@ -102,7 +139,9 @@ def sampler_cost(args, device: torch.device) -> dict:
         plain_ms=round(plain_ms, 4),
         with_options_ms=round(with_ms, 4),
         extra_ms=round(with_ms - plain_ms, 4),
-        host_plan_build_ms=round(build_ms, 3),
+        host_plan_ms=round(sorted(steady)[len(steady) // 2], 4),  # unchanged batch, median
+        host_plan_first_step_ms=round(first_ms, 3),  # every row built
+        host_plan_one_row_changed_ms=round(one_row_ms, 3),
     )
     emit(record)
     return record

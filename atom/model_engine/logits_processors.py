@@ -1,8 +1,10 @@
-"""Logits processing before sampling: min_tokens, logit_bias, penalties, as vLLM defines them.
+"""min_tokens, logit_bias and penalties as vLLM defines them: the torch reference.
 
-Applied to one step's sampling rows as a few batched tensor ops on the logits' device (no
-per-row loop on the device), in vLLM V1's order: min_tokens (end-of-sequence and stop ids
-at -inf while a request has fewer output tokens than its minimum) and logit_bias (added)
+The engine applies them with one Triton kernel over the device-resident SamplingState
+(atom/kernels/sampling.py, atom/model_engine/sampling_state.py); this module is the
+independent reference that kernel is tested against: rebuilt from host token lists, a
+few batched tensor ops, in vLLM V1's order - min_tokens (end-of-sequence and stop ids at
+-inf while a request has fewer output tokens than its minimum) and logit_bias (added)
 first, then the penalties of `apply_penalties`:
 
     seen    = token in the prompt or the output so far
@@ -10,12 +12,9 @@ first, then the penalties of `apply_penalties`:
     logits -= frequency_penalty * (count of the token in the output)
     logits -= presence_penalty * (token in the output)
 
-The host side (`LogitsInputs.build`) reads the sampling sequences once per step and only
-when one of them asks for any of this; a step without such a request costs nothing here.
 Output token lists are padded with `vocab_size` (a dummy column dropped after counting).
-With asynchronous scheduling a sequence's last output token may still be a placeholder
-on the host: its value is read on the device from the step's input ids (where the runner
-has just written it), so the counts include it.
+A placeholder last output token (asynchronous scheduling) is read from the step's input
+ids on the device.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cac
 from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler
-from atom.model_engine.sampling_step import SamplingPlan
+from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
@@ -87,6 +87,8 @@ class ModelRunner:
         uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
         self.num_state_slots = config.max_num_seqs if uses_state else 0
         self.sampler = Sampler()
+        # Penalties, logit_bias, min_tokens state of running requests, shared by the slots.
+        self.sampling_state = SamplingState(config.max_num_seqs, hf_config.vocab_size, self.device)
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
             RunnerSlot(
@@ -101,6 +103,7 @@ class ModelRunner:
                 h2d_checked=config.h2d_checked,
                 backend=backend_for(self.model),
                 max_sampling_rows=verify_rows_per_step(config),
+                sampling_state=self.sampling_state,
             )
             for index in range(2 if alternate_slots else config.num_micro_batches)
         ]
@@ -237,6 +240,7 @@ class ModelRunner:
         two halves, each run on its own slot; their tokens are joined in batch order.
         """
         previous = self._last_sampled
+        self.sampling_state.begin_step(batch.seqs)
         if self.alternate_slots:  # the whole batch on the slot not used last time
             index, self._next_slot = self._next_slot, 1 - self._next_slot
             results = [self._launch_part(index, batch, previous)]
@@ -342,10 +346,10 @@ class ModelRunner:
         sampling = step.sampling_seqs and slot.publish_sampling(step)
         logits_indices = slot.publish_logits_indices(step)
         drafts = slot.publish_draft_tokens(step)  # speculative steps only
+        # Log-probabilities, grammars, penalties...: None unless a request asks for them.
+        plan = slot.publish_sampling_plan(step)
         with profiling.stage("publish"):
             slot.flush()
-        # Log-probabilities, grammars, penalties...: None unless a request asks for them.
-        plan = SamplingPlan.build(batch, step.sampling_seqs, self.hf_config.vocab_size, self.device)
         prompt = None
 
         verify_size = self._verify_graph_size(index, batch, step, plan)
@@ -386,7 +390,7 @@ class ModelRunner:
                 return verified, None
             if plan is None:
                 return self.sampler(logits, sampling), None
-            return plan.sample(self.sampler, logits, sampling, input_ids, prompt)
+            return plan.sample(self.sampler, logits, sampling, prompt)
 
     def _verify_graph_size(self, index: int, batch: ScheduledBatch, step, plan) -> int | None:
         """The multi-token graph size a step replays at, or None (eager): a verify step

@@ -27,6 +27,8 @@ from atom.h2d.contract import REPEAT_LAST
 from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
 from atom.model_engine.page_table import PageTable
 from atom.model_engine.sampler import SamplingTensors
+from atom.model_engine.sampling_state import SamplingState
+from atom.model_engine.sampling_step import SamplingPlan
 from atom.model_engine.scheduler import ScheduledBatch
 
 
@@ -50,6 +52,8 @@ class PreparedStep:
     # Speculative verification: logits rows of the step (a drafting sequence has one per
     # draft plus one); `draft_token_ids` holds each row's draft (-1: none). 0 = no drafts.
     num_verify_rows: int = 0
+    # Logprobs, penalties, logit_bias, grammars... (sampling_step.py); None: plain sampling.
+    sampling_plan: SamplingPlan | None = None
 
 
 class RunnerSlot:
@@ -66,6 +70,7 @@ class RunnerSlot:
         h2d_checked: bool = True,
         backend: PagedAttentionBackend | None = None,
         max_sampling_rows: int | None = None,
+        sampling_state: SamplingState | None = None,
     ):
         self.index = index
         self.block_size = block_size
@@ -74,6 +79,12 @@ class RunnerSlot:
         seqs, tokens = max_num_seqs, max(max_num_tokens, max_num_seqs)
         # logits rows per step: one per sampling sequence, more when drafts are verified
         rows = min(max_sampling_rows or seqs, tokens)
+        # Tokens of the state rows built in one step: two whole sequences, or a full
+        # step's worth of prompts; larger builds are rare and made directly.
+        build_entries = 2 * max(tokens, max_blocks_per_seq * block_size) + 16 * seqs
+        self.sampling_state = sampling_state or SamplingState(seqs, vocab_size, device)
+        self._plan: SamplingPlan | None = None  # the last step's, with its batch key
+        self._plan_key: tuple | None = None
         self.backend = backend or MHABackend()
         specs = [
             BufferSpec("input_ids", (tokens,), torch.int64, 0),
@@ -94,6 +105,20 @@ class RunnerSlot:
             # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
             BufferSpec("placeholder_dst", (seqs,), torch.int64, 0),
             BufferSpec("placeholder_src", (seqs,), torch.int64, 0),
+            # Sampling plans (sampling_step.py): the SamplingState row of each sampling row,
+            # builds of state rows new this step (row, min_tokens, outputs, bias entries,
+            # stop ids | presence, frequency, repetition | (row, column, token) entries of
+            # prompt, output, bias and stop tokens | bias values), the grammar bitmask,
+            # logprob rows and prompt-logprob (hidden row, target token) pairs.
+            BufferSpec("sampling_state_rows", (rows,), torch.int32, 0),
+            BufferSpec("state_build_ints", (rows, 5), torch.int32, 0),
+            BufferSpec("state_build_floats", (rows, 3), torch.float32, 0.0),
+            BufferSpec("state_build_entries", (build_entries, 3), torch.int32, 0),
+            BufferSpec("state_build_values", (build_entries,), torch.float32, 0.0),
+            BufferSpec("token_bitmask", (rows, -(-vocab_size // 32)), torch.int32, -1, False),
+            BufferSpec("logprob_rows", (rows,), torch.int64, 0),
+            BufferSpec("prompt_logprob_rows", (tokens,), torch.int64, 0),
+            BufferSpec("prompt_logprob_targets", (tokens,), torch.int64, 0),
             *self.backend.buffer_specs(seqs, tokens),
         ]
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
@@ -215,6 +240,7 @@ class RunnerSlot:
                 ]
             if needs_top_p:
                 stage(self.top_p, n)[:] = [p.top_p for p in params]
+        plan = self._stage_sampling_plan(batch, sampling_seqs, cu, ends)
         return PreparedStep(
             num_seqs=num_seqs,
             num_tokens=num_tokens,
@@ -230,6 +256,47 @@ class RunnerSlot:
             gathers_logits=gathers_logits,
             num_placeholders=len(placeholders),
             num_verify_rows=num_verify_rows,
+            sampling_plan=plan,
+        )
+
+    def _stage_sampling_plan(self, batch, sampling_seqs, cu, ends) -> SamplingPlan | None:
+        """The step's SamplingPlan: the previous step's again when this decode batch is the
+        same (layout, consecutive steps both decode-only, so the same sampling rows; no state
+        row taken back since), else staged anew."""
+        previous, key = self._plan, self._plan_key
+        self._plan = None
+        self._plan_key = None
+        if batch.needs_sampling_plan is False:
+            return None
+        epoch = self.sampling_state.epoch
+        if (
+            previous is not None
+            and previous.reusable
+            and batch.is_decode_only
+            and batch.layout is not None
+            and batch.step is not None
+            and key == (batch.layout, batch.step - 1, epoch, True)  # both decode-only
+        ):
+            plan = previous.again()
+        else:
+            plan = SamplingPlan.stage(self, batch, sampling_seqs, cu, ends)
+        if plan is not None and batch.layout is not None and batch.step is not None:
+            self._plan = plan
+            epoch = self.sampling_state.epoch
+            self._plan_key = (batch.layout, batch.step, epoch, batch.is_decode_only)
+        return plan
+
+    def stage_builds(self, rows: int, entries: int):
+        """Views for SamplingState.stage_builds: (ints, floats, entries, values), or None
+        when `entries` exceeds the slot's staging."""
+        if entries > self.state_build_entries.capacity:
+            return None
+        stage = self.publisher.stage
+        return (
+            stage(self.state_build_ints, rows),
+            stage(self.state_build_floats, rows),
+            stage(self.state_build_entries, entries),
+            stage(self.state_build_values, entries),
         )
 
     def _stage_verify_rows(self, seqs, drafts, ends, cu, num_tokens):
@@ -290,6 +357,14 @@ class RunnerSlot:
             return None
         with profiling.stage("publish.logits_indices"):
             return self._publish(self.logits_indices, len(step.sampling_seqs))
+
+    def publish_sampling_plan(self, step: PreparedStep) -> SamplingPlan | None:
+        """The step's SamplingPlan with its device views (None: plain sampling)."""
+        plan = step.sampling_plan
+        if plan is not None:
+            with profiling.stage("publish.sampler"):
+                plan.publish(self)
+        return plan
 
     def publish_sampling(self, step: PreparedStep) -> SamplingTensors:
         """Sampling parameters; uniform all-greedy steps upload nothing."""

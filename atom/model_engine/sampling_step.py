@@ -1,61 +1,84 @@
 """What a step's sampling needs beyond temperature / top-k / top-p: the SamplingPlan.
 
-Built on the host from the scheduled batch only when some request of the step asks for
-log-probabilities (sampled or prompt), structured output, min_tokens, logit_bias or
-penalties; otherwise the runner samples as before and nothing here runs. Its device
-work, in order (vLLM V1's): raw log-probabilities of the logits as the LM head returns
-them; the grammar bitmask; min_tokens and logit_bias; penalties; then the Sampler.
+Made only when some request of the step asks for log-probabilities (sampled or prompt),
+structured output, min_tokens, logit_bias or penalties; otherwise the runner samples as
+before and nothing here runs. Its three phases follow the runner slot's step:
+
+- `stage` (RunnerSlot.prepare, under the producer guard): numpy writes into the slot's
+  staged buffers - the map of sampling rows to SamplingState rows, the builds of rows new
+  this step, the grammar bitmask, logprob and prompt-logprob rows. A decode step whose batch
+  is unchanged since the slot's previous step reuses that step's plan: nothing is staged
+  and nothing uploaded (the map is still in its device destination).
+- `publish` (at the sampler, before the slot's flush): through the slot's publisher.
+- `sample` (after the LM head), vLLM V1's order on the device: raw log-probability
+  statistics of the logits as the LM head returns them; the grammar bitmask; logit_bias,
+  min_tokens and penalties in one kernel over the SamplingState (for all-greedy steps
+  without a grammar the same kernel also takes the argmax, writing no logits); the
+  Sampler; the sampled
+  tokens counted into their state rows; the chosen tokens' log-probabilities and ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from atom.model_engine.logits_processors import LogitsInputs, apply_logits_processors
-from atom.model_engine.logprobs import StepLogprobs, compute_logprobs, gather_logprobs
+from atom.kernels import sampling as kernels
+from atom.model_engine.logprobs import LogprobTensors, StepLogprobs, compute_logprobs
 from atom.model_engine.sampler import Sampler, SamplingTensors
+from atom.model_engine.sampling_state import SamplingState, StagedBuilds
 from atom.model_engine.structured_output import apply_token_bitmask, fill_bitmask
 
 
 @dataclass
 class SamplingPlan:
-    logits_inputs: LogitsInputs | None
-    bitmask: torch.Tensor | None  # [S, W] int32
+    num_rows: int  # sampling rows of the step
+    state: SamplingState | None  # None: no row processes its logits
+    builds: StagedBuilds | None  # state rows built this step (staged in the slot)
+    fallback_builds: tuple | None  # (builds, ints, floats, entries, values) on the device
+    structured: bool  # the bitmask is staged
     logprob_rows: list[int]  # sampling rows that want logprobs
     logprob_k: list[int]
-    logprob_index: torch.Tensor | None  # the same rows on the device; None = every row
-    prompt_indices: torch.Tensor | None  # token rows of the step's hidden states
-    prompt_targets: torch.Tensor | None  # the prompt token each of them predicts
+    all_rows_logprobs: bool  # every sampling row wants them (no index published)
     prompt_spans: list[tuple[object, int, int, int]]
     prompt_token_ids: list[int]
+    # Device views, set by `publish`:
+    state_rows: torch.Tensor | None = None  # [S] int32
+    build_tensors: tuple | None = None  # ints, floats, entries, values
+    bitmask: torch.Tensor | None = None  # [S, W] int32
+    logprob_index: torch.Tensor | None = None  # [R] int64
+    prompt_indices: torch.Tensor | None = None  # token rows of the step's hidden states
+    prompt_targets: torch.Tensor | None = None  # the prompt token each of them predicts
 
+    # -- host: staging ----------------------------------------------------------------------
     @classmethod
-    def build(cls, batch, sampling_seqs: list, vocab_size: int, device) -> SamplingPlan | None:
+    def stage(cls, slot, batch, sampling_seqs: list, cu: np.ndarray, ends: np.ndarray):
+        """Stage the plan of `batch` in `slot` (inside its producer guard); None when no
+        request of the step needs one."""
         seqs = batch.seqs
         if batch.needs_sampling_plan is False or not any(
             s.sampling_params.needs_sampling_plan for s in seqs
         ):
             return None
-        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu[1:])
-        # Index in the step's input ids of each sampling row's last input token.
-        ends = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs)) + num_new
-        lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
-        input_rows = cu[np.flatnonzero(ends == lengths) + 1] - 1
-
-        logits_inputs = LogitsInputs.build(sampling_seqs, input_rows, vocab_size, device)
-        bitmask = fill_bitmask(sampling_seqs, vocab_size)
-        if bitmask is not None:
-            bitmask = _upload(torch.from_numpy(bitmask), device)
-        rows = [i for i, s in enumerate(sampling_seqs) if s.sampling_params.logprobs is not None]
-        ks = [sampling_seqs[i].sampling_params.logprobs for i in rows]
-        index = None
-        if rows and len(rows) != len(sampling_seqs):
-            index = _upload(torch.tensor(rows, dtype=torch.int64), device)
+        stage, state, n = slot.publisher.stage, slot.sampling_state, len(sampling_seqs)
+        params = [s.sampling_params for s in sampling_seqs]
+        builds = fallback = None
+        processes = any(p.processes_logits for p in params)
+        if processes:
+            built = state.rows_for(sampling_seqs, stage(slot.sampling_state_rows, n))
+            if built:
+                builds = state.stage_builds(built, slot.stage_builds)
+                if builds is None:  # too large for the slot's staging: made directly
+                    fallback = state.build_tensors(built)
+        structured = any(getattr(s, "grammar", None) is not None for s in sampling_seqs)
+        if structured:
+            fill_bitmask(sampling_seqs, stage(slot.token_bitmask, n))
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        all_rows = len(rows) == n
+        if rows and not all_rows:
+            stage(slot.logprob_rows, len(rows))[:] = rows
 
         spans, hidden_rows, targets = [], [], []
         for row, seq in enumerate(seqs):
@@ -69,49 +92,105 @@ class SamplingPlan:
             spans.append((seq, start + 1, count, k))
             hidden_rows.extend(range(int(cu[row]), int(cu[row]) + count))
             targets.extend(seq.token_ids[start + 1 : start + 1 + count])
-        prompt_indices = prompt_targets = None
         if spans:
-            prompt_indices = _upload(torch.tensor(hidden_rows, dtype=torch.int64), device)
-            prompt_targets = _upload(torch.tensor(targets, dtype=torch.int64), device)
+            stage(slot.prompt_logprob_rows, len(hidden_rows))[:] = hidden_rows
+            stage(slot.prompt_logprob_targets, len(targets))[:] = targets
         return cls(
-            logits_inputs, bitmask, rows, ks, index, prompt_indices, prompt_targets, spans, targets
+            n,
+            state if processes else None,
+            builds,
+            fallback,
+            structured,
+            rows,
+            [params[i].logprobs for i in rows],
+            all_rows,
+            spans,
+            targets,
         )
 
     @property
+    def reusable(self) -> bool:
+        """An unchanged decode batch may run this plan again with nothing staged."""
+        return not self.structured and not self.prompt_spans
+
+    def again(self) -> SamplingPlan:
+        """This plan for the next step of the same batch: its rows are built, its map and
+        logprob rows are still in their device destinations."""
+        return replace(self, builds=None, fallback_builds=None, build_tensors=None)
+
+    # -- publication at the sampler ---------------------------------------------------------
+    def publish(self, slot) -> None:
+        publish = slot.publisher.publish
+        if self.state is not None and self.state_rows is None:
+            self.state_rows = publish(slot.sampling_state_rows, self.num_rows)
+        if self.builds is not None and self.builds.rows:
+            b = self.builds
+            self.build_tensors = (
+                publish(slot.state_build_ints, b.rows),
+                publish(slot.state_build_floats, b.rows),
+                publish(slot.state_build_entries, b.num_entries),
+                publish(slot.state_build_values, b.num_entries),
+            )
+        if self.structured:
+            self.bitmask = publish(slot.token_bitmask, self.num_rows)
+        if self.logprob_rows and not self.all_rows_logprobs and self.logprob_index is None:
+            self.logprob_index = publish(slot.logprob_rows, len(self.logprob_rows))
+        if self.prompt_spans:
+            count = len(self.prompt_token_ids)
+            self.prompt_indices = publish(slot.prompt_logprob_rows, count)
+            self.prompt_targets = publish(slot.prompt_logprob_targets, count)
+
+    # -- device -----------------------------------------------------------------------------
+    @property
     def has_prompt_logprobs(self) -> bool:
-        return self.prompt_indices is not None
+        return bool(self.prompt_spans)
 
     def prompt_logprobs(self, model, hidden: torch.Tensor):
         """LogprobTensors of the prompt spans, from the step's hidden states [T, H]."""
-        if self.prompt_indices is None:
+        if not self.prompt_spans:
             return None
         logits = model.compute_logits(hidden[self.prompt_indices])
         k = max(k for *_, k in self.prompt_spans)
         return compute_logprobs(logits, self.prompt_targets, k)
 
     def sample(
-        self,
-        sampler: Sampler,
-        logits: torch.Tensor,
-        params: SamplingTensors,
-        input_ids: torch.Tensor | None,
-        prompt=None,
+        self, sampler: Sampler, logits: torch.Tensor, params: SamplingTensors, prompt=None
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Tokens [S] and the step's log-probabilities (None if nobody asked)."""
-        logprobs = None
+        ops = _KERNELS if logits.is_cuda else _REFERENCES
+        rows = None
         if self.logprob_rows:
-            raw = logits if self.logprob_index is None else logits[self.logprob_index]
-            logprobs = raw.float().log_softmax(dim=-1)  # a new tensor: later ops keep it
-        logits = logits.float()
-        if self.bitmask is not None:
-            logits = apply_token_bitmask(logits, self.bitmask)
-        if self.logits_inputs is not None:
-            logits = apply_logits_processors(logits, self.logits_inputs, input_ids)
-        tokens = sampler(logits, params)
+            rows = self.logprob_index
+            if rows is None:  # every row: kept for the steps that reuse this plan
+                rows = self.logprob_index = torch.arange(self.num_rows, device=logits.device)
+            k = max(self.logprob_k)
+            lse, top_values, top_ids = ops.candidates(logits, rows, k)
+        state = self.state
+        if state is not None:
+            if self.build_tensors is not None:
+                state.apply_builds(self.builds, *self.build_tensors)
+            elif self.fallback_builds is not None:
+                state.apply_builds(*self.fallback_builds)
+        if state is not None and params.all_greedy and self.bitmask is None:
+            tokens = ops.greedy(logits, self.state_rows, *state.tables())  # nothing written
+        else:
+            if state is not None:
+                processed = ops.options(logits, self.state_rows, *state.tables())
+            else:
+                processed = logits.float()
+                if self.bitmask is not None and processed.data_ptr() == logits.data_ptr():
+                    processed = processed.clone()  # the raw logits stay for the ranks
+            if self.bitmask is not None:
+                processed = apply_token_bitmask(processed, self.bitmask)
+            tokens = sampler(processed, params)
+        if state is not None:
+            state.count_sampled(self.state_rows, tokens)
         sample = None
-        if logprobs is not None:
-            chosen = tokens if self.logprob_index is None else tokens[self.logprob_index]
-            sample = gather_logprobs(logprobs, chosen, max(self.logprob_k))
+        if rows is not None:
+            chosen_tokens = tokens if self.all_rows_logprobs else tokens[rows]
+            chosen = logits[rows, chosen_tokens].float()
+            ranks = ops.count_greater(logits, rows, chosen) + 1
+            sample = LogprobTensors(chosen - lse, ranks, top_ids, top_values - lse.unsqueeze(1))
         return tokens, self.step_logprobs(sample, prompt)
 
     def step_logprobs(self, sample, prompt) -> StepLogprobs | None:
@@ -122,7 +201,24 @@ class SamplingPlan:
         )  # fmt: skip
 
 
-def _upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+@dataclass(frozen=True)
+class _Ops:
+    options: object
+    greedy: object
+    candidates: object
+    count_greater: object
+
+
+# The engine runs the Triton kernels on CUDA and their torch references on CPU.
+_KERNELS = _Ops(
+    kernels.apply_sampling_options,
+    kernels.greedy_with_sampling_options,
+    kernels.logprob_candidates,
+    kernels.count_greater,
+)
+_REFERENCES = _Ops(
+    kernels.apply_sampling_options_reference,
+    kernels.greedy_with_sampling_options_reference,
+    kernels.logprob_candidates_reference,
+    kernels.count_greater_reference,
+)

@@ -51,19 +51,15 @@ class GrammarBackend:
         return self._xgr.GrammarMatcher(compiled)
 
 
-def fill_bitmask(seqs: list, vocab_size: int) -> np.ndarray | None:
-    """[S, ceil(V / 32)] int32 allowed-token bits of the sampling rows, or None if no row
-    is constrained (unconstrained rows allow everything)."""
-    rows = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
-    if not rows:
-        return None
-    words = -(-vocab_size // 32)
-    bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
-    for row in rows:
-        matcher = seqs[row].grammar
-        if not matcher.is_terminated():
+def fill_bitmask(seqs: list, out: np.ndarray) -> None:
+    """Fill `out` [S, ceil(V / 32)] int32 (a staged numpy view) with the allowed-token bits
+    of the sampling rows; unconstrained rows allow everything."""
+    out.fill(-1)
+    bitmask = torch.from_numpy(out)
+    for row, seq in enumerate(seqs):
+        matcher = getattr(seq, "grammar", None)
+        if matcher is not None and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, row)
-    return bitmask.numpy()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

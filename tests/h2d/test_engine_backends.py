@@ -37,3 +37,25 @@ def test_direct_and_packed_give_identical_tokens(tiny_model_dirs, device):
         if device == "cuda":
             assert runner.graphs[0].padded_replays > 0
     assert results["direct"] == results["packed"]
+
+
+def test_sampling_options_identical_between_direct_and_packed(tiny_model_dirs):
+    """Penalties, logit_bias, min_tokens and logprobs staged through either publisher:
+    the same tokens and log-probabilities."""
+    prompts = random_prompts(4, [3, 20, 9])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, presence_penalty=0.7,
+        frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={7: 1.0}, min_tokens=3,
+        logprobs=3,
+    )  # fmt: skip
+    results = {}
+    for backend in ("direct", "packed"):
+        llm = build_llm(
+            tiny_model_dirs["llama"], h2d_backend=backend, max_num_batched_tokens=16,
+            num_kvcache_blocks=64,
+        )  # fmt: skip
+        outputs = llm.generate(prompts, [params, GREEDY, params], use_tqdm=False)
+        results[backend] = [
+            (o.token_ids, [(e.token_id, e.rank, e.top) for e in o.logprobs or []]) for o in outputs
+        ]
+    assert results["direct"] == results["packed"]

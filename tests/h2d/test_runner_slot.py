@@ -88,3 +88,40 @@ def test_uniform_temperature_samples_like_per_row_temperatures():
         all_greedy=False, temperatures=torch.full((3,), 0.8), generators=generators
     )
     assert torch.equal(tokens, Sampler()(logits, per_row))
+
+
+@pytest.mark.parametrize("backend", ["direct", "packed"])
+def test_sampling_plan_publishes_new_rows_once_then_nothing(backend):
+    """Penalties, logit_bias and logprobs: the first step uploads the state rows' builds
+    and the row map through the publisher; the next step of the same batch uploads none of
+    it (the state follows the sampled tokens on the device)."""
+    slot = _slot(backend)
+    batch = _decode_batch([0.0, 0.0, 0.0])
+    options = dict(presence_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 2.0})
+    batch.seqs[0].sampling_params = SamplingParams(temperature=0.0, logprobs=2, **options)
+    batch.seqs[1].sampling_params = SamplingParams(temperature=0.0, min_tokens=2, **options)
+    sampling = {
+        "sampling_state_rows", "state_build_ints", "state_build_floats", "state_build_entries",
+        "state_build_values", "logprob_rows", "token_bitmask", "prompt_logprob_rows",
+        "prompt_logprob_targets",
+    }  # fmt: skip
+
+    def step():
+        prepared = slot.prepare(batch)
+        slot.publish_model_inputs(prepared)
+        plan = slot.publish_sampling_plan(prepared)
+        event = slot.flush()
+        sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
+        return plan, sent & sampling
+
+    plan, sent = step()
+    assert sent == sampling - {"token_bitmask", "prompt_logprob_rows", "prompt_logprob_targets"}
+    assert plan.state_rows.tolist()[2] == 0 and len(set(plan.state_rows.tolist())) == 3
+    assert plan.logprob_index.tolist() == [0]
+    for seq in batch.seqs:
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(7)
+    batch.step = 2
+    again, sent = step()
+    assert sent == set() and again.builds is None
+    assert again.state_rows.tolist() == plan.state_rows.tolist()

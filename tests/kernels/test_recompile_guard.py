@@ -26,6 +26,7 @@ from atom.kernels import (
     prefill_attention,
     rmsnorm,
     rotary,
+    sampling,
     scatter,
     v4_attention,
     v4_compressor,
@@ -200,6 +201,17 @@ KERNELS = {
         ],
         [],
     ),
+    # Sampling options and logprobs: rows come from the grid; the vocabulary, the state's
+    # bias / stop table widths, the logprob count k and the logits' row stride are runtime.
+    (sampling, "_sampling_options_kernel"): (
+        ["vocab_size", "bias_width", "stop_width", "logits_stride"],
+        [],
+    ),
+    (sampling, "_logprob_candidates_kernel"): (
+        ["vocab_size", "logits_stride", "num_blocks", "k"],
+        [],
+    ),
+    (sampling, "_count_greater_kernel"): (["vocab_size", "logits_stride", "num_blocks"], []),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -765,3 +777,34 @@ def test_v4_index_scores_one_variant():
                                        4, 16, 512, n)  # fmt: skip
 
     assert_one_variant(v4_indexer, ["_index_scores_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("greedy", [False, True])
+def test_sampling_kernels_one_variant(greedy):
+    """Batch, vocabulary, bias / stop table widths and k all swept (the options kernel in
+    one mode per sweep: GREEDY is a constexpr switch, one variant per mode)."""
+    generator = _generator()
+    options = sampling.greedy_with_sampling_options if greedy else sampling.apply_sampling_options
+
+    def run(n):
+        rows, vocab, k = 1 + n % 64, 1000 + n % 7000, n % 21
+        logits = torch.randn(rows, vocab, device=DEVICE, dtype=BF16, generator=generator)
+        state_rows = torch.randint(0, 8, (rows,), device=DEVICE, dtype=torch.int32)
+        counts = torch.randint(0, 3, (8, vocab), device=DEVICE, dtype=torch.int32)
+        floats = torch.rand(8, 3, device=DEVICE)
+        ints = torch.randint(0, 4, (8, 4), device=DEVICE, dtype=torch.int32)
+        width = min(n, 4096)
+        ints[:, 2:].clamp_(max=width)  # entries within the tables' width
+        tokens = torch.randint(0, vocab, (8, width), device=DEVICE, dtype=torch.int32)
+        values = torch.rand(8, width, device=DEVICE)
+        options(logits, state_rows, counts, floats, ints, tokens, values, tokens)
+        ids = torch.arange(rows, device=DEVICE)
+        sampling.logprob_candidates(logits, ids, k)
+        sampling.count_greater(logits, ids, torch.zeros(rows, device=DEVICE))
+
+    assert_one_variant(
+        sampling,
+        ["_sampling_options_kernel", "_logprob_candidates_kernel", "_count_greater_kernel"],
+        run,
+    )

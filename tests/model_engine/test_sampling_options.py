@@ -273,3 +273,27 @@ def test_penalties_with_asynchronous_scheduling_equal_synchronous(small_model):
 def test_invalid_options_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_repetition_penalty_survives_preemption_and_chunking(small_model):
+    """Penalty state kept on the device across steps: chunked prefills, preemption by
+    recompute (rows taken back and rebuilt: 3 state rows for 4 requests) and an
+    asynchronous run all give HF transformers' greedy tokens with the same penalty."""
+    path, model = small_model
+    prompts = [list(range(20 + 7 * i, 39 + 7 * i)) for i in range(4)]
+    reference = []
+    for ids in prompts:
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=12, min_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+        )  # fmt: skip
+        reference.append(out[0, len(ids) :].tolist())
+    params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True)
+    for async_scheduling in (False, True):
+        llm = build_llm(
+            path, max_model_len=64, num_kvcache_blocks=5, max_num_seqs=3,
+            max_num_batched_tokens=24, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert [o.token_ids for o in outputs] == reference

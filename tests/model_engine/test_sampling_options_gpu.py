@@ -66,9 +66,11 @@ def test_async_graphs_penalties_and_logprobs(small_model):
     )  # fmt: skip
     results = []
     for async_scheduling in (False, True):
+        # A fixed cache, as the other GPU engine tests: sized from free memory, the second
+        # engine would see the first one's cache (still alive in `_ENGINES`) as used.
         llm = build_llm(
             path, device="cuda", dtype="float32", max_model_len=256,
-            async_scheduling=async_scheduling, gpu_memory_utilization=0.2,
+            async_scheduling=async_scheduling, num_kvcache_blocks=64,
         )  # fmt: skip
         results.append(llm.generate(prompts, params, use_tqdm=False))
     assert [o.token_ids for o in results[0]] == [o.token_ids for o in results[1]]
@@ -80,3 +82,30 @@ def test_async_graphs_penalties_and_logprobs(small_model):
         for i, entry in enumerate(out.logprobs):
             position = len(prompt) + i
             assert abs(entry.logprob - reference[position - 1, full[position]].item()) < 1e-3
+
+
+def test_kernels_in_the_engine_equal_the_cpu_references(small_model):
+    """Penalties, logit_bias, min_tokens and logprobs through the Triton kernels (CUDA
+    graphs, asynchronous scheduling, chunked prefill, preemption) give the CPU engine's
+    tokens (torch references) and its logprobs."""
+    path, _ = small_model
+    prompts = [list(range(20 + 5 * i, 40 + 5 * i)) for i in range(6)]
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.8,
+        frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={7: 2.0, 300: -1.0},
+        min_tokens=4, stop_token_ids=[11], logprobs=5,
+    )  # fmt: skip
+    results = {}
+    for device in ("cpu", "cuda"):
+        llm = build_llm(
+            path, device=device, dtype="float32", max_model_len=64, num_kvcache_blocks=9,
+            max_num_seqs=4, max_num_batched_tokens=32,
+        )  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        results[device] = outputs
+    for cpu, gpu in zip(results["cpu"], results["cuda"], strict=True):
+        assert gpu.token_ids == cpu.token_ids
+        for a, b in zip(cpu.logprobs, gpu.logprobs, strict=True):
+            assert a.rank == b.rank and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-3
