@@ -148,6 +148,9 @@ def run_case(name: str, model_dir: str, args, prompt, oracle=None, **engine_kwar
         max_num_seqs=8,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=64 << 20,
+        # a fixed cache: the cases' engines stay alive in one process, so sizing each from
+        # free memory left the later ones no room
+        num_kvcache_blocks=engine_kwargs.pop("num_kvcache_blocks", 256),
         enforce_eager=args.enforce_eager,
         **engine_kwargs,
     )

@@ -91,14 +91,14 @@ def test_kernels_in_the_engine_equal_the_cpu_references(small_model):
     path, _ = small_model
     prompts = [list(range(20 + 5 * i, 40 + 5 * i)) for i in range(6)]
     params = SamplingParams(
-        temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.8,
+        temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=0.8,
         frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={7: 2.0, 300: -1.0},
         min_tokens=4, stop_token_ids=[11], logprobs=5,
     )  # fmt: skip
     results = {}
     for device in ("cpu", "cuda"):
         llm = build_llm(
-            path, device=device, dtype="float32", max_model_len=64, num_kvcache_blocks=9,
+            path, device=device, dtype="float32", max_model_len=64, num_kvcache_blocks=7,
             max_num_seqs=4, max_num_batched_tokens=32,
         )  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
