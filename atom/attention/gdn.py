@@ -13,6 +13,8 @@ Publication (atom/h2d, at the first consumer, direct and packed): each row's sta
 whether the sequence starts this step (`fresh`: its state is taken as zero, so a reused
 slot never leaks its previous owner's state). Math: atom/kernels/gdn_conv.py and
 atom/kernels/gdn_delta_rule.py; decode uses static shapes only (CUDA-graph capturable).
+Prefill on CUDA runs the chunked delta rule (atom/kernels/gdn_chunk.py) when a sequence's
+new run reaches `CHUNKED_MIN_TOKENS`, the sequential kernel otherwise; on CPU the reference.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from atom.attention.backend import PagedAttentionBackend
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
+from atom.kernels.gdn_chunk import CHUNKED_MIN_TOKENS, chunked_gated_delta_rule
 from atom.kernels.gdn_conv import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_reference,
@@ -139,7 +142,12 @@ class GatedDeltaNetState(nn.Module):
         if meta.is_decode:
             rule = recurrent_gated_delta_rule if on_gpu else recurrent_gated_delta_rule_reference
             return rule(q, k, v, g, beta, recurrent_state, slots, fresh)
-        rule = chunk_gated_delta_rule if on_gpu else chunk_gated_delta_rule_reference
+        if not on_gpu:
+            rule = chunk_gated_delta_rule_reference
+        elif meta.max_seqlen_q >= CHUNKED_MIN_TOKENS:  # long runs: the chunked kernels win
+            rule = chunked_gated_delta_rule
+        else:  # short runs: the sequential (recurrent-form) kernel
+            rule = chunk_gated_delta_rule
         return rule(q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh)
 
     def _profile(self, mixed_qkv, conv_weight, g, beta):

@@ -17,6 +17,7 @@ import atom.kernels
 from atom.kernels import (
     activation,
     decode_attention,
+    gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
     kv_cache,
@@ -144,6 +145,19 @@ KERNELS = {
     (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
     (gdn_conv, "_conv1d_prefill_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
     (gdn_delta_rule, "_gated_delta_rule_kernel"): (
+        [],
+        [
+            "stride_q_token",
+            "stride_k_token",
+            "stride_v_token",
+            "stride_out_token",
+            "scratch_slot",
+            "scale",
+        ],
+    ),
+    # the chunked delta rule: chunk bounds are computed on the device (from cu_seqlens)
+    (gdn_chunk, "_chunk_inverse_kernel"): ([], ["stride_k_token"]),
+    (gdn_chunk, "_chunk_state_kernel"): (
         [],
         [
             "stride_q_token",
@@ -597,6 +611,14 @@ def test_gdn_kernels_one_variant():
 
     assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_decode)
     assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_prefill)
+
+    def run_chunked(n):
+        lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
+        cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+        count = len(lens)
+        gdn_chunk.chunked_gated_delta_rule(q, k, v, g, beta, state, cu, rows[:count], fresh[:count])
+
+    assert_one_variant(gdn_chunk, ["_chunk_inverse_kernel", "_chunk_state_kernel"], run_chunked)
 
 
 @pytest.mark.gpu
