@@ -121,6 +121,9 @@ def _conv1d_update_kernel(
         state + (offs_j + 1)[:, None] * CHANNELS + offs_c[None, :], mask=shift_mask, other=0.0
     )
     shifted = tl.where((offs_j == WIDTH - 2)[:, None], x[None, :].to(shifted.dtype), shifted)
+    # Row j is written with row j + 1, which other warps of this program may still be
+    # reading (a [BLOCK_K, BLOCK_C] tile can spread its rows over warps): all reads first.
+    tl.debug_barrier()
     tl.store(
         state + offs_j[:, None] * CHANNELS + offs_c[None, :],
         shifted,
@@ -180,6 +183,9 @@ def _conv1d_prefill_kernel(
     row = src - start + WIDTH - 1
     sv = tl.load(state + row[:, None] * CHANNELS + offs_c[None, :], mask=in_state, other=0.0)
     new = tl.where(in_x, xv.to(sv.dtype), sv)
+    # Row j may be written with row j + n of the old state, which other warps of this
+    # program may still be reading (rows of the tile can live in different warps).
+    tl.debug_barrier()
     tl.store(state + offs_j[:, None] * CHANNELS + offs_c[None, :], new, mask=rows_mask)
 
 
