@@ -14,7 +14,7 @@ One JSON line per measurement, on stdout (also run by atom/benchmarks/kernels.py
   each kernel against the reference on the same bf16-rounded inputs (fp32). The crossover
   length sets `CHUNKED_MIN_TOKENS` (the GDN backend's choice).
 - ``gdn_prefill_tile``: the chunked kernels at 4 x 8192 tokens for other state-pass tiles
-  (block_v, num_warps) and dot precisions (ieee, tf32), with their errors.
+  (block_v, num_warps) and dot precisions (ieee, tf32x3, tf32), with their errors.
 
 Timing: CUDA events around one call (prefill is not graphed), median of 7 after a warm-up.
 """
@@ -129,7 +129,7 @@ def bench_tiles(num_seqs: int = 4, length: int = 8192) -> None:
     ref_state = state.clone()
     rounded = [x.float() for x in (q, k, v)]
     expected = chunk_gated_delta_rule_reference(*rounded, g, beta, ref_state, cu, slots, fresh)
-    for precision in ("ieee", "tf32"):
+    for precision in ("ieee", "tf32x3", "tf32"):
         for block_v in (16, 32, 64):
             for num_warps in (4, 8):
                 tile = dict(precision=precision, block_v=block_v, num_warps=num_warps)

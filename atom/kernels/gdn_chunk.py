@@ -22,8 +22,8 @@ chunks exactly. No runtime length is a scalar argument: chunk bounds are compute
 device from ``cu_seqlens`` (no host read), rows come from the grid. Geometry (constexpr):
 heads, head dims, tiles, the dots' precision. Inputs bf16 or fp32, everything computed in
 fp32; the state is fp32. Dots on fp32 operands are ``input_precision="ieee"`` by default
-(TF32 otherwise on a GPU: a greedy fp32 run would drift from the reference); ``"tf32"`` is
-an option for bf16 inputs (atom/benchmarks/gdn_prefill.py measures both).
+(TF32 otherwise on a GPU: a greedy fp32 run would drift from the reference); "tf32x3" and
+"tf32" are options (atom/benchmarks/gdn_prefill.py measures them).
 
 `chunked_gated_delta_rule` is worth it for long prefills; for short ones the sequential
 kernel (`chunk_gated_delta_rule`, the recurrent form) has less work: the GDN backend picks by
@@ -50,6 +50,9 @@ CHUNK = 64
 # The GDN backend's choice on CUDA: the chunked kernels from this longest new run of a
 # sequence (tokens) on, the sequential kernel below it (atom/benchmarks/gdn_prefill.py).
 CHUNKED_MIN_TOKENS = 256
+# Of every dot (fp32 operands): "ieee" is exact fp32; "tf32x3" about as exact on tensor
+# cores; "tf32" (10-bit mantissas) is what a GPU would do otherwise: fp32 runs drift.
+DOT_PRECISION = "ieee"
 
 
 @triton.jit
@@ -66,6 +69,7 @@ def _chunk_inverse_kernel(
     BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr,
     SUB: tl.constexpr,  # diagonal blocks inverted by substitution; CHUNK // SUB must be 4
+    DOT_PRECISION: tl.constexpr,  # "ieee", "tf32x3" (fp32-like on tensor cores) or "tf32"
 ):
     chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -86,7 +90,7 @@ def _chunk_inverse_kernel(
     cum = tl.cumsum(g, axis=0)
     lower = offs_t[:, None] > offs_t[None, :]
     decay = tl.exp(tl.where(lower, cum[:, None] - cum[None, :], 0.0))
-    kk = tl.dot(k * beta[:, None], tl.trans(k), input_precision="ieee")  # [CHUNK, CHUNK]
+    kk = tl.dot(k * beta[:, None], tl.trans(k), input_precision=DOT_PRECISION)  # [CHUNK, CHUNK]
     n = tl.where(lower, kk * decay, 0.0)  # I + n: the unit lower-triangular system
     # 1) the diagonal SUB x SUB blocks' inverses d = (I + n_diag)^-1 by forward substitution,
     #    the same row of every block at once: y = d - I, row r = a_r + a_r @ y with
@@ -97,14 +101,16 @@ def _chunk_inverse_kernel(
     y = tl.where(same_block, -n, 0.0)
     for i in range(1, SUB):
         a = tl.where((offs_t % SUB == i)[:, None], y, 0.0)
-        y = tl.where((offs_t % SUB == i)[:, None], a + tl.dot(a, y, input_precision="ieee"), y)
+        y = tl.where(
+            (offs_t % SUB == i)[:, None], a + tl.dot(a, y, input_precision=DOT_PRECISION), y
+        )
     d = y + identity
     # 2) (I + n)^-1 = (I + m)^-1 d with m = d @ n_below (strictly block-lower: m^4 = 0 for
     #    CHUNK / SUB = 4 blocks), so (I + m)^-1 = (I - m)(I + m^2): block forward substitution.
-    m = tl.dot(d, tl.where(same_block, 0.0, n), input_precision="ieee")
-    m2 = tl.dot(m, m, input_precision="ieee")
-    p = identity - m + m2 - tl.dot(m, m2, input_precision="ieee")
-    inverse = tl.dot(p, d, input_precision="ieee")
+    m = tl.dot(d, tl.where(same_block, 0.0, n), input_precision=DOT_PRECISION)
+    m2 = tl.dot(m, m, input_precision=DOT_PRECISION)
+    p = identity - m + m2 - tl.dot(m, m2, input_precision=DOT_PRECISION)
+    inverse = tl.dot(p, d, input_precision=DOT_PRECISION)
     out_ptrs = inverse_ptr + (tokens[:, None] * NUM_V_HEADS + head) * CHUNK + offs_t[None, :]
     tl.store(out_ptrs, inverse, mask=mask_t[:, None])
 
@@ -135,7 +141,7 @@ def _chunk_state_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" (exact fp32 products) or "tf32"
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -222,12 +228,14 @@ def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def chunked_gated_delta_rule(
-    q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, precision=None, block_v=32,
-    num_warps=4,
+    q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, precision=DOT_PRECISION,
+    block_v=32,
+    num_warps=None,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gated_delta_rule_reference` (same arguments, same result) on the chunked
-    Triton kernels. ``precision`` of the state pass's dots: "ieee" (default) or "tf32";
-    ``block_v`` / ``num_warps``: the state pass's tile (atom/benchmarks/gdn_prefill.py)."""
+    Triton kernels. ``precision`` of every dot: "ieee" (exact fp32 products), "tf32x3"
+    (about as exact, on tensor cores) or "tf32"; ``block_v`` / ``num_warps``: the state pass's tile (default warps: 8 from
+    head dims of 128 on, whose [64, Dk] fp32 tiles would spill at 4)."""
     if not use_triton(v):
         return chunk_gated_delta_rule_reference(
             q, k, v, g, beta, state, cu_seqlens, state_slots, fresh
@@ -236,6 +244,7 @@ def chunked_gated_delta_rule(
     num_v_heads, dv = v.shape[1:]
     assert state.shape[1:] == (num_v_heads, dk, dv) and state.is_contiguous()
     assert state.dtype == torch.float32 and num_v_heads % num_k_heads == 0
+    assert precision in ("ieee", "tf32x3", "tf32")
     for x in (q, k, v):
         assert x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
     g, beta = g.float().contiguous(), beta.float().contiguous()
@@ -245,17 +254,19 @@ def chunked_gated_delta_rule(
         return out
     block_k = max(16, triton.next_power_of_2(dk))  # tl.dot needs 16 or more
     block_v = max(16, min(block_v, triton.next_power_of_2(dv)))
+    wide = 8 if block_k >= 128 else 4
     bounds = chunk_bounds(cu_seqlens, num_tokens)
     inverse = torch.empty(num_tokens, num_v_heads, CHUNK, dtype=torch.float32, device=v.device)
     geometry = dict(NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=dk)
     _chunk_inverse_kernel[(bounds.shape[0], num_v_heads)](
-        k, g, beta, inverse, bounds, k.stride(0), **geometry, BLOCK_K=block_k, CHUNK=CHUNK, SUB=CHUNK // 4,
+        k, g, beta, inverse, bounds, k.stride(0), **geometry, BLOCK_K=block_k, CHUNK=CHUNK,
+        SUB=CHUNK // 4, DOT_PRECISION=precision, num_warps=wide,
     )  # fmt: skip
     grid = (num_seqs, num_v_heads, triton.cdiv(dv, block_v))
     _chunk_state_kernel[grid](
         q, k, v, g, beta, inverse, state, out, cu_seqlens, state_slots, fresh,
         q.stride(0), k.stride(0), v.stride(0), out.stride(0), state.shape[0] - 1, dk**-0.5,
         **geometry, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=CHUNK,
-        DOT_PRECISION=precision or "ieee", num_warps=num_warps,
+        DOT_PRECISION=precision, num_warps=num_warps or wide,
     )  # fmt: skip
     return out
