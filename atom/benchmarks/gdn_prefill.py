@@ -12,7 +12,8 @@ One JSON line per measurement, on stdout (also run by atom/benchmarks/kernels.py
   and, where ``reference`` is set, ``chunk_gated_delta_rule_reference`` (torch, a loop over
   each sequence's chunks); ``speedup`` = sequential / chunked; the max abs output error of
   each kernel against the reference on the same bf16-rounded inputs (fp32). The crossover
-  length sets `CHUNKED_MIN_TOKENS` (the GDN backend's choice).
+  length sets `CHUNKED_MIN_TOKENS` (the GDN backend's choice). ``conv_prefill_ms``: the
+  layer's other prefill kernel (`causal_conv1d_prefill`, conv_dim 8192), for scale.
 - ``gdn_prefill_tile``: the chunked kernels at 4 x 8192 tokens for other state-pass tiles
   (block_v, num_warps) and dot precisions (ieee, tf32x3, tf32), with their errors.
 
@@ -29,9 +30,11 @@ import sys
 import torch
 
 from atom.kernels.gdn_chunk import CHUNKED_MIN_TOKENS, chunked_gated_delta_rule
+from atom.kernels.gdn_conv import causal_conv1d_prefill
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
 
-NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM = 16, 32, 128
+NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, CONV_WIDTH = 16, 32, 128, 4
+CONV_DIM = (2 * NUM_K_HEADS + NUM_V_HEADS) * HEAD_DIM
 # (sequences, tokens each, time the torch reference too)
 CASES = [
     (4, 8192, True),
@@ -102,12 +105,17 @@ def bench_case(num_seqs: int, length: int, with_reference: bool) -> None:
     work = state.clone()
     sequential = device_ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh))
     chunked = device_ms(lambda: chunked_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh))
+    x = torch.randn(num_seqs * length, CONV_DIM, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(CONV_DIM, CONV_WIDTH, device="cuda", dtype=torch.bfloat16)
+    conv_state = torch.zeros(num_seqs + 1, CONV_WIDTH - 1, CONV_DIM, device="cuda", dtype=x.dtype)
+    conv = device_ms(lambda: causal_conv1d_prefill(x, conv_state, weight, cu, slots, fresh))
     record = dict(
         bench="gdn_prefill",
         seqs=num_seqs,
         tokens_per_seq=length,
         sequential_ms=round(sequential, 3),
         chunked_ms=round(chunked, 3),
+        conv_prefill_ms=round(conv, 3),
         speedup=round(sequential / chunked, 2),
         chunked_default=length >= CHUNKED_MIN_TOKENS,
         sequential_error=errors["sequential"],

@@ -8,8 +8,9 @@ sequence); this file runs the same algorithm on the GPU in two kernels:
    at once: for the chunk's rows i, j (``CHUNK`` = 64 tokens, the last chunk of a sequence
    shorter), with k l2-normalised and cum the in-chunk cumulative sum of g,
    ``N[i, j] = beta_i (k_i . k_j) exp(cum_i - cum_j)`` for i > j, and
-   ``inverse = (I + N)^-1`` (forward substitution, row by row, in fp32). Stored per token:
-   ``[T, Hv, CHUNK]`` fp32 (row i of a chunk at the chunk's i-th token).
+   ``inverse = (I + N)^-1`` in fp32 (forward substitution inside the 16 x 16 diagonal
+   blocks, then block substitution by dots). Stored per token: ``[T, Hv, CHUNK]`` fp32
+   (row i of a chunk at the chunk's i-th token).
 2. `_chunk_state_kernel`, one program per (sequence, value head, block of Dv), walking the
    sequence's chunks in order with its ``[Dk, BLOCK_V]`` state slice in registers:
    ``w = inverse @ (beta k exp(cum))``, ``u = inverse @ (beta v)``, ``v_new = u - w @ S``,
@@ -21,9 +22,9 @@ any start position (its state row continues; zero when ``fresh``), gives the ref
 chunks exactly. No runtime length is a scalar argument: chunk bounds are computed on the
 device from ``cu_seqlens`` (no host read), rows come from the grid. Geometry (constexpr):
 heads, head dims, tiles, the dots' precision. Inputs bf16 or fp32, everything computed in
-fp32; the state is fp32. Dots on fp32 operands are ``input_precision="ieee"`` by default
-(TF32 otherwise on a GPU: a greedy fp32 run would drift from the reference); "tf32x3" and
-"tf32" are options (atom/benchmarks/gdn_prefill.py measures them).
+fp32; the state is fp32. The dots' precision (`DOT_PRECISION`): "ieee" for fp32 inputs (TF32,
+a GPU's default, would make a greedy fp32 run drift from the reference), "tf32x3" (fp32-like,
+on tensor cores) for bf16 inputs; atom/benchmarks/gdn_prefill.py measures all three.
 
 `chunked_gated_delta_rule` is worth it for long prefills; for short ones the sequential
 kernel (`chunk_gated_delta_rule`, the recurrent form) has less work: the GDN backend picks by
@@ -50,9 +51,10 @@ CHUNK = 64
 # The GDN backend's choice on CUDA: the chunked kernels from this longest new run of a
 # sequence (tokens) on, the sequential kernel below it (atom/benchmarks/gdn_prefill.py).
 CHUNKED_MIN_TOKENS = 256
-# Of every dot (fp32 operands): "ieee" is exact fp32; "tf32x3" about as exact on tensor
-# cores; "tf32" (10-bit mantissas) is what a GPU would do otherwise: fp32 runs drift.
-DOT_PRECISION = "ieee"
+# Of every dot (fp32 operands): "ieee" is exact fp32 (fp32 inputs: greedy runs match the
+# reference); "tf32x3" about as exact on tensor cores (bf16 inputs, whose own rounding is
+# far coarser); "tf32" (10-bit mantissas) is what a GPU would do unasked.
+DOT_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32x3", torch.float16: "tf32x3"}
 
 
 @triton.jit
@@ -228,13 +230,13 @@ def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def chunked_gated_delta_rule(
-    q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, precision=DOT_PRECISION,
-    block_v=32,
+    q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, precision=None, block_v=32,
     num_warps=None,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gated_delta_rule_reference` (same arguments, same result) on the chunked
     Triton kernels. ``precision`` of every dot: "ieee" (exact fp32 products), "tf32x3"
-    (about as exact, on tensor cores) or "tf32"; ``block_v`` / ``num_warps``: the state pass's tile (default warps: 8 from
+    (about as exact, on tensor cores) or "tf32"; default `DOT_PRECISION` of v's dtype;
+    ``block_v`` / ``num_warps``: the state pass's tile (default warps: 8 from
     head dims of 128 on, whose [64, Dk] fp32 tiles would spill at 4)."""
     if not use_triton(v):
         return chunk_gated_delta_rule_reference(
@@ -244,6 +246,7 @@ def chunked_gated_delta_rule(
     num_v_heads, dv = v.shape[1:]
     assert state.shape[1:] == (num_v_heads, dk, dv) and state.is_contiguous()
     assert state.dtype == torch.float32 and num_v_heads % num_k_heads == 0
+    precision = precision or DOT_PRECISION[v.dtype]
     assert precision in ("ieee", "tf32x3", "tf32")
     for x in (q, k, v):
         assert x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
