@@ -63,7 +63,7 @@ def _chunk_inverse_kernel(
     g_ptr,  # [T, Hv] fp32
     beta_ptr,  # [T, Hv] fp32
     inverse_ptr,  # [T, Hv, CHUNK] fp32 (out)
-    bounds_ptr,  # [max_chunks, 2] int32: first token and end of each chunk (end = first: none)
+    bounds_ptr,  # [max_chunks, 3] int32 (chunk_bounds): first token, end, sequence
     stride_k_token,
     NUM_V_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # Hv // Hk
@@ -75,8 +75,8 @@ def _chunk_inverse_kernel(
 ):
     chunk = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    first = tl.load(bounds_ptr + chunk * 2).to(tl.int64)
-    end = tl.load(bounds_ptr + chunk * 2 + 1).to(tl.int64)
+    first = tl.load(bounds_ptr + chunk * 3).to(tl.int64)
+    end = tl.load(bounds_ptr + chunk * 3 + 1).to(tl.int64)
     if end <= first:  # the grid is sized for the most chunks T tokens can make
         return
     offs_t = tl.arange(0, CHUNK)
@@ -213,9 +213,10 @@ def _chunk_state_kernel(
 
 
 def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[cdiv(T, CHUNK) + B, 2]`` int32 on cu_seqlens' device, without a host read: the first
-    token and the end of each sequence's chunks in order (CHUNK tokens from the sequence's
-    start, the last one shorter), then unused rows with end = first = 0."""
+    """``[cdiv(T, CHUNK) + B, 3]`` int32 on cu_seqlens' device, without a host read: per
+    chunk its first token, its end and its sequence, each sequence's chunks in order (CHUNK
+    tokens from the sequence's start, the last one shorter), then unused rows (first = end =
+    0). Shared by the chunked delta rule and the conv prefill (atom/kernels/gdn_conv.py)."""
     num_seqs = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.long()
     counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
@@ -226,7 +227,7 @@ def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     last = torch.minimum(first + CHUNK, cu[seq + 1])
     used = ids < ends[-1]
     zero = torch.zeros_like(first)
-    return torch.stack([first.where(used, zero), last.where(used, zero)], dim=1).int()
+    return torch.stack([first.where(used, zero), last.where(used, zero), seq], dim=1).int()
 
 
 def chunked_gated_delta_rule(

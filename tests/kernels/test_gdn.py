@@ -127,7 +127,7 @@ def test_delta_rule_references_match_hf():
 
 @pytest.mark.parametrize("width, channels", [(4, 40), (3, 16)])
 def test_conv_kernels_match_reference(width, channels):
-    lengths = [1, 2, 7, 0, 20]
+    lengths = [1, 2, 7, 0, 130, 20]  # 130 (continuing): three 64-token chunks
     x, state, weight, cu, slots, fresh = _conv_case(lengths, channels, width, width)
     ref_state, got_state = state.clone(), state.clone()
     expected = causal_conv1d_prefill_reference(x, ref_state, weight, cu, slots, fresh)

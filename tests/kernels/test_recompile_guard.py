@@ -144,6 +144,7 @@ KERNELS = {
     # the scratch slot is the state-slot count (fixed by the engine's configuration).
     (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
     (gdn_conv, "_conv1d_prefill_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
+    (gdn_conv, "_conv1d_prefill_state_kernel"): ([], ["stride_x", "scratch_slot"]),
     (gdn_delta_rule, "_gated_delta_rule_kernel"): (
         [],
         [
@@ -592,7 +593,12 @@ def test_gdn_kernels_one_variant():
         count = len(lens)
         gdn_conv.causal_conv1d_prefill(x, conv_state, weight, cu, rows[:count], fresh[:count])
 
-    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
+    conv_kernels = [
+        "_conv1d_update_kernel",
+        "_conv1d_prefill_kernel",
+        "_conv1d_prefill_state_kernel",
+    ]
+    assert_one_variant(gdn_conv, conv_kernels, run)
 
     # one variant per geometry: the delta-rule kernel serves decode (one token a row) and
     # varlen prefill (VARLEN constexpr), so each form is swept on its own
