@@ -231,13 +231,14 @@ def chunk_bounds(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def chunked_gated_delta_rule(
-    q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, precision=None, block_v=32,
-    num_warps=None,
+    q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, bounds=None, precision=None,
+    block_v=32, num_warps=None,
 ) -> torch.Tensor:  # fmt: skip
     """`chunk_gated_delta_rule_reference` (same arguments, same result) on the chunked
     Triton kernels. ``precision`` of every dot: "ieee" (exact fp32 products), "tf32x3"
-    (about as exact, on tensor cores) or "tf32"; default `DOT_PRECISION` of v's dtype;
-    ``block_v`` / ``num_warps``: the state pass's tile (default warps: 8 from
+    (about as exact, on tensor cores) or "tf32"; default `DOT_PRECISION` of v's dtype.
+    ``bounds``: `chunk_bounds(cu_seqlens, T)` if the caller has it. ``block_v`` /
+    ``num_warps``: the state pass's tile (default warps: 8 from
     head dims of 128 on, whose [64, Dk] fp32 tiles would spill at 4)."""
     if not use_triton(v):
         return chunk_gated_delta_rule_reference(
@@ -259,7 +260,7 @@ def chunked_gated_delta_rule(
     block_k = max(16, triton.next_power_of_2(dk))  # tl.dot needs 16 or more
     block_v = max(16, min(block_v, triton.next_power_of_2(dv)))
     wide = 8 if block_k >= 128 else 4
-    bounds = chunk_bounds(cu_seqlens, num_tokens)
+    bounds = chunk_bounds(cu_seqlens, num_tokens) if bounds is None else bounds
     inverse = torch.empty(num_tokens, num_v_heads, CHUNK, dtype=torch.float32, device=v.device)
     geometry = dict(NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=dk)
     _chunk_inverse_kernel[(bounds.shape[0], num_v_heads)](

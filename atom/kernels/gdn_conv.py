@@ -252,9 +252,12 @@ def causal_conv1d_update(x, conv_state, weight, state_slots, fresh) -> torch.Ten
     return out
 
 
-def causal_conv1d_prefill(x, conv_state, weight, cu_seqlens, state_slots, fresh) -> torch.Tensor:
+def causal_conv1d_prefill(
+    x, conv_state, weight, cu_seqlens, state_slots, fresh, bounds=None
+) -> torch.Tensor:
     """`causal_conv1d_prefill_reference` on the Triton kernels (no host read): the outputs
-    in parallel over 64-token chunks, then the new states."""
+    in parallel over 64-token chunks (``bounds``: `chunk_bounds(cu_seqlens, T)` if the
+    caller has it), then the new states."""
     if not use_triton(x):
         return causal_conv1d_prefill_reference(
             x, conv_state, weight, cu_seqlens, state_slots, fresh
@@ -265,7 +268,7 @@ def causal_conv1d_prefill(x, conv_state, weight, cu_seqlens, state_slots, fresh)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs == 0 or x.shape[0] == 0:
         return out
-    bounds = chunk_bounds(cu_seqlens, x.shape[0])
+    bounds = chunk_bounds(cu_seqlens, x.shape[0]) if bounds is None else bounds
     chunk_c = min(128, block_c)  # [64, 128] fp32 accumulators
     _conv1d_prefill_kernel[(bounds.shape[0], triton.cdiv(channels, chunk_c))](
         x, conv_state, weight, out, cu_seqlens, bounds, state_slots, fresh, x.stride(0),

@@ -11,7 +11,7 @@ scratch row.
 import pytest
 import torch
 
-from atom.kernels.gdn_chunk import chunked_gated_delta_rule
+from atom.kernels.gdn_chunk import chunk_bounds, chunked_gated_delta_rule
 from atom.kernels.gdn_conv import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_reference,
@@ -208,7 +208,8 @@ def test_chunked_kernel_continues_across_calls():
     inside a chunk, so the second step's chunks start elsewhere) equal one step."""
     q, k, v, g, beta, state, cu, slots, fresh = _rule_case([230], 2, 2, 16, 16, 6)
     whole_state, split_state = state.clone(), state.clone()
-    whole = chunked_gated_delta_rule(q, k, v, g, beta, whole_state, cu, slots, fresh)
+    bounds = chunk_bounds(cu, 230)  # as the GDN backend hands it over, once a step
+    whole = chunked_gated_delta_rule(q, k, v, g, beta, whole_state, cu, slots, fresh, bounds)
     parts = []
     for a, e, flag in ((0, 100, fresh), (100, 230, torch.zeros_like(fresh))):
         bounds = torch.tensor([0, e - a], dtype=torch.int32)
