@@ -124,7 +124,6 @@ def _paged_mla_decode_kernel(
     BLOCK_L: tl.constexpr,  # next_power_of_2(KV_LORA_RANK)
     BLOCK_R: tl.constexpr,  # next_power_of_2(ROPE_DIM), >= 16
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block = tokens per iteration
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (tf32 would drift), else "tf32" (unused)
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -178,14 +177,13 @@ def _paged_mla_decode_kernel(
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        qk = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
-        qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))
         qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), latent, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), latent)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens (padding row): zeros
@@ -244,7 +242,6 @@ def paged_mla_decode(
         BLOCK_L=triton.next_power_of_2(kv_lora_rank),
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_SIZE=block_size,
-        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         num_warps=4 if kv_lora_rank <= 128 else 8,
     )
     return out
