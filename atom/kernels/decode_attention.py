@@ -36,7 +36,7 @@ weights by v_scale[n] before the P @ V product (the normaliser uses the unscaled
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import dot_precision, use_triton
 from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
 
 try:
@@ -81,6 +81,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_N: tl.constexpr,  # tokens per tile
     KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -125,7 +126,7 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k.to(dtype)))  # [BLOCK_G, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         if KV_FP8:
             scale_offs = block_id * stride_scale_block + (pos % BLOCK_SIZE) * stride_scale_offset
             k_scale = tl.load(k_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
@@ -138,7 +139,7 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
             p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -290,6 +291,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         KV_FP8=kv_fp8,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     if split:
         _merge_splits_kernel[(batch, num_q_heads)](
