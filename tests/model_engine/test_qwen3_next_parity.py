@@ -253,7 +253,7 @@ def test_cuda_fp32_long_prefill_greedy_matches_hf(qwen3_next_dirs, max_num_batch
     from CHUNKED_MIN_TOKENS on); split at 260 tokens, the rest continues from the chunked
     kernels' state on the sequential kernel: HF's tokens either way (fp32, CUDA)."""
     path = qwen3_next_dirs["a"]
-    llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=512,
+    llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=512,
                     max_num_batched_tokens=max_num_batched_tokens,
                     cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm, LONG) == _hf(path, LONG)
