@@ -13,6 +13,8 @@ Publication (atom/h2d, at the first consumer, direct and packed): each row's sta
 whether the sequence starts this step (`fresh`: its state is taken as zero, so a reused
 slot never leaks its previous owner's state). Math: atom/kernels/gdn_conv.py and
 atom/kernels/gdn_delta_rule.py; decode uses static shapes only (CUDA-graph capturable).
+Prefill on CUDA runs the chunked delta rule (atom/kernels/gdn_chunk.py) when a sequence's
+new run reaches `CHUNKED_MIN_TOKENS`, the sequential kernel otherwise; on CPU the reference.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from atom.attention.backend import PagedAttentionBackend
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
+from atom.kernels.gdn_chunk import CHUNKED_MIN_TOKENS, chunk_bounds, chunked_gated_delta_rule
 from atom.kernels.gdn_conv import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_reference,
@@ -42,10 +45,13 @@ from atom.kernels.gdn_delta_rule import (
 @dataclass
 class GDNAttentionMetadata(AttentionMetadata):
     """AttentionMetadata plus each row's state slot ([num_seqs] int32, -1 = padding) and
-    fresh flag ([num_seqs] int32, 1 = the sequence starts at position 0 this step)."""
+    fresh flag ([num_seqs] int32, 1 = the sequence starts at position 0 this step); on CUDA
+    prefill steps the 64-token chunks of cu_seqlens_q (atom/kernels/gdn_chunk.py
+    `chunk_bounds`, derived on the device once a step for every GDN layer's kernels)."""
 
     state_slots: torch.Tensor | None = None
     state_fresh: torch.Tensor | None = None
+    chunk_bounds: torch.Tensor | None = None
 
 
 class GDNBackend(PagedAttentionBackend):
@@ -69,10 +75,14 @@ class GDNBackend(PagedAttentionBackend):
     def build_metadata(self, slot, step, publish) -> GDNAttentionMetadata:
         base = super().build_metadata(slot, step, publish)
         seqs, padded = step.num_seqs, step.padded_seqs or step.num_seqs
+        on_gpu_prefill = not step.is_decode and slot.device.type == "cuda"
         return GDNAttentionMetadata(
             **vars(base),
             state_slots=publish(slot.state_slots, seqs, padded),
             state_fresh=publish(slot.state_fresh, seqs, padded),
+            chunk_bounds=chunk_bounds(base.cu_seqlens_q, step.num_tokens)
+            if on_gpu_prefill
+            else None,
         )
 
     def graph_metadata(self, slot, size: int) -> GDNAttentionMetadata:
@@ -130,8 +140,15 @@ class GatedDeltaNetState(nn.Module):
             update = causal_conv1d_update if on_gpu else causal_conv1d_update_reference
             x = update(mixed_qkv, conv_state, conv_weight, slots, fresh)
         else:
-            prefill = causal_conv1d_prefill if on_gpu else causal_conv1d_prefill_reference
-            x = prefill(mixed_qkv, conv_state, conv_weight, meta.cu_seqlens_q, slots, fresh)
+            cu, bounds = meta.cu_seqlens_q, meta.chunk_bounds
+            if on_gpu:
+                x = causal_conv1d_prefill(
+                    mixed_qkv, conv_state, conv_weight, cu, slots, fresh, bounds
+                )
+            else:
+                x = causal_conv1d_prefill_reference(
+                    mixed_qkv, conv_state, conv_weight, cu, slots, fresh
+                )
         q, k, v = x.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(-1, self.num_k_heads, self.head_k_dim)
         k = k.view(-1, self.num_k_heads, self.head_k_dim)
@@ -139,8 +156,12 @@ class GatedDeltaNetState(nn.Module):
         if meta.is_decode:
             rule = recurrent_gated_delta_rule if on_gpu else recurrent_gated_delta_rule_reference
             return rule(q, k, v, g, beta, recurrent_state, slots, fresh)
-        rule = chunk_gated_delta_rule if on_gpu else chunk_gated_delta_rule_reference
-        return rule(q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh)
+        args = (q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh)
+        if not on_gpu:
+            return chunk_gated_delta_rule_reference(*args)
+        if meta.max_seqlen_q >= CHUNKED_MIN_TOKENS:  # long runs: the chunked kernels win
+            return chunked_gated_delta_rule(*args, bounds=meta.chunk_bounds)
+        return chunk_gated_delta_rule(*args)  # short runs: the sequential (recurrent) kernel
 
     def _profile(self, mixed_qkv, conv_weight, g, beta):
         device, count = mixed_qkv.device, mixed_qkv.shape[0]

@@ -2,6 +2,7 @@
 
     python -m atom.benchmarks.kernels            # about 2-4 minutes on an H200
     python -m atom.benchmarks.kernels --no-tune  # without the store-kernel tile sweep
+    python -m atom.benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
 
 One JSON line per measurement, on stdout:
 
@@ -21,6 +22,9 @@ One JSON line per measurement, on stdout:
 - ``dynamic_vs_specialized``: device time of the dynamic kernel against the default copy,
   specialized for a length that is a multiple of 16 (4096 and 65536).
 
+- ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
+  the sequential kernel vs the torch reference (atom/benchmarks/gdn_prefill.py).
+
 Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
 15 replays after a warm-up.
 """
@@ -38,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from atom.benchmarks.gdn_prefill import bench_gdn_prefill
 from atom.kernels import activation, decode_attention, kv_cache, prefill_attention, rmsnorm, rotary
 from atom.kernels.jit_variants import compiled_variants, swapped_kernels
 
@@ -322,6 +327,7 @@ def bench_dynamic_vs_specialized(cases) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
+    parser.add_argument("--only-gdn-prefill", action="store_true", help="the GDN prefill only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -336,12 +342,16 @@ def main(argv: list[str] | None = None) -> int:
         cuda=torch.version.cuda,
     )
     fresh_triton_cache()
+    if args.only_gdn_prefill:
+        bench_gdn_prefill(sweep=not args.no_tune)
+        return 0
     hbm_gbps = copy_gbps(1 << 31)
     emit(bench="copy", bytes=1 << 31, gbps=round(hbm_gbps, 1))
     bench_kv_store(hbm_gbps, tune=not args.no_tune)
     cases = kernel_cases()
     bench_compile(cases)
     bench_dynamic_vs_specialized(cases)
+    bench_gdn_prefill(sweep=not args.no_tune)
     return 0
 
 

@@ -10,7 +10,9 @@ sequence starts at position 0, its state is taken as zero).
 
 - ``causal_conv1d_update_*``: one token per row (decode), static shapes, graph capturable.
 - ``causal_conv1d_prefill_*``: varlen over ``cu_seqlens``, any start position (a chunk
-  boundary inside a conv window continues from the state).
+  boundary inside a conv window continues from the state). The Triton form computes the
+  outputs of every 64-token chunk in parallel (chunk bounds from
+  atom/kernels/gdn_chunk.py `chunk_bounds`, on the device), then each sequence's new state.
 Each Triton kernel sits beside its reference; no runtime length is a scalar argument (rows
 come from the grid, sequence bounds from ``cu_seqlens`` in device memory). Geometry
 (constexpr): channels, kernel width, tiles.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels import use_triton
+from atom.kernels.gdn_chunk import CHUNK, chunk_bounds
 
 try:
     import triton
@@ -121,6 +124,9 @@ def _conv1d_update_kernel(
         state + (offs_j + 1)[:, None] * CHANNELS + offs_c[None, :], mask=shift_mask, other=0.0
     )
     shifted = tl.where((offs_j == WIDTH - 2)[:, None], x[None, :].to(shifted.dtype), shifted)
+    # Row j is written with row j + 1, which other warps of this program may still be
+    # reading (a [BLOCK_K, BLOCK_C] tile can spread its rows over warps): all reads first.
+    tl.debug_barrier()
     tl.store(
         state + offs_j[:, None] * CHANNELS + offs_c[None, :],
         shifted,
@@ -135,6 +141,7 @@ def _conv1d_prefill_kernel(
     weight_ptr,  # [C, K]
     out_ptr,  # [T, C]
     cu_seqlens,  # [B + 1] int32
+    bounds_ptr,  # [max_chunks, 3] int32 (gdn_chunk.chunk_bounds): first token, end, sequence
     slots_ptr,  # [B] int32
     fresh_ptr,  # [B] int32
     stride_x,
@@ -142,11 +149,59 @@ def _conv1d_prefill_kernel(
     scratch_slot,
     CHANNELS: tl.constexpr,
     WIDTH: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens of a chunk (gdn_chunk.CHUNK)
     BLOCK_C: tl.constexpr,
 ):
-    # Program (b, c): sequence b's tokens in order, channels [c * BLOCK_C, ...). Inputs
-    # before the sequence's first new token come from its state (row src - start + K - 1).
+    # Program (chunk, c): the chunk's tokens at once, channels [c * BLOCK_C, ...), tap by
+    # tap. Inputs before the sequence's first new token come from its state (row
+    # src - start + K - 1); the state itself is rewritten by _conv1d_prefill_state_kernel,
+    # launched after this one (every chunk of a sequence reads the old state first).
+    chunk = tl.program_id(0).to(tl.int64)
+    first = tl.load(bounds_ptr + chunk * 3).to(tl.int64)
+    end = tl.load(bounds_ptr + chunk * 3 + 1).to(tl.int64)
+    if end <= first:  # the grid is sized for the most chunks T tokens can make
+        return
+    seq = tl.load(bounds_ptr + chunk * 3 + 2)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    slot = tl.load(slots_ptr + seq)
+    slot = tl.where(slot < 0, scratch_slot, slot).to(tl.int64)
+    offs_t = first + tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask_c = offs_c < CHANNELS
+    keep = (tl.load(fresh_ptr + seq + offs_t * 0) == 0)[:, None]  # as a column: a mask
+    rows = (offs_t < end)[:, None] & mask_c[None, :]
+    state = state_ptr + slot * (WIDTH - 1) * CHANNELS
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        src = offs_t - (WIDTH - 1) + j
+        in_x = (src >= start)[:, None] & rows
+        in_state = (src < start)[:, None] & rows & keep
+        xv = tl.load(x_ptr + src[:, None] * stride_x + offs_c[None, :], mask=in_x, other=0.0)
+        row = src - start + WIDTH - 1
+        sv = tl.load(state + row[:, None] * CHANNELS + offs_c[None, :], mask=in_state, other=0.0)
+        w = tl.load(weight_ptr + offs_c * WIDTH + j, mask=mask_c, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+    acc = acc / (1.0 + tl.exp(-acc))
+    out_ptrs = out_ptr + offs_t[:, None] * stride_out + offs_c[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows)
+
+
+@triton.jit
+def _conv1d_prefill_state_kernel(
+    x_ptr,  # [T, C]
+    state_ptr,  # [num_state_slots + 1, K - 1, C]
+    cu_seqlens,  # [B + 1] int32
+    slots_ptr,  # [B] int32
+    fresh_ptr,  # [B] int32
+    stride_x,
+    scratch_slot,
+    CHANNELS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # next power of two >= K
+    BLOCK_C: tl.constexpr,
+):
+    # Program (b, c): the new state of sequence b, the last K - 1 inputs (some still from
+    # the old state if it has fewer than K - 1 new tokens); an empty sequence keeps its own.
     seq = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_j = tl.arange(0, BLOCK_K)
@@ -157,22 +212,7 @@ def _conv1d_prefill_kernel(
     slot = tl.where(slot < 0, scratch_slot, slot).to(tl.int64)
     keep = (tl.load(fresh_ptr + seq + offs_j * 0) == 0)[:, None]  # as a column: a mask
     state = state_ptr + slot * (WIDTH - 1) * CHANNELS
-    w_mask = (offs_j < WIDTH)[:, None] & mask_c[None, :]
-    w = tl.load(weight_ptr + offs_c[None, :] * WIDTH + offs_j[:, None], mask=w_mask, other=0.0)
-    w = w.to(tl.float32)
-    for t in range(start, end):
-        src = t - (WIDTH - 1) + offs_j
-        in_x = (src >= start)[:, None] & w_mask
-        in_state = (src < start)[:, None] & w_mask & keep
-        xv = tl.load(x_ptr + src[:, None] * stride_x + offs_c[None, :], mask=in_x, other=0.0)
-        row = src - start + WIDTH - 1
-        sv = tl.load(state + row[:, None] * CHANNELS + offs_c[None, :], mask=in_state, other=0.0)
-        acc = tl.sum((xv.to(tl.float32) + sv.to(tl.float32)) * w, axis=0)
-        acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(out_ptr + t * stride_out + offs_c, acc.to(xv.dtype), mask=mask_c)
-    # The new state: the last K - 1 inputs (some still from the old state if n < K - 1).
     src = end - (WIDTH - 1) + offs_j
-    # (an empty sequence keeps its state as it is)
     rows_mask = ((offs_j < WIDTH - 1) & (offs_j * 0 + end > start))[:, None] & mask_c[None, :]
     in_x = (src >= start)[:, None] & rows_mask
     in_state = (src < start)[:, None] & rows_mask & keep
@@ -180,6 +220,9 @@ def _conv1d_prefill_kernel(
     row = src - start + WIDTH - 1
     sv = tl.load(state + row[:, None] * CHANNELS + offs_c[None, :], mask=in_state, other=0.0)
     new = tl.where(in_x, xv.to(sv.dtype), sv)
+    # Row j may be written with row j + n of the old state, which other warps of this
+    # program may still be reading (rows of the tile can live in different warps).
+    tl.debug_barrier()
     tl.store(state + offs_j[:, None] * CHANNELS + offs_c[None, :], new, mask=rows_mask)
 
 
@@ -209,8 +252,12 @@ def causal_conv1d_update(x, conv_state, weight, state_slots, fresh) -> torch.Ten
     return out
 
 
-def causal_conv1d_prefill(x, conv_state, weight, cu_seqlens, state_slots, fresh) -> torch.Tensor:
-    """`causal_conv1d_prefill_reference` on the Triton kernel (no host read)."""
+def causal_conv1d_prefill(
+    x, conv_state, weight, cu_seqlens, state_slots, fresh, bounds=None
+) -> torch.Tensor:
+    """`causal_conv1d_prefill_reference` on the Triton kernels (no host read): the outputs
+    in parallel over 64-token chunks (``bounds``: `chunk_bounds(cu_seqlens, T)` if the
+    caller has it), then the new states."""
     if not use_triton(x):
         return causal_conv1d_prefill_reference(
             x, conv_state, weight, cu_seqlens, state_slots, fresh
@@ -221,10 +268,15 @@ def causal_conv1d_prefill(x, conv_state, weight, cu_seqlens, state_slots, fresh)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs == 0 or x.shape[0] == 0:
         return out
-    grid = (num_seqs, triton.cdiv(channels, block_c))
-    _conv1d_prefill_kernel[grid](
-        x, conv_state, weight, out, cu_seqlens, state_slots, fresh, x.stride(0), out.stride(0),
-        conv_state.shape[0] - 1, CHANNELS=channels, WIDTH=width, BLOCK_K=block_k,
-        BLOCK_C=block_c,
+    bounds = chunk_bounds(cu_seqlens, x.shape[0]) if bounds is None else bounds
+    chunk_c = min(128, block_c)  # [64, 128] fp32 accumulators
+    _conv1d_prefill_kernel[(bounds.shape[0], triton.cdiv(channels, chunk_c))](
+        x, conv_state, weight, out, cu_seqlens, bounds, state_slots, fresh, x.stride(0),
+        out.stride(0), conv_state.shape[0] - 1, CHANNELS=channels, WIDTH=width,
+        BLOCK_T=CHUNK, BLOCK_C=chunk_c,
+    )  # fmt: skip
+    _conv1d_prefill_state_kernel[(num_seqs, triton.cdiv(channels, block_c))](
+        x, conv_state, cu_seqlens, state_slots, fresh, x.stride(0), conv_state.shape[0] - 1,
+        CHANNELS=channels, WIDTH=width, BLOCK_K=block_k, BLOCK_C=block_c,
     )  # fmt: skip
     return out

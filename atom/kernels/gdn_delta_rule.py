@@ -20,8 +20,8 @@ step, its state is taken as zero (a reused slot keeps the previous owner's state
 The Triton kernel (`_gated_delta_rule_kernel`, below) runs the recurrent form for both: one
 program per (sequence, value head, block of Dv) keeps its [Dk, BLOCK_V] slice of the state in
 registers and walks the sequence's tokens; it is exact for any chunk boundary and start
-position but sequential in the tokens (the chunked Triton form for long prefills is future
-work). No runtime length is a scalar argument: rows come from the grid, sequence bounds
+position but sequential in the tokens: long prefills run the chunked Triton form instead
+(atom/kernels/gdn_chunk.py, against `chunk_gated_delta_rule_reference`). No runtime length is a scalar argument: rows come from the grid, sequence bounds
 from ``cu_seqlens`` in device memory. Geometry (constexpr): heads, head dims, tiles.
 """
 

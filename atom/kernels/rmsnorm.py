@@ -9,7 +9,9 @@ Shapes and dtypes:
 
 Numerics (equal to ``rms_norm_reference`` up to the order of the fp32 sum of squares): the
 residual add is rounded to x's dtype, the normalisation runs in fp32 and is rounded to x's
-dtype before the weight multiply, which is rounded to out's dtype.
+dtype before the weight multiply, which is rounded to out's dtype. With ``offset``
+(Qwen3-Next's and Gemma's norm, HF ``Qwen3NextRMSNorm``): the fp32 normalisation times
+``1 + weight`` in fp32, rounded once to x's dtype (out has x's dtype).
 
 Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): hidden, tile sizes.
 """
@@ -43,6 +45,7 @@ def _rms_norm_kernel(
     stride_residual_out,
     HIDDEN: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,  # scale by (1 + weight) in fp32, round once (Qwen3-Next)
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_H: tl.constexpr,  # next_power_of_2(HIDDEN)
 ):
@@ -63,9 +66,12 @@ def _rms_norm_kernel(
 
     h = x.to(tl.float32)
     variance = tl.sum(h * h, axis=1) / HIDDEN
-    normed = (h * tl.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + offs_h, mask=offs_h < HIDDEN, other=0.0)
-    out = weight.to(tl.float32)[None, :] * normed.to(tl.float32)
+    normed = h * tl.rsqrt(variance + eps)[:, None]
+    weight = tl.load(weight_ptr + offs_h, mask=offs_h < HIDDEN, other=0.0).to(tl.float32)
+    if OFFSET:
+        out = normed * (1.0 + weight)[None, :]
+    else:  # Llama: the normalised row is rounded to x's dtype before the weight multiply
+        out = weight[None, :] * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + col, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,22 +80,23 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``weight * normalise(x)``; with ``residual``, first ``x = x + residual``.
+    """``weight * normalise(x)`` (``(1 + weight) * ...`` with ``offset``); with
+    ``residual``, first ``x = x + residual``.
 
     Returns ``out``, or ``(out, x + residual)`` when ``residual`` is given. Inputs are not
     modified. Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the torch
     reference otherwise.
     """
     if not use_triton(x):
-        return rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_reference(x, weight, eps, residual, offset)
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous()
     assert x.stride(-1) == 1, "hidden must be unit-stride"
     x_rows = x.reshape(-1, hidden)  # a view for the usual [num_tokens, hidden] inputs
-    out = torch.empty(
-        x_rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
-    )
+    out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x_rows.shape, dtype=out_dtype, device=x.device)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
         assert residual.stride(-1) == 1, "hidden must be unit-stride"
@@ -116,6 +123,7 @@ def rms_norm(
             residual_out.stride(0),
             HIDDEN=hidden,
             HAS_RESIDUAL=residual is not None,
+            OFFSET=offset,
             BLOCK_T=block_t,
             BLOCK_H=block_h,
             num_warps=8 if block_t * block_h >= 4096 else 4,
@@ -131,13 +139,15 @@ def rms_norm_reference(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch ``rms_norm`` (HF transformers' LlamaRMSNorm, plus the residual add)."""
+    """Pure-torch ``rms_norm`` (HF transformers' LlamaRMSNorm, plus the residual add; with
+    ``offset`` HF's Qwen3NextRMSNorm)."""
     if residual is not None:
         x = x + residual
         residual = x
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    out = (h * (1.0 + weight.float())).to(dtype) if offset else weight * h.to(dtype)
     return out if residual is None else (out, residual)

@@ -11,8 +11,10 @@ a `save_pretrained` directory loads; per-expert checkpoint names load too).
   and beta = sigmoid(b), gated RMSNorm (silu(z)) on the output.
 - MoE: softmax top-k router (renormalised with `norm_topk_prob`), experts through
   atom/models/moe.py `routed_experts`, a shared expert scaled by sigmoid(shared_expert_gate).
-- Qwen3-Next's RMSNorm multiplies by (1 + weight): the loader stores 1 + weight in the
-  shared RMSNorm (the same fp32 math); the gated norm's weight is used as is.
+- Qwen3-Next's RMSNorm multiplies the fp32 normalisation by (1 + weight) in fp32 and
+  rounds once (`OffsetRMSNorm`, HF's numerics in bf16 too: storing 1 + w in a bf16 weight
+  or rounding before the multiply, Llama's order, would not be); the gated norm is HF's
+  Qwen3NextRMSNormGated.
 """
 
 from __future__ import annotations
@@ -27,12 +29,24 @@ from torch.nn import functional as F
 from atom.attention.gdn import GatedDeltaNetState
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.models.layers import RMSNorm, rope_parameters
 from atom.models.moe import routed_experts
 
-# Qwen3-Next norms whose checkpoint weight w means a scale of (1 + w).
-_OFFSET_NORMS = ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "model.norm")
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class OffsetRMSNorm(RMSNorm):
+    """HF Qwen3NextRMSNorm: (normalise(x) in fp32 * (1 + weight) in fp32).to(x.dtype); the
+    checkpoint weight w as is (zeros: the identity)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        norm = rms_norm if x.is_cuda else rms_norm_reference
+        return norm(x, self.weight, self.eps, residual, offset=True)
 
 
 class PartialRotary(nn.Module):
@@ -73,8 +87,8 @@ class Qwen3NextAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = PartialRotary(config, self.head_dim, max_position)
         self.attn = MHAAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
@@ -201,8 +215,8 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.mlp = Qwen3NextSparseMoeBlock(config)
         else:
             self.mlp = Qwen3NextMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
         if residual is None:
@@ -223,7 +237,7 @@ class Qwen3NextModel(nn.Module):
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(config, i, max_position) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -272,8 +286,8 @@ class Qwen3NextForCausalLM(nn.Module):
         return [layer.linear_attn.attn for layer in self.model.layers if layer.is_linear]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (per-expert tensors into the stacked experts; 1 + w for
-        the offset norms); every parameter must be set."""
+        """Copy HF-named tensors in (per-expert tensors into the stacked experts); every
+        parameter must be set."""
         params = dict(self.named_parameters(remove_duplicate=False))
         inter = self.config.moe_intermediate_size
         loaded: set[str] = set()
@@ -287,8 +301,6 @@ class Qwen3NextForCausalLM(nn.Module):
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                if name.endswith(".weight") and any(n in name for n in _OFFSET_NORMS):
-                    tensor = tensor.float() + 1.0
                 _copy(param.data, tensor, name)
                 loaded.add(name)
                 continue

@@ -11,6 +11,7 @@ scratch row.
 import pytest
 import torch
 
+from atom.kernels.gdn_chunk import chunk_bounds, chunked_gated_delta_rule
 from atom.kernels.gdn_conv import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_reference,
@@ -126,7 +127,7 @@ def test_delta_rule_references_match_hf():
 
 @pytest.mark.parametrize("width, channels", [(4, 40), (3, 16)])
 def test_conv_kernels_match_reference(width, channels):
-    lengths = [1, 2, 7, 0, 20]
+    lengths = [1, 2, 7, 0, 130, 20]  # 130 (continuing): three 64-token chunks
     x, state, weight, cu, slots, fresh = _conv_case(lengths, channels, width, width)
     ref_state, got_state = state.clone(), state.clone()
     expected = causal_conv1d_prefill_reference(x, ref_state, weight, cu, slots, fresh)
@@ -158,6 +159,67 @@ def test_delta_rule_kernels_match_reference():
     got = recurrent_gated_delta_rule(*args, got_state, rows, flags)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+def _recurrent_walk(q, k, v, g, beta, state, cu, slots, fresh):
+    """The varlen prefill token by token on the recurrent reference (independent of the
+    chunked form): state updated in place, out fp32."""
+    out = torch.zeros(v.shape)
+    for b in range(len(cu) - 1):
+        for t in range(cu[b], cu[b + 1]):
+            one = slice(t, t + 1)
+            flag = fresh[b : b + 1] * int(t == cu[b])
+            out[one] = recurrent_gated_delta_rule_reference(
+                q[one], k[one], v[one], g[one], beta[one], state, slots[b : b + 1], flag
+            ).float()
+    return out
+
+
+# lengths 1, 63, 64, 65, a multiple of 64, an empty row and a long one (5 chunks); head
+# dims not powers of two, two value heads per k head, two Dv blocks (block_v 16)
+CHUNKED_LENGTHS = [1, 63, 0, 64, 65, 128, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunked_kernel_matches_references(dtype):
+    """Several sequences in one varlen batch, fresh and continuing (random start states on
+    shuffled slots): the chunked kernels against the chunked reference and the recurrent
+    one (bf16: on the same bf16-rounded inputs, computed in fp32)."""
+    q, k, v, g, beta, state, cu, slots, fresh = _rule_case(CHUNKED_LENGTHS, 1, 2, 12, 24, 5)
+    rounded = [x.to(dtype).float() for x in (q, k, v)]
+    ref_state, walk_state, got_state = state.clone(), state.clone(), state.clone()
+    expected = chunk_gated_delta_rule_reference(*rounded, g, beta, ref_state, cu, slots, fresh)
+    walked = _recurrent_walk(*rounded, g, beta, walk_state, cu, slots, fresh)
+    args = [x.to(dtype) for x in (q, k, v)]
+    got = chunked_gated_delta_rule(*args, g, beta, got_state, cu, slots, fresh, block_v=16)
+    assert got.dtype == dtype
+    out_tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(got.float(), expected, rtol=out_tol, atol=out_tol)
+    torch.testing.assert_close(got.float(), walked, rtol=out_tol, atol=out_tol)
+    torch.testing.assert_close(got_state, ref_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_state, walk_state, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones(state.shape[0], dtype=torch.bool)
+    untouched[slots[torch.tensor(CHUNKED_LENGTHS) > 0].long()] = False
+    assert torch.equal(got_state[untouched], state[untouched])  # the empty row, the scratch
+
+
+def test_chunked_kernel_continues_across_calls():
+    """Chunked prefill: one sequence's 230 tokens in two steps (a boundary at token 100,
+    inside a chunk, so the second step's chunks start elsewhere) equal one step."""
+    q, k, v, g, beta, state, cu, slots, fresh = _rule_case([230], 2, 2, 16, 16, 6)
+    whole_state, split_state = state.clone(), state.clone()
+    bounds = chunk_bounds(cu, 230)  # as the GDN backend hands it over, once a step
+    whole = chunked_gated_delta_rule(q, k, v, g, beta, whole_state, cu, slots, fresh, bounds)
+    parts = []
+    for a, e, flag in ((0, 100, fresh), (100, 230, torch.zeros_like(fresh))):
+        bounds = torch.tensor([0, e - a], dtype=torch.int32)
+        parts.append(
+            chunked_gated_delta_rule(
+                q[a:e], k[a:e], v[a:e], g[a:e], beta[a:e], split_state, bounds, slots, flag
+            )
+        )
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split_state, whole_state, rtol=1e-5, atol=1e-5)
 
 
 # -- on the H200: bf16 inputs, a Qwen3-Next layer's geometry -------------------------------
@@ -202,3 +264,38 @@ def test_kernels_bf16_on_gpu(lengths):
         *args, g[: len(lengths)], beta[: len(lengths)], got_state, rows, zero
     )
     assert (got.float() - expected).abs().max().item() < BF16_BOUND
+
+
+# Measured bound of the chunked kernels in bf16 (max abs error of outputs vs the fp32
+# reference on the same bf16-rounded inputs; the state is fp32 throughout): see
+# docs/benchmarks.md ("GDN kernels"). The fp32 path uses ieee dots: tight on a GPU too.
+CHUNKED_BF16_BOUND = 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[1], [1, 63, 64, 65, 200], [4097], [8192, 3000, 1]])
+def test_chunked_kernel_on_gpu(lengths):
+    """A Qwen3-Next layer's geometry (16 k heads, 32 v heads of 128): bf16 and fp32 inputs
+    against the reference, and the sequential kernel beside it."""
+    hk, hv, dk, dv = 16, 32, 128, 128
+    q, k, v, g, beta, state, cu, slots, fresh = _rule_case(lengths, hk, hv, dk, dv, 7, "cuda")
+    ref_state, got_state, seq_state = state.clone(), state.clone(), state.clone()
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    rounded = [x.float() for x in (qb, kb, vb)]
+    expected = chunk_gated_delta_rule_reference(*rounded, g, beta, ref_state, cu, slots, fresh)
+    got = chunked_gated_delta_rule(qb, kb, vb, g, beta, got_state, cu, slots, fresh)
+    sequential = chunk_gated_delta_rule(qb, kb, vb, g, beta, seq_state, cu, slots, fresh)
+    rule_error = (got.float() - expected).abs().max().item()
+    state_error = (got_state - ref_state).abs().max().item()
+    seq_error = (sequential.float() - expected).abs().max().item()
+    fp32_state = state.clone()
+    fp32 = chunked_gated_delta_rule(*rounded, g, beta, fp32_state, cu, slots, fresh)
+    fp32_error = (fp32 - expected).abs().max().item()
+    fp32_state_error = (fp32_state - ref_state).abs().max().item()
+    print(
+        f"GDN chunked {lengths}: bf16 out {rule_error:.2e} state {state_error:.2e} "
+        f"(sequential kernel {seq_error:.2e}); fp32 out {fp32_error:.2e} "
+        f"state {fp32_state_error:.2e}"
+    )
+    assert rule_error < CHUNKED_BF16_BOUND and state_error < 1e-3
+    assert fp32_error < 1e-4 and fp32_state_error < 1e-4

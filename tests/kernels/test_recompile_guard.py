@@ -17,6 +17,7 @@ import atom.kernels
 from atom.kernels import (
     activation,
     decode_attention,
+    gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
     kv_cache,
@@ -145,7 +146,21 @@ KERNELS = {
     # the scratch slot is the state-slot count (fixed by the engine's configuration).
     (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
     (gdn_conv, "_conv1d_prefill_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
+    (gdn_conv, "_conv1d_prefill_state_kernel"): ([], ["stride_x", "scratch_slot"]),
     (gdn_delta_rule, "_gated_delta_rule_kernel"): (
+        [],
+        [
+            "stride_q_token",
+            "stride_k_token",
+            "stride_v_token",
+            "stride_out_token",
+            "scratch_slot",
+            "scale",
+        ],
+    ),
+    # the chunked delta rule: chunk bounds are computed on the device (from cu_seqlens)
+    (gdn_chunk, "_chunk_inverse_kernel"): ([], ["stride_k_token"]),
+    (gdn_chunk, "_chunk_state_kernel"): (
         [],
         [
             "stride_q_token",
@@ -613,7 +628,12 @@ def test_gdn_kernels_one_variant():
         count = len(lens)
         gdn_conv.causal_conv1d_prefill(x, conv_state, weight, cu, rows[:count], fresh[:count])
 
-    assert_one_variant(gdn_conv, ["_conv1d_update_kernel", "_conv1d_prefill_kernel"], run)
+    conv_kernels = [
+        "_conv1d_update_kernel",
+        "_conv1d_prefill_kernel",
+        "_conv1d_prefill_state_kernel",
+    ]
+    assert_one_variant(gdn_conv, conv_kernels, run)
 
     # one variant per geometry: the delta-rule kernel serves decode (one token a row) and
     # varlen prefill (VARLEN constexpr), so each form is swept on its own
@@ -632,6 +652,14 @@ def test_gdn_kernels_one_variant():
 
     assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_decode)
     assert_one_variant(gdn_delta_rule, ["_gated_delta_rule_kernel"], run_prefill)
+
+    def run_chunked(n):
+        lens = [min(2048, n - s) for s in range(0, n, 2048)][: slots_count - 1] + [1]
+        cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
+        count = len(lens)
+        gdn_chunk.chunked_gated_delta_rule(q, k, v, g, beta, state, cu, rows[:count], fresh[:count])
+
+    assert_one_variant(gdn_chunk, ["_chunk_inverse_kernel", "_chunk_state_kernel"], run_chunked)
 
 
 @pytest.mark.gpu

@@ -65,3 +65,21 @@ def test_rms_norm_empty():
     x = torch.empty(0, 64, device=DEVICE)
     out, new_residual = rms_norm(x, torch.ones(64, device=DEVICE), 1e-6, x)
     assert out.shape == (0, 64) and new_residual.shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype, device", DTYPES)
+def test_offset_rms_norm_matches_reference_and_hf(dtype, device):
+    """offset=True (Qwen3-Next): the kernel against the reference, the reference against HF
+    Qwen3NextRMSNorm (fp32 normalisation times 1 + w in fp32, rounded once) exactly."""
+    x, residual, weight = _make_inputs(7, 64, dtype, device, strided=True)
+    weight = weight - 1  # a checkpoint's w: the scale is 1 + w
+    out, new_residual = rms_norm(x, weight, 1e-6, residual, offset=True)
+    expected, expected_residual = rms_norm_reference(x, weight, 1e-6, residual, offset=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    norm = hf.Qwen3NextRMSNorm(64, eps=1e-6).to(device, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        torch.testing.assert_close(expected, norm(x + residual), rtol=0, atol=0)

@@ -243,6 +243,22 @@ def test_cuda_fp32_greedy_matches_hf(qwen3_next_dirs):
     assert _tokens(llm) == _hf(path)
 
 
+LONG = _prompts(2, [300, 70])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_num_batched_tokens", [1024, 260], ids=["whole", "split"])
+def test_cuda_fp32_long_prefill_greedy_matches_hf(qwen3_next_dirs, max_num_batched_tokens):
+    """A 300-token prompt reaches the chunked delta-rule kernels (atom/kernels/gdn_chunk.py,
+    from CHUNKED_MIN_TOKENS on); split at 260 tokens, the rest continues from the chunked
+    kernels' state on the sequential kernel: HF's tokens either way (fp32, CUDA)."""
+    path = qwen3_next_dirs["a"]
+    llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=512,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
+    assert _tokens(llm, LONG) == _hf(path, LONG)
+
+
 def test_memory_profiling_forward_runs_without_a_cache(qwen3_next_dirs):
     """The CUDA sizing run (no blocks, no state slots yet) goes through every layer and
     equals a fresh prefill of the same tokens."""
