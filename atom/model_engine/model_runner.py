@@ -76,7 +76,7 @@ class ModelRunner:
         self.state_layers = getattr(self.model, "state_layers", [])
         uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
         self.num_state_slots = config.max_num_seqs if uses_state else 0
-        self.sampler = Sampler()
+        self.sampler = Sampler(greedy_argmax=config.fusions.greedy_argmax)
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
             RunnerSlot(
@@ -100,7 +100,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
             sizes = [s for s in sizes if s <= config.max_num_seqs]
-            self.graphs = [DecodeGraphs(self.model, slot, sizes) for slot in self.slots]
+            self.graphs = [
+                DecodeGraphs(self.model, slot, sizes, config.fusions) for slot in self.slots
+            ]
             for graphs in self.graphs:
                 graphs.capture()
         self.verify_graphs: list[VerifyGraphs] | None = None
@@ -120,7 +122,9 @@ class ModelRunner:
         sizes = [s for s in sizes if s * rows <= tokens and s <= 64]
         graphs = []
         for slot in self.slots:
-            verify = VerifyGraphs(self.model, slot, sizes, self.config.num_speculative_tokens)
+            verify = VerifyGraphs(
+                self.model, slot, sizes, self.config.num_speculative_tokens, self.config.fusions
+            )
             verify.capture()
             graphs.append(verify)
         return graphs
@@ -199,7 +203,7 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         dense = AttentionMetadata(None, None, None, None, num_tokens, False)
-        with forward_context(dense):
+        with forward_context(dense, self.config.fusions):
             hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize()
@@ -336,7 +340,7 @@ class ModelRunner:
             elif verify_size is not None:
                 logits = self.verify_graphs[index].run(verify_size, step.num_seqs)
             else:
-                with forward_context(metadata):
+                with forward_context(metadata, self.config.fusions):
                     hidden = self._forward(input_ids, positions, step.num_tokens)
                 if hidden is None:  # a pipeline stage that is not the last
                     return None, None

@@ -70,8 +70,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary))
 
 
 class LlamaMLP(nn.Module):
