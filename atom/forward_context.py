@@ -60,6 +60,12 @@ def forward_context(attention: AttentionMetadata, fusions: Fusions | None = None
         _local.current = previous
 
 
+def current_fusions() -> Fusions:
+    """The fused-kernel switches of the forward being run (the defaults outside one)."""
+    current = getattr(_local, "current", None)
+    return Fusions() if current is None else current.fusions
+
+
 def get_forward_context() -> ForwardContext:
     current = getattr(_local, "current", None)
     if current is None:

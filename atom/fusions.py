@@ -22,6 +22,10 @@ wins; flip a default there.
                                            projection as a Triton GEMV with SiLU * up in its
                                            epilogue (atom/kernels/gemv.py) instead of cuBLAS
                                            plus the SiLU kernel.
+    gemv_linear     ATOM_FUSE_GEMV_LINEAR  at <= GEMV_MAX_ROWS tokens, the other linear
+                                           layers without bias (q/k/v, o, down, the LM
+                                           head) as the same Triton GEMV instead of cuBLAS
+                                           (no split-K reduce kernels).
 
 The residual add is already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
 PreNormDecoderLayer): there is no separate switch for it.
@@ -44,6 +48,7 @@ DEFAULTS = {
     "decode_merge": ("ATOM_FUSE_DECODE_MERGE", True),
     "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", False),
+    "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", False),
 }
 
 
@@ -57,6 +62,7 @@ class Fusions:
     decode_merge: bool = DEFAULTS["decode_merge"][1]
     greedy_argmax: bool = DEFAULTS["greedy_argmax"][1]
     gemv_silu: bool = DEFAULTS["gemv_silu"][1]
+    gemv_linear: bool = DEFAULTS["gemv_linear"][1]
 
     @classmethod
     def from_env(cls) -> Fusions:

@@ -350,7 +350,8 @@ class ModelRunner:
                     return None, None if plan is None else plan.step_logprobs(None, prompt)
                 if logits_indices is not None:
                     hidden = hidden[logits_indices]
-                logits = self.model.compute_logits(hidden)
+                with forward_context(metadata, self.config.fusions):  # the LM head's GEMV
+                    logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
                 rows = len(step.sampling_seqs)

@@ -17,6 +17,8 @@ from torch import nn
 
 from atom.attention.mha import MHAAttention
 from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
+from atom.forward_context import current_fusions
+from atom.kernels.gemv import fits_gemv, gemv_silu_and_mul
 from atom.models.layers import (
     DecoderStack,
     MissingLayer,
@@ -82,6 +84,9 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.gate_up_proj.weight
+        if x.is_cuda and current_fusions().gemv_silu and fits_gemv(x, weight):
+            return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

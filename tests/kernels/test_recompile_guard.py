@@ -20,6 +20,7 @@ from atom.kernels import (
     decode_attention,
     gdn_conv,
     gdn_delta_rule,
+    gemv,
     kv_cache,
     mla,
     moe,
@@ -84,6 +85,8 @@ KERNELS = {
     # Greedy argmax: rows come from the grid, the vocabulary is geometry.
     (argmax, "_chunk_argmax_kernel"): ([], ["stride_logits_row"]),
     (argmax, "_rows_argmax_kernel"): ([], []),
+    # Small-batch GEMV (Fusions.gemv_silu / gemv_linear): rows <= GEMV_MAX_ROWS, runtime.
+    (gemv, "_gemv_kernel"): (["num_rows"], ["stride_x", "stride_weight", "stride_out"]),
     (kv_cache, "_store_kvcache_kernel"): (
         ["num_tokens"],
         ["stride_key_token", "stride_key_head", "stride_value_token", "stride_value_head"],
@@ -445,6 +448,16 @@ def test_rotary_kv_write_one_variant(kv_cache_dtype):
         )
 
     assert_one_variant(rotary_kv, ["_rotary_kv_write_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_one_variant(silu_mul):
+    x = torch.randn(gemv.GEMV_MAX_ROWS, 2048, device=DEVICE, dtype=BF16)
+    weight = torch.randn(16384, 2048, device=DEVICE, dtype=BF16)
+    run = gemv.gemv_silu_and_mul if silu_mul else gemv.gemv
+    lengths = [1, 2, 3, 7, gemv.GEMV_MAX_ROWS]  # every row count the GEMV takes
+    assert_one_variant(gemv, ["_gemv_kernel"], lambda n: run(x[:n], weight), lengths)
 
 
 @pytest.mark.gpu
