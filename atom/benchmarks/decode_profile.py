@@ -17,12 +17,14 @@ and each configuration of atom/fusions.py, one engine is built and measured:
   the bandwidth measured in the same process (`stream_read`: a sum over a 4 GiB buffer;
   `stream_copy` reads and writes). `..._gpu` uses the GPU time instead of the wall time.
 
-`--ablate` measures the baseline (every fusion off), each fusion alone, all of them and
-the engine's defaults, then prints per shape each configuration's speed-up over the
-baseline in this run (ratios within one process: the machines are noisy), and the
-defaults it suggests (fusions alone faster than the baseline by > 1%). With
-`--ablate-throughput` it also runs the 256-prompt throughput workload with every fusion off
-and with the defaults.
+`--ablate` measures the baseline (every fusion off), each fusion alone, all of them, the
+engine's defaults and the baseline again (`baseline_end`: the drift of the machine during
+the run), then prints per shape each configuration's speed-up over the baseline in this
+run (ratios within one process: the machines are noisy), and the defaults it suggests
+(fusions alone faster than the baseline by > 1%). One engine per shape serves every
+configuration: `ModelRunner.set_fusions` captures its decode graph again.
+`--ablate-throughput` runs the 256-prompt throughput workload with every fusion off and
+with the defaults (after the batch-1 part when given with `--ablate`).
 """
 
 from __future__ import annotations
@@ -130,12 +132,10 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
     )
 
 
-def measure(model_dir: str, shape: str, fusions: Fusions, args, bandwidth: dict) -> dict:
-    from atom.benchmarks.offline_throughput import random_prompts
+def build_engine(model_dir: str, args, fusions: Fusions):
     from atom.model_engine.llm_engine import LLM
-    from atom.sampling_params import SamplingParams
 
-    llm = LLM(
+    return LLM(
         model_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -146,7 +146,16 @@ def measure(model_dir: str, shape: str, fusions: Fusions, args, bandwidth: dict)
         cuda_graph_batch_sizes=[1],
         fusions=fusions,
     )
+
+
+def measure(llm, shape: str, fusions: Fusions, args, bandwidth: dict) -> dict:
+    """One configuration on an idle engine: its decode graphs are captured again with
+    `fusions` (ModelRunner.set_fusions), the weights and the KV cache stay."""
+    from atom.benchmarks.offline_throughput import random_prompts
+    from atom.sampling_params import SamplingParams
+
     engine = llm.engine
+    engine.model_runner.set_fusions(fusions)
     vocab = engine.hf_config.vocab_size
     prompt = random_prompts(1, args.batch1_input_len, vocab, seed=7)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -184,7 +193,7 @@ def measure(model_dir: str, shape: str, fusions: Fusions, args, bandwidth: dict)
     step_s = statistics.median(step_seconds)
     limit_s = weight_bytes / bandwidth["stream_read"]
     gpu_us = profile["gpu_us_per_step"]
-    record = dict(
+    return dict(
         case="batch1_kernels",
         model=shape,
         fusions=fusions.enabled() or ["none"],
@@ -197,11 +206,6 @@ def measure(model_dir: str, shape: str, fusions: Fusions, args, bandwidth: dict)
         fraction_of_weight_read_limit_gpu=round(limit_s * 1e6 / gpu_us, 3) if gpu_us else None,
         **profile,
     )
-    engine.shutdown()
-    del llm, engine, model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return record
 
 
 def configurations(ablate: bool) -> list[tuple[str, Fusions]]:
@@ -213,6 +217,8 @@ def configurations(ablate: bool) -> list[tuple[str, Fusions]]:
     configs.append(("all", Fusions.only(*names())))
     if default not in {fusions for _, fusions in configs}:
         configs.append(("default", default))
+    # the baseline once more at the end: how much the machine drifted during the run
+    configs.append(("baseline_end", Fusions.none()))
     return configs
 
 
@@ -243,6 +249,9 @@ def print_top_kernels(label: str, record: dict) -> None:
 def run(args) -> int:
     import transformers
 
+    if args.ablate_throughput and not (args.ablate or args.profile_kernels):
+        throughput_ablation(args)
+        return 0
     bandwidth = streaming_bandwidth()
     torch.cuda.empty_cache()
     emit(
@@ -262,14 +271,20 @@ def run(args) -> int:
         records = []
         with tempfile.TemporaryDirectory() as model_dir:
             config.save_pretrained(model_dir)
+            llm = build_engine(model_dir, args, configs[0][1])
             for label, fusions in configs:
-                record = measure(model_dir, shape, fusions, args, bandwidth)
+                record = measure(llm, shape, fusions, args, bandwidth)
                 record["config"] = label
                 emit(record)
                 records.append((label, record))
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
         print_table(shape, records)
-        for label, record in (records[0], records[-1]):
-            print_top_kernels(label, record)
+        for label, record in records:
+            if label in ("baseline", "all", "default"):
+                print_top_kernels(label, record)
         if args.ablate:
             base = records[0][1]["decode_ms_per_step"]
             suggested[shape] = [
@@ -279,8 +294,8 @@ def run(args) -> int:
             ]
     if args.ablate:
         emit(dict(case="suggested_defaults", faster_alone_by_1_percent=suggested))
-        if args.ablate_throughput:
-            throughput_ablation(args)
+    if args.ablate_throughput:
+        throughput_ablation(args)
     return 0
 
 

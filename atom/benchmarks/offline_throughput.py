@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument(
         "--ablate-throughput",
         action="store_true",
-        help="with --ablate: also the throughput workload, fusions off vs the defaults",
+        help="the throughput workload with every fusion off and with the defaults",
     )
     kernels.add_argument(
         "--shapes", nargs="*", default=None, help="llama-3.2-1b and/or smollm2-135m (default both)"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
-    if args.profile_kernels or args.ablate:
+    if args.profile_kernels or args.ablate or args.ablate_throughput:
         from atom.benchmarks import decode_profile
 
         return decode_profile.run(args)

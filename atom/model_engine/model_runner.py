@@ -30,6 +30,7 @@ from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
+from atom.fusions import Fusions
 from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
@@ -108,6 +109,22 @@ class ModelRunner:
         self.verify_graphs: list[VerifyGraphs] | None = None
         if self.graphs is not None and config.speculative_method is not None:
             self.verify_graphs = self._capture_verify_graphs(sizes)
+
+    def set_fusions(self, fusions: Fusions) -> None:
+        """Switch the fused kernels (atom/fusions.py) of this runner: the sampler's argmax
+        and the decode CUDA graphs, captured again. For A/B benchmarks in one process
+        (atom/benchmarks/decode_profile.py); call it while no request is running."""
+        self.config.fusions = fusions
+        self.sampler = Sampler(greedy_argmax=fusions.greedy_argmax)
+        if self.verify_graphs is not None:
+            raise NotImplementedError("set_fusions with speculative decoding's verify graphs")
+        if self.graphs is not None:
+            sizes = self.graphs[0].batch_sizes
+            self.graphs = None  # the old graphs and their memory pool go first
+            torch.cuda.synchronize()
+            self.graphs = [DecodeGraphs(self.model, slot, sizes, fusions) for slot in self.slots]
+            for graphs in self.graphs:
+                graphs.capture()
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""
