@@ -26,9 +26,14 @@ wins; flip a default there.
                                            layers without bias (q/k/v, o, down, the LM
                                            head) as the same Triton GEMV instead of cuBLAS
                                            (no split-K reduce kernels).
+    norm_gemv       ATOM_FUSE_NORM_GEMV    at <= GEMV_MAX_ROWS tokens, a Llama layer's two
+                                           RMSNorms (with their residual adds) folded into
+                                           the GEMVs after them: q/k/v, and gate/up with
+                                           SiLU * up (atom/kernels/gemv.py gemv_rms_norm).
 
-The residual add is already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
-PreNormDecoderLayer): there is no separate switch for it.
+The residual add was already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
+PreNormDecoderLayer); `norm_gemv` goes one step further and folds the norm into the next
+linear layer.
 
 Every fusion changes the CUDA path only; on CPU the engine runs the torch references as
 before. The ModelRunner puts its config's Fusions into the forward context (layers read it
@@ -49,6 +54,7 @@ DEFAULTS = {
     "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", False),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", False),
+    "norm_gemv": ("ATOM_FUSE_NORM_GEMV", False),
 }
 
 
@@ -63,6 +69,7 @@ class Fusions:
     greedy_argmax: bool = DEFAULTS["greedy_argmax"][1]
     gemv_silu: bool = DEFAULTS["gemv_silu"][1]
     gemv_linear: bool = DEFAULTS["gemv_linear"][1]
+    norm_gemv: bool = DEFAULTS["norm_gemv"][1]
 
     @classmethod
     def from_env(cls) -> Fusions:

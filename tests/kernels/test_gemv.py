@@ -8,6 +8,8 @@ from atom.kernels.gemv import (
     fits_gemv,
     gemv,
     gemv_reference,
+    gemv_rms_norm,
+    gemv_rms_norm_reference,
     gemv_silu_and_mul,
     gemv_silu_and_mul_reference,
 )
@@ -36,6 +38,27 @@ def test_gemv_matches_linear(rows, in_features, out_features, dtype, device):
     torch.testing.assert_close(gemv(x, weight), expected, atol=tol, rtol=tol)
     expected = gemv_silu_and_mul_reference(x, weight)
     torch.testing.assert_close(gemv_silu_and_mul(x, weight), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, device", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("rows, hidden, out_features", [(1, 576, 96), (5, 200, 48)])
+def test_gemv_rms_norm_matches_norm_then_linear(
+    rows, hidden, out_features, silu_mul, with_residual, dtype, device
+):
+    generator = torch.Generator().manual_seed(rows + hidden + silu_mul)
+    x = (4 * torch.randn(rows, hidden, generator=generator)).to(device, dtype)
+    residual = torch.randn(rows, hidden, generator=generator).to(device, dtype)
+    residual = residual if with_residual else None
+    norm_weight = (1 + torch.rand(hidden, generator=generator)).to(device, dtype)
+    weight = (torch.randn(out_features, hidden, generator=generator) / 8).to(device, dtype)
+    args = (x, residual, norm_weight, 1e-5, weight, silu_mul)
+    out, new_residual = gemv_rms_norm(*args)
+    expected, expected_residual = gemv_rms_norm_reference(*args)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    assert torch.equal(new_residual, expected_residual)  # the same rounded sum, or x itself
 
 
 @pytest.mark.gpu

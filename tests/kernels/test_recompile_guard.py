@@ -86,7 +86,17 @@ KERNELS = {
     (argmax, "_chunk_argmax_kernel"): ([], ["stride_logits_row"]),
     (argmax, "_rows_argmax_kernel"): ([], []),
     # Small-batch GEMV (Fusions.gemv_silu / gemv_linear): rows <= GEMV_MAX_ROWS, runtime.
-    (gemv, "_gemv_kernel"): (["num_rows"], ["stride_x", "stride_weight", "stride_out"]),
+    (gemv, "_gemv_kernel"): (
+        ["num_rows"],
+        [
+            "eps",
+            "stride_x",
+            "stride_weight",
+            "stride_out",
+            "stride_residual",
+            "stride_residual_out",
+        ],
+    ),
     (kv_cache, "_store_kvcache_kernel"): (
         ["num_tokens"],
         ["stride_key_token", "stride_key_head", "stride_value_token", "stride_value_head"],
@@ -208,6 +218,7 @@ DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
     (rotary_kv, "_write_halves"),
     (decode_attention, "_decode_split"),
+    (gemv, "_norm_input"),
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
@@ -458,6 +469,13 @@ def test_gemv_one_variant(silu_mul):
     run = gemv.gemv_silu_and_mul if silu_mul else gemv.gemv
     lengths = [1, 2, 3, 7, gemv.GEMV_MAX_ROWS]  # every row count the GEMV takes
     assert_one_variant(gemv, ["_gemv_kernel"], lambda n: run(x[:n], weight), lengths)
+    residual = torch.randn_like(x)
+    norm_weight = torch.ones(2048, device=DEVICE, dtype=BF16)
+
+    def with_norm(n):
+        gemv.gemv_rms_norm(x[:n], residual[:n], norm_weight, 1e-5, weight, silu_mul)
+
+    assert_one_variant(gemv, ["_gemv_kernel"], with_norm, lengths)
 
 
 @pytest.mark.gpu
