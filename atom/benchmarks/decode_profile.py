@@ -107,18 +107,25 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
     kernels = copies = 0
     total_us = 0.0
     by_name: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
-            continue
-        us = _device_time_us(event)
+    device_events = [
+        (event.name, 1, _device_time_us(event))
+        for event in prof.events()
+        if event.device_type == DeviceType.CUDA
+    ]
+    if not device_events:  # a profiler that lists device activity only in its averages
+        device_events = [
+            (entry.key, entry.count, entry.self_device_time_total)
+            for entry in prof.key_averages()
+            if entry.device_type == DeviceType.CUDA or entry.self_device_time_total > 0
+        ]
+    for name, count, us in device_events:
         total_us += us
-        name = event.name
-        if name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
-            copies += 1
+        if name.lower().startswith(("memcpy", "memset")):
+            copies += count
         else:
-            kernels += 1
+            kernels += count
         entry = by_name.setdefault(name, [0, 0.0])
-        entry[0] += 1
+        entry[0] += count
         entry[1] += us
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
     return dict(
