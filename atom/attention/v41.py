@@ -19,7 +19,9 @@ every ratio > 1 source's partial group rows (fp32 projections) and the Engram hi
 each source's entries and (index sources) indexer keys.
 
 Decode (one token per row) uses static shapes only (CUDA-graph capturable); any other step
-runs per sequence in torch (host reads), like the v4 backend.
+runs per sequence in torch (host reads), like the v4 backend. On CUDA the choice is Triton
+in both (the two-level top-k, atom/kernels/v41_topk.py), and decode scores the key source's
+pool with V4's indexer kernel; on CPU the torch references (golden-exact).
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ from atom.kernels.v4_attention import (
     write_window_reference,
 )
 from atom.kernels.v4_compressor import entry_rows, rows_per_block
-from atom.kernels.v4_indexer import index_scores
-from atom.kernels.v41_topk import candidate_blocks_reference, two_level_topk_reference
+from atom.kernels.v4_indexer import index_scores, index_scores_decode
+from atom.kernels.v41_topk import (
+    candidate_blocks,
+    candidate_blocks_reference,
+    two_level_topk,
+    two_level_topk_reference,
+)
 
 
 class V41Backend(V4Backend):
@@ -180,24 +187,42 @@ class V41Attention(nn.Module):
         if self.is_index:
             keys_from = self.key_source
             ids = torch.arange(self.max_entries(), device=q.device)[None]
-            rows = entry_rows(tables, ids.expand(q.shape[0], -1), keys_from.ratio,
-                              self.block_size, keys_from.index_pool.shape[0] - 1)  # fmt: skip
-            keys = keys_from.index_pool.view(-1, self.index_head_dim)[rows]
             num_visible = (positions.long() + 1) // self.ratio
             visible = (ids < num_visible[:, None]) & (meta.context_lens > 0)[:, None]
-            scores = index_scores(indexer.q, keys, indexer.weights)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            candidates = shared.candidates if self.uses_candidates else None
+            if on_gpu and keys_from.ratio == self.ratio:  # Triton reads the source's keys
+                scores = index_scores_decode(
+                    indexer.q, indexer.weights, keys_from.index_pool, tables, positions,
+                    meta.context_lens, self.ratio, self.block_size, self.max_entries(),
+                )  # fmt: skip
+            else:
+                rows = entry_rows(tables, ids.expand(q.shape[0], -1), keys_from.ratio,
+                                  self.block_size, keys_from.index_pool.shape[0] - 1)  # fmt: skip
+                keys = keys_from.index_pool.view(-1, self.index_head_dim)[rows]
+                scores = index_scores(indexer.q, keys, indexer.weights)
+                scores = scores.masked_fill(~visible, float("-inf"))
+            shared.topk, candidates = self._choose(scores, visible, num_visible, shared.candidates)
             if self.is_candidate_source:
-                shared.candidates = candidate_blocks_reference(
-                    scores, num_visible, self.candidate_topk_blocks, self.candidate_block_size
-                )
-            shared.topk = two_level_topk_reference(scores, visible, self.index_topk, candidates)
+                shared.candidates = candidates
         source_layer = self.source
         return attend(
             q, self.ring, slots, positions, meta.context_lens, source_layer.pool, shared.topk,
             tables, source_layer.ratio, self.block_size, sinks, self.scale,
         )  # fmt: skip
+
+    def _choose(self, scores, visible, num_visible, published_candidates):
+        """(top-k entry ids, this layer's candidate blocks or None): Triton on CUDA, the
+        torch references on CPU. The candidate source chooses among all visible entries; a
+        later index source inside the published candidates."""
+        on_gpu = scores.is_cuda
+        candidates = None
+        if self.is_candidate_source:
+            choose_blocks = candidate_blocks if on_gpu else candidate_blocks_reference
+            candidates = choose_blocks(
+                scores, num_visible, self.candidate_topk_blocks, self.candidate_block_size
+            )
+        inside = published_candidates if self.uses_candidates else None
+        choose = two_level_topk if on_gpu else two_level_topk_reference
+        return choose(scores, visible, self.index_topk, inside), candidates
 
     def _emit_decode(self, source: SourceInputs, state_slots, positions, tables) -> None:
         """Write the token into the partial group; where it closes a group (every token at
@@ -246,13 +271,11 @@ class V41Attention(nn.Module):
                     scores = index_scores(indexer.q[a:b], index_keys, indexer.weights[a:b])
                     scores = scores.masked_fill(~visible, float("-inf"))
                     published = shared.rows.setdefault(row, {})
-                    candidates = published.get("candidates") if self.uses_candidates else None
+                    chosen, candidates = self._choose(
+                        scores, visible, num_visible, published.get("candidates")
+                    )
                     if self.is_candidate_source:
-                        published["candidates"] = candidate_blocks_reference(
-                            scores, num_visible, self.candidate_topk_blocks,
-                            self.candidate_block_size,
-                        )  # fmt: skip
-                    chosen = two_level_topk_reference(scores, visible, self.index_topk, candidates)
+                        published["candidates"] = candidates
                     picked = torch.zeros(b - a, entries.shape[0] + 1, dtype=torch.bool)
                     picked = picked.to(q.device)
                     picked.scatter_(1, torch.where(chosen < 0, entries.shape[0], chosen), True)

@@ -23,6 +23,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision for operands of ``dtype``: "ieee" for fp32 (a GPU's
+    default rounds fp32 operands to TF32, ~1e-3 relative: enough to flip greedy near-ties
+    against an fp32 reference), "tf32" otherwise (ignored for 16-bit operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 # Imported after use_triton: the kernel modules import it from here.
 from atom.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from atom.kernels.decode_attention import (  # noqa: E402

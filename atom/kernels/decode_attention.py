@@ -36,7 +36,7 @@ weights by v_scale[n] before the P @ V product (the normaliser uses the unscaled
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import dot_precision, use_triton
 from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
 
 try:
@@ -82,6 +82,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
     BLOCK_N: tl.constexpr,  # tokens per tile
     KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
     MERGE_IN_KERNEL: tl.constexpr,  # splits used from the context length, merged in-kernel
     SPLIT_TOKENS: tl.constexpr,  # MERGE_IN_KERNEL: context tokens per split, at least
 ):
@@ -103,7 +104,7 @@ def _paged_decode_kernel(
                 stride_cache_head, stride_scale_block, stride_scale_offset,
                 stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
                 split, num_splits, used_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, True,
+                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True,
             )  # fmt: skip
     else:
         _decode_split(
@@ -113,7 +114,7 @@ def _paged_decode_kernel(
             stride_cache_head, stride_scale_block, stride_scale_offset,
             stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
             split, num_splits, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, False,
+            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False,
         )  # fmt: skip
 
 
@@ -127,7 +128,7 @@ def _decode_split(
     split, num_splits, used_splits, context_len,
     GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
 ):  # fmt: skip
     # Split `split` of `used_splits`: its share of the context, in whole tiles; empty when
     # context_len == 0. Partial results are laid out by the grid's num_splits.
@@ -167,7 +168,7 @@ def _decode_split(
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k.to(dtype)))  # [BLOCK_G, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         if KV_FP8:
             scale_offs = block_id * stride_scale_block + (pos % BLOCK_SIZE) * stride_scale_offset
             k_scale = tl.load(k_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
@@ -180,7 +181,7 @@ def _decode_split(
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
             p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -410,6 +411,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         KV_FP8=kv_fp8,
+        DOT_PRECISION=dot_precision(q.dtype),
         MERGE_IN_KERNEL=merge_in_kernel and split,
         SPLIT_TOKENS=split_tokens,
     )

@@ -38,7 +38,7 @@ weight passes 2^31 elements).
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import dot_precision, use_triton
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:
@@ -200,7 +200,7 @@ def _launch(
         BLOCK_M=GEMV_MAX_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION=dot_precision(x.dtype),
         num_warps=num_warps,
     )
 

@@ -27,7 +27,7 @@ softmax in fp32. Cache offsets are int64 (num_blocks * block_size * 576 passes 2
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import dot_precision, use_triton
 
 try:
     import triton
@@ -124,6 +124,7 @@ def _paged_mla_decode_kernel(
     BLOCK_L: tl.constexpr,  # next_power_of_2(KV_LORA_RANK)
     BLOCK_R: tl.constexpr,  # next_power_of_2(ROPE_DIM), >= 16
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block = tokens per iteration
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -177,13 +178,14 @@ def _paged_mla_decode_kernel(
             mask=n_mask[:, None] & r_mask[None, :],
             other=0.0,
         )
-        qk = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(k_rope))
+        qk = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
+        qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
         qk = tl.where(n_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), latent)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), latent, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens (padding row): zeros
@@ -242,6 +244,7 @@ def paged_mla_decode(
         BLOCK_L=triton.next_power_of_2(kv_lora_rank),
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_SIZE=block_size,
+        DOT_PRECISION=dot_precision(q_latent.dtype),
         num_warps=4 if kv_lora_rank <= 128 else 8,
     )
     return out

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from atom.kernels import use_triton
+from atom.kernels import dot_precision, use_triton
 
 try:
     import triton
@@ -342,7 +342,7 @@ def fused_moe(
     tiles = tiles or default_tiles(num_pairs, num_experts)
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, tiles.block_m)
     num_blocks = block_experts.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    precision = dot_precision(x.dtype)
     launch = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
     hidden_states = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)

@@ -35,7 +35,7 @@ to the score columns, v_scale to the softmax weights before P @ V.
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import dot_precision, use_triton
 from atom.kernels.decode_attention import check_kv_scales, gather_kv_reference
 
 try:
@@ -77,6 +77,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,  # queries per program
     BLOCK_N: tl.constexpr,  # KV tokens per tile
     KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
 ):
     m_block = tl.program_id(0)
     batch_idx = tl.program_id(1).to(tl.int64)
@@ -125,7 +126,7 @@ def _paged_prefill_kernel(
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k.to(dtype)))  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if KV_FP8:
             scale_offs = block_id * stride_scale_block + (pos % BLOCK_SIZE) * stride_scale_offset
             k_scale = tl.load(k_scale_ptr + scale_offs + kv_head, mask=n_mask, other=0.0)
@@ -139,7 +140,7 @@ def _paged_prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if KV_FP8:
             p = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
         m_i = m_new
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -225,6 +226,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         KV_FP8=kv_fp8,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     return out
 

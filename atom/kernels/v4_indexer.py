@@ -70,6 +70,18 @@ def indexer_topk_decode_reference(
     return select_topk(index_scores(q, keys, weights), visible, topk)
 
 
+def index_scores_decode_reference(
+    q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
+    block_size: int, max_entries: int,
+) -> torch.Tensor:  # fmt: skip
+    """Scores ``[B, max_entries]`` of every entry slot, -inf where the row may not see it."""
+    ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
+    rows = entry_rows(block_tables, ids, ratio, block_size, index_pool.shape[0] - 1)
+    keys = index_pool.view(-1, index_pool.shape[-1])[rows]
+    visible = (ids < ((positions.long() + 1) // ratio)[:, None]) & (context_lens > 0)[:, None]
+    return index_scores(q, keys, weights).masked_fill(~visible, float("-inf"))
+
+
 # -- Triton ------------------------------------------------------------------------------------
 
 
@@ -122,15 +134,17 @@ def _index_scores_kernel(
     tl.store(scores_ptr + row * max_entries + ids, scores, mask=ids < max_entries)
 
 
-def indexer_topk_decode(
+def index_scores_decode(
     q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
-    block_size: int, topk: int, max_entries: int,
+    block_size: int, max_entries: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton scores + `select_topk` (same arguments and result as the reference)."""
+    """Triton scores ``[B, max_entries]`` fp32 of every entry slot (-inf where the row may
+    not see it): the scoring half of `indexer_topk_decode` (DeepSeek-V4.1 reads its KV
+    source's keys with it and chooses with atom/kernels/v41_topk.py)."""
     if not use_triton(q):
-        return indexer_topk_decode_reference(
-            q, weights, index_pool, block_tables, positions, context_lens, ratio,
-            block_size, topk, max_entries,
+        return index_scores_decode_reference(
+            q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
+            max_entries,
         )  # fmt: skip
     num_rows, num_heads, dim = q.shape
     scores = torch.empty(num_rows, max_entries, device=q.device, dtype=torch.float32)
@@ -146,4 +160,21 @@ def indexer_topk_decode(
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(dim)),
         )  # fmt: skip
+    return scores
+
+
+def indexer_topk_decode(
+    q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
+    block_size: int, topk: int, max_entries: int,
+) -> torch.Tensor:  # fmt: skip
+    """Triton scores + `select_topk` (same arguments and result as the reference)."""
+    if not use_triton(q):
+        return indexer_topk_decode_reference(
+            q, weights, index_pool, block_tables, positions, context_lens, ratio,
+            block_size, topk, max_entries,
+        )  # fmt: skip
+    scores = index_scores_decode(
+        q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
+        max_entries,
+    )  # fmt: skip
     return select_topk(scores, scores > float("-inf"), topk)

@@ -12,7 +12,7 @@ Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
   is for image tokens: unused here); one shared expert; routed experts through
   atom/models/moe.py `routed_experts`.
 - Engram on `engram_layer_ids`: hashed n-gram rows, a gated add to every stream
-  (atom/kernels/v41_engram.py); its history is the sequence's state (the first layer's
+  (atom/kernels/v41_engram.py: Triton hashing and lookup on CUDA); its history is the sequence's state (the first layer's
   `engram_tokens` state rows), read and written in `EngramHashes`.
 DSpark draft layers (`mtp.*`) and vision weights are skipped with one log line.
 """
@@ -36,6 +36,7 @@ from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
 from atom.kernels.v41_engram import (
     compressed_token_map,
+    engram,
     engram_hash,
     engram_hash_reference,
     engram_multipliers,
@@ -137,7 +138,9 @@ class DeepseekV41Attention(nn.Module):
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
-            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)[:, 0]
+            wk = self.indexer.wk  # the latent is fp32 when pooled; wk is in the model's dtype
+            keys = rope(self.indexer.k_norm(wk(latent.to(wk.weight.dtype)))[:, None, :], cos, sin)
+            keys = keys[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
 
@@ -217,7 +220,8 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
 
     def forward(self, streams, hash_ids):
-        return engram_reference(
+        lookup = engram if streams.is_cuda else engram_reference  # Triton on CUDA
+        return lookup(
             streams,
             hash_ids,
             self.embed.weight,
@@ -242,6 +246,7 @@ class EngramHashes(nn.Module):
         offsets = torch.tensor(engram_offsets(primes), dtype=torch.int64)
         self.register_buffer("offsets", offsets, persistent=False)
         multipliers = engram_multipliers(layers, n, config.engram_compressed_vocab_size)
+        multipliers = multipliers.to(self.primes.device)  # numpy-made: on the CPU
         self.register_buffer("multipliers", multipliers, persistent=False)
         self.register_buffer(
             "token_map", torch.tensor(token_map, dtype=torch.int64), persistent=False

@@ -13,6 +13,10 @@ compress group), the last prompt logits and, for tiny-full, every position's eng
   rounding-fragile (`EXCUSED` records which were needed: none in this run); the hash ids
   the engine computed (chunked prefill and decode, history from the sequence's state) equal
   the recorded ones at every position.
+- bf16: on CPU the engine runs (a pooled fp32 latent meets bf16 indexer weights) with the
+  last prompt logits within the measured gap; `gpu`: bf16 on CUDA (Triton fake quantisation,
+  engram hashing and lookup, indexer scores, two-level top-k, decode attention; eager and
+  graphs) against fp32 on the same tokens; fp32 on CUDA gives the golden tokens.
 Every test leaves every KV block and state slot free (tests/engine_support.py).
 """
 
@@ -165,42 +169,94 @@ def test_full_chunked_prefill_and_preemption_batched():
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-# bf16 on CUDA: each greedy token, while the sequence still equals the golden one, must be
-# within this fraction of the largest |logit| of the golden fp32 best choice there (the
-# golden top-5 at that position). Provisional, as V4's bf16 bound: replace it with the
-# regret measured on the H200 (the test prints it).
-BF16_REGRET = 0.08
+# bf16 on CUDA against fp32 on the same tokens. The fp32 logits come from atom on CPU,
+# which the tests above hold to the golden tokens and logits (the golden files' top-5 cannot
+# serve once a bf16 run leaves the golden sequence). Two figures per run: the agreement (the
+# fraction of generated positions where bf16 chose fp32's best token) and the worst regret
+# ((best fp32 logit - fp32 logit of the chosen token) / max|fp32 logit| at that position).
+# Top-k selections and fake-quant rounding make bf16 flips discrete: most positions agree
+# exactly and a few pick a clearly worse token (tiny-full's every fake-quant step is
+# active). The bounds are the figures measured on the H200 (docs/benchmarks.md) with margin;
+# the test prints them.
+# H200 2026-12-01 (eager and graphs alike): tiny-minimal 0.958 / 0.267, tiny-full
+# 0.656 / 0.615; bf16 on CPU (torch references) 0.958 / 0.267 and 0.667 / 0.696.
+BF16_BOUNDS = {"tiny-minimal": (0.90, 0.35), "tiny-full": (0.60, 0.80)}  # agreement, regret
+
+
+def fp32_agreement_and_regret(name, prompts, outputs) -> tuple[float, float]:
+    llm = _llm(name)
+    model = llm.engine.model_runner.model
+    captured = []
+    compute = model.compute_logits
+    model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    regrets = []
+    for prompt, generated in zip(prompts, outputs, strict=True):
+        captured.clear()
+        llm.generate([prompt + generated], params, use_tqdm=False)
+        rows = captured[0][len(prompt) - 1 :]  # the logits that chose each generated token
+        assert rows.shape[0] == len(generated), rows.shape
+        chosen = rows.gather(1, torch.tensor(generated)[:, None])[:, 0]
+        regrets.append((rows.max(dim=-1).values - chosen) / rows.abs().max(dim=-1).values)
+    regrets = torch.cat(regrets)
+    return float((regrets == 0).float().mean()), float(regrets.max())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-minimal", "tiny-full"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_bf16_cuda_greedy_close_to_golden(name, enforce_eager):
-    """bf16 on CUDA (Triton fake quantisation, engram hashing, window write and decode
-    attention over the source's pool; CUDA graphs for decode)."""
-    golden = _golden(name)
+def test_bf16_cuda_greedy_close_to_fp32(name, enforce_eager):
+    """bf16 on CUDA (Triton fake quantisation, engram hashing and lookup, indexer scores
+    over the key source's pool, two-level top-k, window write and decode attention over the
+    source's pool; CUDA graphs for decode)."""
     llm = _llm(
         name, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=[1, 2, 4],
     )  # fmt: skip
-    outputs = _tokens(llm)
+    agreement, regret = fp32_agreement_and_regret(name, PROMPTS, _tokens(llm))
+    mode = "eager" if enforce_eager else "graphs"
+    print(f"{name} bf16 {mode}: agreement {agreement:.3f}, worst regret {regret:.4f}")
+    min_agreement, max_regret = BF16_BOUNDS[name]
+    assert agreement >= min_agreement and regret <= max_regret, (agreement, regret)
+
+
+def test_fp32_agreement_of_the_golden_tokens_is_one():
+    """The measure itself, on CPU: the golden continuations are fp32 greedy (agreement 1,
+    regret 0); a last token changed is one disagreement with a positive regret."""
+    outputs = _expected(MINIMAL, 6)
+    assert fp32_agreement_and_regret("tiny-minimal", PROMPTS, outputs) == (1.0, 0.0)
+    outputs[0][-1] = (outputs[0][-1] + 1) % 256  # the last: no later position sees it
+    agreement, regret = fp32_agreement_and_regret("tiny-minimal", PROMPTS, outputs)
+    assert agreement == pytest.approx(23 / 24) and regret > 0.0
+
+
+# bf16 on CPU (torch references), max |logit - golden| / max |golden| at the last prompt
+# token over the four prompts: measured 0.288 (tiny-full, 2026-12-01; fake quantisation
+# turns bf16 noise into whole FP8/FP4 steps); bound 1.5x.
+BF16_CPU_LAST_LOGIT_GAP = 0.45
+
+
+def test_bf16_cpu_runs_with_last_logits_close():
+    llm = _llm("tiny-full", dtype="bfloat16")
+    model = llm.engine.model_runner.model
+    captured, compute = [], model.compute_logits
+    model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
     worst = 0.0
-    for tokens, record in zip(outputs, golden["prompts"], strict=True):
-        for i, token in enumerate(tokens):
-            ids, logits = record["continuation_top5_ids"][i], record["continuation_top5_logits"][i]
-            assert token in ids, (record["prompt_ids"][:4], i, token, ids)
-            regret = (logits[0] - logits[ids.index(token)]) / max(abs(v) for v in logits)
-            worst = max(worst, regret)
-            assert regret <= BF16_REGRET, (i, regret)
-            if token != record["greedy_continuation"][i]:
-                break  # the golden logits describe the golden sequence only
-    print(f"{name} bf16 {'eager' if enforce_eager else 'graphs'}: worst regret {worst:.4f}")
+    for record in FULL["prompts"]:
+        captured.clear()
+        tokens = llm.generate([record["prompt_ids"]], _params(4), use_tqdm=False)[0].token_ids
+        assert len(tokens) == 4
+        expected = torch.tensor(record["prompt_last_logits"])
+        gap = (captured[0][0].float() - expected).abs().max() / expected.abs().max()
+        worst = max(worst, gap.item())
+    print(f"tiny-full bf16 cpu: last prompt token logit gap {worst:.4f}")
+    assert worst <= BF16_CPU_LAST_LOGIT_GAP
 
 
 @pytest.mark.gpu
 def test_cuda_fp32_minimal_greedy_matches_golden():
     """The CUDA paths (Triton kernels, decode graphs) in fp32 give the golden tokens."""
-    llm = _llm("tiny-minimal", device="cuda", cuda_graph_batch_sizes=[1, 2, 4])
+    llm = _llm("tiny-minimal", device="cuda", dtype="float32", cuda_graph_batch_sizes=[1, 2, 4])
     assert _tokens(llm) == _expected(MINIMAL)
 
 

@@ -195,6 +195,15 @@ def test_fp8_kv_cache_and_tensor_parallel_are_refused(v4_dirs):
         DeepseekV4ForCausalLM.validate_tensor_parallel(read_config(v4_dirs["c"]), 2)
 
 
+# bf16 on CUDA against HF fp32 on the same tokens: the agreement (fraction of generated
+# positions where bf16 chose HF's best token) and the worst regret ((best logit - logit of
+# the chosen token) / max|logit| there). The bounds are the H200 figures
+# (docs/benchmarks.md) with margin; the test prints them. Config a's CSA top-3 of a few
+# entries makes indexer near-ties flip the selection in bf16.
+# H200 2026-12-01: a 0.812 / 0.103, c 0.969 / 0.0005 (eager and graphs alike).
+BF16_BOUNDS = {"a": (0.75, 0.15), "c": (0.90, 0.05)}  # (min agreement, max regret)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["a", "c"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
@@ -214,19 +223,26 @@ def test_bf16_cuda_logits_close_to_hf(v4_dirs, kind, enforce_eager):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    regrets = []
     with torch.no_grad():
         for prompt, generated in zip(PROMPTS, outputs, strict=True):
             logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
             chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
             gap = logits.max(dim=-1).values - chosen
-            assert gap.max() <= 0.08 * logits.abs().max(), (gap, logits.abs().max())
+            regrets.append(gap / logits.abs().max(dim=-1).values)
+    regrets = torch.cat(regrets)
+    agreement, regret = float((regrets == 0).float().mean()), float(regrets.max())
+    mode = f"{kind} {'eager' if enforce_eager else 'graphs'}"
+    print(f"bf16 {mode}: agreement {agreement:.3f}, worst regret {regret:.4f}")
+    min_agreement, max_regret = BF16_BOUNDS[kind]
+    assert agreement >= min_agreement and regret <= max_regret, (agreement, regret)
 
 
 @pytest.mark.gpu
 def test_cuda_fp32_greedy_matches_hf(v4_dirs):
     """The CUDA paths (Triton decode, graphs) in fp32 give HF's tokens exactly."""
     path = v4_dirs["a"]
-    llm = build_llm(path, device="cuda", num_kvcache_blocks=64, max_model_len=256,
+    llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=256,
                     cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm) == _hf(path)
 
