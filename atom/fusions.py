@@ -2,9 +2,10 @@
 
 One switch per fusion, each an environment variable (``1`` on, ``0`` off) read once when a
 ``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
-default of each: a fusion is on by default only when the H200 ablation
+default of each: a fusion should be on by default only where the H200 ablation
 (``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
-wins; flip a default there.
+wins; flip a default there. (Before the first H200 run: the three kernel-count cuts on, the
+GEMV fusions off.)
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output
