@@ -25,8 +25,9 @@ GEMV fusions off.)
                                            plus the SiLU kernel.
     gemv_linear     ATOM_FUSE_GEMV_LINEAR  at <= GEMV_MAX_ROWS tokens, the other linear
                                            layers without bias (q/k/v, o, down, the LM
-                                           head) as the same Triton GEMV instead of cuBLAS
-                                           (no split-K reduce kernels).
+                                           head; every model's parallel_layers) as the
+                                           same Triton GEMV instead of cuBLAS (no split-K
+                                           reduce kernels).
     norm_gemv       ATOM_FUSE_NORM_GEMV    at <= GEMV_MAX_ROWS tokens, a Llama layer's two
                                            RMSNorms (with their residual adds) folded into
                                            the GEMVs after them: q/k/v, and gate/up with
