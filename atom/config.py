@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom import envs
+from atom.fusions import Fusions
 
 _DTYPES = {
     "float32": torch.float32,
@@ -104,6 +105,9 @@ class Config:
     ngram_min: int = 2  # shortest suffix the n-gram proposer matches
     ngram_max: int = 4  # longest suffix tried first
     speculative_model: str | None = None  # the draft model (method "draft")
+    # Fused kernels of the CUDA path, one switch each (atom/fusions.py); None = the
+    # defaults there, overridden by the ATOM_FUSE_* environment variables.
+    fusions: Fusions | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -128,6 +132,8 @@ class Config:
             self.h2d_checked = envs.h2d_checked()
         if self.profiler_dir is None:
             self.profiler_dir = envs.torch_profiler_dir()
+        if self.fusions is None:
+            self.fusions = Fusions.from_env()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:

@@ -3,7 +3,8 @@
 The ModelRunner sets it around each forward (and each CUDA-graph capture) with
 `forward_context(...)`; attention layers read it with `get_forward_context()`. It is
 per thread, so two engines stepping on two threads of one process (a server and an
-offline reference, say) never see each other's metadata. Nothing else is ambient.
+offline reference, say) never see each other's metadata. Beside the metadata it carries
+the engine's fused-kernel switches (atom/fusions.py). Nothing else is ambient.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from atom.fusions import Fusions
 
 
 @dataclass
@@ -39,19 +42,28 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attention: AttentionMetadata
+    # Which fused kernels the CUDA path uses (atom/fusions.py); the ModelRunner passes
+    # its config's, anything else gets the defaults.
+    fusions: Fusions = Fusions()
 
 
 _local = threading.local()
 
 
 @contextmanager
-def forward_context(attention: AttentionMetadata):
+def forward_context(attention: AttentionMetadata, fusions: Fusions | None = None):
     previous = getattr(_local, "current", None)
-    _local.current = context = ForwardContext(attention)
+    _local.current = context = ForwardContext(attention, fusions or Fusions())
     try:
         yield context
     finally:
         _local.current = previous
+
+
+def current_fusions() -> Fusions:
+    """The fused-kernel switches of the forward being run (the defaults outside one)."""
+    current = getattr(_local, "current", None)
+    return Fusions() if current is None else current.fusions
 
 
 def get_forward_context() -> ForwardContext:

@@ -7,6 +7,11 @@ Each step first writes the new tokens' K/V at their slots, then attends from the
 decode-only steps use the decode kernel (CUDA-graph safe), anything else (prefill,
 chunked prefill, prefix-cache hits, mixed prefill/decode) the varlen prefill kernel.
 On CUDA the Triton kernels run; on CPU their torch references (the same math).
+
+`forward_rotary` is the same with the rotary embedding folded in: on CUDA with
+`Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
+(atom/kernels/rotary_kv.py); `Fusions.decode_merge` picks the decode kernel's in-kernel
+split merge (atom/fusions.py).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from atom.kernels import (
     store_kvcache,
     store_kvcache_reference,
 )
+from atom.kernels.rotary_kv import rotary_kv_write
 
 
 class MHAAttention(nn.Module):
@@ -45,14 +51,36 @@ class MHAAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
-        meta = get_forward_context().attention
+        context = get_forward_context()
+        meta = context.attention
         if meta.block_tables is None:
             return self._dense_causal(q, k, v)
-        on_gpu = q.is_cuda
-        store = store_kvcache if on_gpu else store_kvcache_reference
+        store = store_kvcache if q.is_cuda else store_kvcache_reference
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)
+        return self._attend(q, meta, context.fusions.decode_merge)
+
+    def forward_rotary(self, positions, q, k, v, rotary) -> torch.Tensor:
+        """`forward` of the rotated q and k: `rotary` (a RotaryEmbedding) is applied here,
+        fused with the cache write on CUDA when `Fusions.rope_kv_write` is on."""
+        context = get_forward_context()
+        meta = context.attention
+        if not (q.is_cuda and context.fusions.rope_kv_write and meta.block_tables is not None):
+            q, k = rotary(positions, q, k)
+            return self.forward(q, k, v)
+        q = rotary_kv_write(
+            positions, q, k, v, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
+            meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
+        return self._attend(q, meta, context.fusions.decode_merge)
+
+    def _attend(self, q, meta, merge_in_kernel: bool) -> torch.Tensor:
+        """Attention of q over the cache (this step's K/V already written): [T, Hq * D]."""
+        on_gpu = q.is_cuda
+        kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if meta.is_decode:
+            if on_gpu:
+                kv_scales["merge_in_kernel"] = merge_in_kernel
             decode = paged_decode_attention if on_gpu else paged_decode_attention_reference
             out = decode(
                 q,

@@ -1,9 +1,13 @@
 """Offline throughput and batch-1 decode speed, atom beside HF transformers in one run.
 
     python -m atom.benchmarks.offline_throughput --num-prompts 256 --input-len 512 --output-len 256
+    python -m atom.benchmarks.offline_throughput --profile-kernels   # batch-1 kernels per step
+    python -m atom.benchmarks.offline_throughput --ablate            # each fusion on / off
 
 Random weights in the Llama-3.2-1B shape (bf16, CUDA), random prompt token ids,
 ignore_eos. Prints one JSON line per measurement and a summary with the ratios.
+`--profile-kernels` and `--ablate` measure batch-1 decode of the Llama-3.2-1B and
+SmolLM2-135M shapes kernel by kernel instead (atom/benchmarks/decode_profile.py).
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def hf_generate_tok_s(config, prompts, output_len: int, batch_size: int) -> floa
     return generated / seconds
 
 
-def atom_runs(model_dir: str, args, prompts, single) -> tuple[float, float, float]:
+def atom_runs(model_dir: str, args, prompts, single, fusions=None) -> tuple[float, float, float]:
     from atom.model_engine.llm_engine import LLM
     from atom.sampling_params import SamplingParams
 
@@ -96,6 +100,7 @@ def atom_runs(model_dir: str, args, prompts, single) -> tuple[float, float, floa
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        fusions=fusions,
     )
     vocab = llm.engine.hf_config.vocab_size
     warmup = random_prompts(8, args.input_len, vocab, seed=100)
@@ -200,10 +205,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of decode steps"
     )
+    kernels = parser.add_argument_group("batch-1 kernels (atom/benchmarks/decode_profile.py)")
+    kernels.add_argument(
+        "--profile-kernels",
+        action="store_true",
+        help="kernels and GPU time per batch-1 decode step, both shapes, the default fusions",
+    )
+    kernels.add_argument(
+        "--ablate",
+        action="store_true",
+        help="as --profile-kernels for: every fusion off, each alone, all, the defaults",
+    )
+    kernels.add_argument(
+        "--ablate-throughput",
+        action="store_true",
+        help="the throughput workload with every fusion off and with the defaults",
+    )
+    kernels.add_argument(
+        "--shapes", nargs="*", default=None, help="llama-3.2-1b and/or smollm2-135m (default both)"
+    )
+    kernels.add_argument("--profile-steps", type=int, default=30)
+    kernels.add_argument("--window-steps", type=int, default=64)
+    kernels.add_argument("--top-kernels", type=int, default=12)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
+    if args.profile_kernels or args.ablate or args.ablate_throughput:
+        from atom.benchmarks import decode_profile
+
+        return decode_profile.run(args)
 
     import transformers
 

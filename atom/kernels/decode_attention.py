@@ -63,6 +63,7 @@ def _paged_decode_kernel(
     partial_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, log2 domain, used when split
     k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, used when KV_FP8
     v_scale_ptr,
+    split_counters_ptr,  # [>= batch * num_kv_heads] int32, zeros, used when MERGE_IN_KERNEL
     sm_scale,
     stride_q_batch,
     stride_q_head,
@@ -82,15 +83,56 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile
     KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
+    MERGE_IN_KERNEL: tl.constexpr,  # splits used from the context length, merged in-kernel
+    SPLIT_TOKENS: tl.constexpr,  # MERGE_IN_KERNEL: context tokens per split, at least
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    # This program's share of the context, in whole tiles; empty when context_len == 0.
     context_len = tl.load(context_lens_ptr + batch_idx)
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    if MERGE_IN_KERNEL:
+        # The grid holds the most splits any row may use; this row uses one per
+        # SPLIT_TOKENS of its context (one for a short one), the others return at once.
+        used_splits = tl.minimum(tl.maximum(tl.cdiv(context_len, SPLIT_TOKENS), 1), num_splits)
+        if split < used_splits:
+            _decode_split(
+                q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
+                partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr, sm_scale,
+                stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
+                stride_cache_head, stride_scale_block, stride_scale_offset,
+                stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
+                split, num_splits, used_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
+                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True,
+            )  # fmt: skip
+    else:
+        _decode_split(
+            q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
+            partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr, sm_scale,
+            stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
+            stride_cache_head, stride_scale_block, stride_scale_offset,
+            stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
+            split, num_splits, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
+            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False,
+        )  # fmt: skip
+
+
+@triton.jit
+def _decode_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
+    partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr, sm_scale,
+    stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
+    stride_cache_head, stride_scale_block, stride_scale_offset,
+    stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
+    split, num_splits, used_splits, context_len,
+    GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+):  # fmt: skip
+    # Split `split` of `used_splits`: its share of the context, in whole tiles; empty when
+    # context_len == 0. Partial results are laid out by the grid's num_splits.
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, used_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
 
@@ -145,18 +187,47 @@ def _paged_decode_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens: acc is 0, output zeros
     acc = acc / l_safe[:, None]
-    if num_splits > 1:  # a runtime branch: the same compiled kernel serves both cases
+    out_ptrs = (
+        out_ptr + batch_idx * stride_out_batch + q_head[:, None] * stride_out_head + offs_d[None, :]
+    )
+    if used_splits > 1:  # a runtime branch: the same compiled kernel serves both cases
         row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        if MERGE_IN_KERNEL:
+            # The last split of this (sequence, kv head) to finish merges them all: every
+            # thread's partial stores precede the counter's release (barrier, then an
+            # acq_rel atomic); the merging program reads the others' after its acquire.
+            tl.debug_barrier()
+            counter = split_counters_ptr + batch_idx * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == used_splits - 1:
+                first_row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits
+                lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for s in range(0, used_splits):
+                    lse_s = tl.load(partial_lse_ptr + first_row + s, mask=g_mask, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                    lse_max = tl.maximum(lse_max, lse_s)
+                lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty
+                total = tl.zeros([BLOCK_G], dtype=tl.float32)
+                merged = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+                for s in range(0, used_splits):
+                    lse_s = tl.load(partial_lse_ptr + first_row + s, mask=g_mask, other=0.0,
+                                    cache_modifier=".cg")  # fmt: skip
+                    weight = tl.exp2(lse_s - lse_max)
+                    partial = tl.load(
+                        partial_out_ptr + (first_row + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    total += weight
+                    merged += weight[:, None] * partial
+                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+                tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (graph replays too)
     else:
-        out_ptrs = (
-            out_ptr
-            + batch_idx * stride_out_batch
-            + q_head[:, None] * stride_out_head
-            + offs_d[None, :]
-        )
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -195,16 +266,48 @@ def _merge_splits_kernel(
     tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def _pick_num_splits(q: torch.Tensor, num_kv_heads: int, max_context: int, block_n: int) -> int:
+def _pick_num_splits(
+    q: torch.Tensor, num_kv_heads: int, max_context: int, split_tokens: int
+) -> int:
     """Enough programs to fill the GPU; depends on shapes only, so graph replays agree."""
     if not q.is_cuda:
         return 1  # the interpreter pays per program
     programs = q.shape[0] * num_kv_heads
-    wanted = triton.cdiv(
-        2 * torch.cuda.get_device_properties(q.device).multi_processor_count, programs
-    )
-    useful = triton.cdiv(max_context, 4 * block_n)  # at least ~4 tiles per split
+    wanted = triton.cdiv(2 * _multi_processors(q.device), programs)
+    useful = triton.cdiv(max_context, split_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def _multi_processors(device: torch.device) -> int:
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
+
+
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """int32 zeros, one per (sequence, kv head), for the in-kernel merge (one per device).
+
+    Each launch leaves them zero again (the merging program resets its counter), so one
+    buffer serves every layer and every graph replay; launches on one device must not run
+    concurrently on two streams (the engine runs its steps on one stream). Grown outside
+    CUDA-graph capture only: the graph warm-up runs the largest batch first.
+    """
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged decode: the split counters ({count} needed) must be allocated before "
+                "CUDA-graph capture; run the largest batch once first"
+            )
+        counters = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[device] = counters
+    return counters
 
 
 def paged_decode_attention(
@@ -219,12 +322,22 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    merge_in_kernel: bool = False,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; returns ``out``.
 
     ``num_splits`` (context splits per sequence, at most MAX_SPLITS) is picked from the
-    shapes when None. An fp8 cache needs ``k_scale`` and ``v_scale``. Runs the Triton
-    kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    shapes when None: enough programs for twice the SM count, no more than the widest
+    context (the block table's width) has ``split_tokens`` tokens for. An fp8 cache needs
+    ``k_scale`` and ``v_scale``. Runs the Triton kernel on CUDA (or under
+    TRITON_INTERPRET=1), the reference otherwise.
+
+    ``merge_in_kernel`` (``Fusions.decode_merge``): ``num_splits`` becomes the most splits
+    a row may use; each row uses one per ``split_tokens`` of its own context length (read
+    on the device, so a CUDA graph replays it right for any length), and the last of its
+    splits to finish merges them: one kernel, no merge launch, a single pass for a short
+    context. Without it every row uses ``num_splits`` and a second kernel merges.
     """
     if not use_triton(q):
         return paged_decode_attention_reference(
@@ -251,10 +364,16 @@ def paged_decode_attention(
     group_size = num_q_heads // num_kv_heads
     # Big tiles in the interpreter (cost per program), 64 tokens on a GPU.
     block_n = 64 if q.is_cuda else 256
+    if split_tokens is None:  # at least ~4 tiles per split; 2 when merged in-kernel
+        split_tokens = (2 if merge_in_kernel else 4) * block_n
     if num_splits is None:
-        num_splits = _pick_num_splits(q, num_kv_heads, block_tables.shape[1] * block_size, block_n)
+        max_context = block_tables.shape[1] * block_size
+        num_splits = _pick_num_splits(q, num_kv_heads, max_context, split_tokens)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
     split = num_splits > 1
+    counters = placeholder(q.device)
+    if merge_in_kernel and split:
+        counters = split_counters(q.device, batch * num_kv_heads)
     # Placeholders of the split buffers' dtype when not split: the pointer dtypes are part
     # of the compiled signature, so both cases share one variant.
     partial_out = partial_lse = placeholder(q.device)
@@ -273,6 +392,7 @@ def paged_decode_attention(
         partial_lse,
         k_scale,
         v_scale,
+        counters,
         scale,
         q.stride(0),
         q.stride(1),
@@ -292,8 +412,10 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(q.dtype),
+        MERGE_IN_KERNEL=merge_in_kernel and split,
+        SPLIT_TOKENS=split_tokens,
     )
-    if split:
+    if split and not merge_in_kernel:
         _merge_splits_kernel[(batch, num_q_heads)](
             partial_out,
             partial_lse,

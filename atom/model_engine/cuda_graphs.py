@@ -7,6 +7,7 @@ import bisect
 import torch
 
 from atom.forward_context import AttentionMetadata, forward_context
+from atom.fusions import Fusions
 from atom.graph_capture import capture_graph
 
 
@@ -21,9 +22,10 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode steps of one RunnerSlot: replay with `run(batch_size)`."""
 
-    def __init__(self, model, slot, batch_sizes: list[int]):
+    def __init__(self, model, slot, batch_sizes: list[int], fusions: Fusions | None = None):
         self.model = model
         self.slot = slot
+        self.fusions = fusions or Fusions()  # captured into the graphs
         self.batch_sizes = sorted(set(batch_sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -47,7 +49,7 @@ class DecodeGraphs:
         for size in reversed(self.batch_sizes):
             input_ids = slot.input_ids.device[:size]
             positions = slot.positions.device[:size]
-            with forward_context(self._metadata(size)):
+            with forward_context(self._metadata(size), self.fusions):
                 self._forward(size, input_ids, positions)  # warm-up
                 torch.cuda.synchronize()
                 graph, logits = capture_graph(

@@ -30,6 +30,7 @@ from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
+from atom.fusions import Fusions
 from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
@@ -86,7 +87,7 @@ class ModelRunner:
         self.state_layers = getattr(self.model, "state_layers", [])
         uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
         self.num_state_slots = config.max_num_seqs if uses_state else 0
-        self.sampler = Sampler()
+        self.sampler = Sampler(greedy_argmax=config.fusions.greedy_argmax)
         # Penalties, logit_bias, min_tokens state of running requests, shared by the slots.
         self.sampling_state = SamplingState(config.max_num_seqs, hf_config.vocab_size, self.device)
         max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -113,7 +114,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
             sizes = [s for s in sizes if s <= config.max_num_seqs]
-            self.graphs = [DecodeGraphs(self.model, slot, sizes) for slot in self.slots]
+            self.graphs = [
+                DecodeGraphs(self.model, slot, sizes, config.fusions) for slot in self.slots
+            ]
             for graphs in self.graphs:
                 graphs.capture()
         self.verify_graphs: list[VerifyGraphs] | None = None
@@ -124,6 +127,22 @@ class ModelRunner:
         elif self.graphs is not None and catch_up_rows:
             self.verify_graphs = self._capture_verify_graphs(sizes, catch_up_rows)
         self.eager_forwards = 0  # forwards run outside CUDA graphs (tests, benchmarks)
+
+    def set_fusions(self, fusions: Fusions) -> None:
+        """Switch the fused kernels (atom/fusions.py) of this runner: the sampler's argmax
+        and the decode CUDA graphs, captured again. For A/B benchmarks in one process
+        (atom/benchmarks/decode_profile.py); call it while no request is running."""
+        self.config.fusions = fusions
+        self.sampler = Sampler(greedy_argmax=fusions.greedy_argmax)
+        if self.verify_graphs is not None:
+            raise NotImplementedError("set_fusions with speculative decoding's verify graphs")
+        if self.graphs is not None:
+            sizes = self.graphs[0].batch_sizes
+            self.graphs = None  # the old graphs and their memory pool go first
+            torch.cuda.synchronize()
+            self.graphs = [DecodeGraphs(self.model, slot, sizes, fusions) for slot in self.slots]
+            for graphs in self.graphs:
+                graphs.capture()
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""
@@ -138,7 +157,7 @@ class ModelRunner:
         sizes = [s for s in sizes if s * rows <= tokens and s <= 64]
         graphs = []
         for slot in self.slots:
-            verify = VerifyGraphs(self.model, slot, sizes, rows)
+            verify = VerifyGraphs(self.model, slot, sizes, rows, self.config.fusions)
             verify.capture()
             graphs.append(verify)
         return graphs
@@ -217,7 +236,7 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         dense = AttentionMetadata(None, None, None, None, num_tokens, False)
-        with forward_context(dense):
+        with forward_context(dense, self.config.fusions):
             hidden = self.model(input_ids, positions)
         self.model.compute_logits(hidden[: self.config.max_num_seqs])
         torch.cuda.synchronize()
@@ -368,7 +387,7 @@ class ModelRunner:
                 )
             else:
                 self.eager_forwards += 1
-                with forward_context(metadata):
+                with forward_context(metadata, self.config.fusions):
                     hidden = self._forward(input_ids, positions, step.num_tokens)
                 if hidden is None:  # a pipeline stage that is not the last
                     return None, None
@@ -378,7 +397,8 @@ class ModelRunner:
                     return None, None if plan is None else plan.step_logprobs(None, prompt)
                 if logits_indices is not None:
                     hidden = hidden[logits_indices]
-                logits = self.model.compute_logits(hidden)
+                with forward_context(metadata, self.config.fusions):  # the LM head's GEMV
+                    logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
                 rows = len(step.sampling_seqs)

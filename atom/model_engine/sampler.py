@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atom.kernels.argmax import greedy_argmax
+
 
 @dataclass
 class SamplingTensors:
@@ -31,10 +33,20 @@ class SamplingTensors:
 
 
 class Sampler:
+    def __init__(self, greedy_argmax: bool = False):
+        # Fusions.greedy_argmax: greedy rows through the two-stage Triton argmax on CUDA
+        # (atom/kernels/argmax.py; the same tokens, ties to the lowest index).
+        self.greedy_argmax = greedy_argmax
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy_argmax and logits.is_cuda and logits.stride(-1) == 1:
+            return greedy_argmax(logits)
+        return logits.argmax(dim=-1)
+
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         """logits [S, V] -> token ids [S] (int64)."""
         if params.all_greedy:
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         logits = logits.float()
         temps = params.temperatures
         if temps is None:  # uniform temperature > 0: no greedy rows
@@ -56,7 +68,7 @@ class Sampler:
         sampled = (probs / noise).argmax(dim=-1)
         if temps is None:
             return sampled
-        return torch.where(temps > 0, sampled, logits.argmax(dim=-1))
+        return torch.where(temps > 0, sampled, self.argmax(logits))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):

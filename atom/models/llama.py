@@ -17,6 +17,8 @@ from torch import nn
 
 from atom.attention.mha import MHAAttention
 from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
+from atom.forward_context import current_fusions
+from atom.kernels.gemv import fits_gemv, gemv_rms_norm, gemv_silu_and_mul
 from atom.models.layers import (
     DecoderStack,
     MissingLayer,
@@ -35,6 +37,12 @@ from atom.models.parallel_layers import (
     VocabParallelEmbedding,
     load_parameter,
 )
+
+
+def _fused_kernels_on(x: torch.Tensor) -> bool:
+    """Whether the fused GEMV paths (atom/fusions.py) may run on x: CUDA only (on CPU the
+    engine keeps the torch references; tests point this at the Triton interpreter)."""
+    return x.is_cuda
 
 
 def _num_kv_heads(config) -> int:
@@ -65,13 +73,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention and o_proj from the fused q | k | v projection's output."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary))
 
 
 class LlamaMLP(nn.Module):
@@ -83,6 +93,9 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.gate_up_proj.weight
+        if _fused_kernels_on(x) and current_fusions().gemv_silu and fits_gemv(x, weight):
+            return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -93,6 +106,27 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        attention, mlp = self.self_attn, self.mlp
+        qkv_weight, norm = attention.qkv_proj.weight, self.input_layernorm
+        if not (
+            _fused_kernels_on(hidden)
+            and current_fusions().norm_gemv
+            and attention.qkv_proj.bias is None
+            and fits_gemv(hidden, qkv_weight)
+            and norm.weight.dtype == hidden.dtype
+        ):
+            return super().forward(positions, hidden, residual)
+        # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it.
+        qkv, residual = gemv_rms_norm(hidden, residual, norm.weight, norm.eps, qkv_weight)
+        hidden = attention.attend(positions, qkv)
+        norm = self.post_attention_layernorm
+        gate_up = mlp.gate_up_proj.weight
+        hidden, residual = gemv_rms_norm(
+            hidden, residual, norm.weight, norm.eps, gate_up, silu_mul=True
+        )
+        return mlp.down_proj(hidden), residual
 
 
 class LlamaModel(DecoderStack):

@@ -18,6 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom.distributed import TensorParallelGroup, shard_range
+from atom.forward_context import current_fusions
+from atom.kernels.gemv import fits_gemv, gemv
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear; on CUDA with `Fusions.gemv_linear` and at most GEMV_MAX_ROWS rows (batch-1
+    decode), the Triton GEMV of atom/kernels/gemv.py instead."""
+    if bias is None and x.is_cuda and current_fusions().gemv_linear and fits_gemv(x, weight):
+        return gemv(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def load_parameter(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
@@ -101,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -156,7 +166,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(tensor.narrow(1, start, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -200,7 +210,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     head shares the embedding's shard). Logits are gathered on rank 0, which samples."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         logits = self.tp.gather_to_first(local, dim=-1)
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

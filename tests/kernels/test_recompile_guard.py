@@ -16,10 +16,12 @@ import torch
 import atom.kernels
 from atom.kernels import (
     activation,
+    argmax,
     decode_attention,
     gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
+    gemv,
     kv_cache,
     mla,
     moe,
@@ -27,6 +29,7 @@ from atom.kernels import (
     prefill_attention,
     rmsnorm,
     rotary,
+    rotary_kv,
     sampling,
     scatter,
     v4_attention,
@@ -67,6 +70,34 @@ KERNELS = {
             "stride_k_out_token",
             "stride_k_out_head",
             "stride_cache_position",
+        ],
+    ),
+    # RoPE + KV-cache write in one kernel (Fusions.rope_kv_write).
+    (rotary_kv, "_rotary_kv_write_kernel"): (
+        ["num_tokens"],
+        [
+            "stride_q_token",
+            "stride_q_head",
+            "stride_k_token",
+            "stride_k_head",
+            "stride_v_token",
+            "stride_v_head",
+            "stride_cache_position",
+        ],
+    ),
+    # Greedy argmax: rows come from the grid, the vocabulary is geometry.
+    (argmax, "_chunk_argmax_kernel"): ([], ["stride_logits_row"]),
+    (argmax, "_rows_argmax_kernel"): ([], []),
+    # Small-batch GEMV (Fusions.gemv_silu / gemv_linear): rows <= GEMV_MAX_ROWS, runtime.
+    (gemv, "_gemv_kernel"): (
+        ["num_rows"],
+        [
+            "eps",
+            "stride_x",
+            "stride_weight",
+            "stride_out",
+            "stride_residual",
+            "stride_residual_out",
         ],
     ),
     (kv_cache, "_store_kvcache_kernel"): (
@@ -233,6 +264,9 @@ POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_
 # @triton.jit helpers called from kernels (inlined: no launch, no specialization).
 DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
+    (rotary_kv, "_write_halves"),
+    (decode_attention, "_decode_split"),
+    (gemv, "_norm_input"),
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
@@ -411,6 +445,99 @@ def test_paged_decode_one_variant(kv_cache_dtype):
         )
 
     assert_one_variant(decode_attention, ["_paged_decode_kernel", "_merge_splits_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_paged_decode_merged_in_kernel_one_variant(kv_cache_dtype):
+    """Fusions.decode_merge: the same sweep; the splits a row uses follow its length on the
+    device, the grid's split count the block-table width (one variant for all)."""
+    num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
+    k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
+    q = torch.randn(max(SWEEP), num_q_heads, head_dim, device=DEVICE, dtype=BF16)
+    generator = _generator()
+    merge = dict(merge_in_kernel=True, **scales)
+
+    def run(n):
+        lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32, generator=generator)
+        tables = _block_tables(n, 64, num_blocks)
+        decode_attention.paged_decode_attention(
+            q[:n], k_cache, v_cache, tables, lens, head_dim**-0.5, **merge
+        )
+        lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
+        tables = _block_tables(3, n, num_blocks)
+        decode_attention.paged_decode_attention(
+            q[:3], k_cache, v_cache, tables, lens, head_dim**-0.5, **merge
+        )
+
+    assert_one_variant(decode_attention, ["_paged_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_rotary_kv_write_one_variant(kv_cache_dtype):
+    num_q_heads, num_kv_heads, head_dim, block_size, max_position = 32, 8, 64, 16, 8192
+    longest = max(SWEEP)
+    qkv = torch.randn(longest, (num_q_heads + 2 * num_kv_heads) * head_dim, device=DEVICE,
+                      dtype=BF16)  # fmt: skip
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=-1)  # fmt: skip
+    q = q.view(-1, num_q_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    v = v.view(-1, num_kv_heads, head_dim)
+    cos = torch.rand(max_position, head_dim, device=DEVICE)
+    sin = torch.rand(max_position, head_dim, device=DEVICE)
+    positions = torch.randint(0, max_position, (longest,), device=DEVICE)
+    num_blocks = longest // block_size + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    scales = {}
+    cache_dtype = BF16
+    if kv_cache_dtype == "fp8":
+        cache_dtype = kv_cache.FP8_DTYPE
+        scales = {
+            "k_scale": torch.zeros(shape[:3], device=DEVICE),
+            "v_scale": torch.zeros(shape[:3], device=DEVICE),
+        }
+    k_cache = torch.zeros(shape, device=DEVICE, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE, generator=_generator())
+    slots[::7] = -1
+
+    def run(n):
+        rotary_kv.rotary_kv_write(
+            positions[:n], q[:n], k[:n], v[:n], cos, sin, k_cache, v_cache, slots[:n], **scales
+        )
+
+    assert_one_variant(rotary_kv, ["_rotary_kv_write_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_one_variant(silu_mul):
+    x = torch.randn(gemv.GEMV_MAX_ROWS, 2048, device=DEVICE, dtype=BF16)
+    weight = torch.randn(16384, 2048, device=DEVICE, dtype=BF16)
+    run = gemv.gemv_silu_and_mul if silu_mul else gemv.gemv
+    lengths = [1, 2, 3, 7, gemv.GEMV_MAX_ROWS]  # every row count the GEMV takes
+    assert_one_variant(gemv, ["_gemv_kernel"], lambda n: run(x[:n], weight), lengths)
+    residual = torch.randn_like(x)
+    norm_weight = torch.ones(2048, device=DEVICE, dtype=BF16)
+
+    def with_norm(n):
+        gemv.gemv_rms_norm(x[:n], residual[:n], norm_weight, 1e-5, weight, silu_mul)
+
+    assert_one_variant(gemv, ["_gemv_kernel"], with_norm, lengths)
+
+
+@pytest.mark.gpu
+def test_greedy_argmax_one_variant():
+    logits = torch.randn(4097, 128256, device=DEVICE, dtype=BF16)
+    lengths = [n for n in SWEEP if n <= 4097]
+    assert_one_variant(
+        argmax,
+        ["_chunk_argmax_kernel", "_rows_argmax_kernel"],
+        lambda n: argmax.greedy_argmax(logits[:n]),
+        lengths,
+    )
 
 
 @pytest.mark.gpu

@@ -23,14 +23,23 @@ import logging
 import torch
 
 from atom.forward_context import AttentionMetadata, forward_context
+from atom.fusions import Fusions
 from atom.graph_capture import capture_graph
 
 logger = logging.getLogger(__name__)
 
 
 class VerifyGraphs:
-    def __init__(self, model, slot, batch_sizes: list[int], rows_per_seq: int):
+    def __init__(
+        self,
+        model,
+        slot,
+        batch_sizes: list[int],
+        rows_per_seq: int,
+        fusions: Fusions | None = None,
+    ):
         self.model = model
+        self.fusions = fusions or Fusions()  # captured into the graphs
         self.slot = slot
         self.rows_per_seq = rows_per_seq
         self.batch_sizes = sorted(set(batch_sizes))
@@ -72,7 +81,7 @@ class VerifyGraphs:
         pool = None
         try:
             for size in reversed(self.batch_sizes):
-                with forward_context(self._metadata(size)):
+                with forward_context(self._metadata(size), self.fusions):
                     self._forward(size)  # warm-up (compiles the kernels)
                     torch.cuda.synchronize()
                     graph, logits = capture_graph(lambda size=size: self._forward(size), pool=pool)

@@ -1,0 +1,110 @@
+"""Which fused kernels the CUDA path uses (issue 17: batch-1 decode with fewer kernels).
+
+One switch per fusion, each an environment variable (``1`` on, ``0`` off) read once when a
+``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
+default of each: a fusion should be on by default only where the H200 ablation
+(``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
+wins; flip a default there. (Before the first H200 run: the three kernel-count cuts on, the
+GEMV fusions off.)
+
+    rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
+                                           fp8) in one kernel reading the fused QKV output
+                                           in place (atom/kernels/rotary_kv.py), instead of
+                                           a rotary kernel and a store kernel.
+    decode_merge    ATOM_FUSE_DECODE_MERGE paged decode attention that merges its context
+                                           splits in-kernel (the last split of a sequence and
+                                           kv head merges) and picks the number of splits it
+                                           uses from the context length on the device: no
+                                           merge kernel, one split for short contexts.
+    greedy_argmax   ATOM_FUSE_ARGMAX       greedy sampling through a two-stage Triton argmax
+                                           over the vocabulary (atom/kernels/argmax.py)
+                                           instead of torch's argmax.
+    gemv_silu       ATOM_FUSE_GEMV_SILU    at <= GEMV_MAX_ROWS tokens, the MLP's gate/up
+                                           projection as a Triton GEMV with SiLU * up in its
+                                           epilogue (atom/kernels/gemv.py) instead of cuBLAS
+                                           plus the SiLU kernel.
+    gemv_linear     ATOM_FUSE_GEMV_LINEAR  at <= GEMV_MAX_ROWS tokens, the other linear
+                                           layers without bias (q/k/v, o, down, the LM
+                                           head; every model's parallel_layers) as the
+                                           same Triton GEMV instead of cuBLAS (no split-K
+                                           reduce kernels).
+    norm_gemv       ATOM_FUSE_NORM_GEMV    at <= GEMV_MAX_ROWS tokens, a Llama layer's two
+                                           RMSNorms (with their residual adds) folded into
+                                           the GEMVs after them: q/k/v, and gate/up with
+                                           SiLU * up (atom/kernels/gemv.py gemv_rms_norm).
+
+The residual add was already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
+PreNormDecoderLayer); `norm_gemv` goes one step further and folds the norm into the next
+linear layer.
+
+Every fusion changes the CUDA path only; on CPU the engine runs the torch references as
+before. The ModelRunner puts its config's Fusions into the forward context (layers read it
+there) and hands ``greedy_argmax`` to its Sampler. A CUDA graph keeps the fusions it was
+captured with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+# field -> (environment variable, default). Flip a default here after the H200 ablation.
+DEFAULTS = {
+    "rope_kv_write": ("ATOM_FUSE_ROPE_KV", True),
+    "decode_merge": ("ATOM_FUSE_DECODE_MERGE", True),
+    "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
+    "gemv_silu": ("ATOM_FUSE_GEMV_SILU", False),
+    "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", False),
+    "norm_gemv": ("ATOM_FUSE_NORM_GEMV", False),
+}
+
+
+class FusionSettingError(ValueError):
+    """An ATOM_FUSE_* variable holds something other than 0 or 1."""
+
+
+@dataclass(frozen=True)
+class Fusions:
+    rope_kv_write: bool = DEFAULTS["rope_kv_write"][1]
+    decode_merge: bool = DEFAULTS["decode_merge"][1]
+    greedy_argmax: bool = DEFAULTS["greedy_argmax"][1]
+    gemv_silu: bool = DEFAULTS["gemv_silu"][1]
+    gemv_linear: bool = DEFAULTS["gemv_linear"][1]
+    norm_gemv: bool = DEFAULTS["norm_gemv"][1]
+
+    @classmethod
+    def from_env(cls) -> Fusions:
+        """The defaults, overridden by the ATOM_FUSE_* variables that are set."""
+        values = {}
+        for name, (variable, default) in DEFAULTS.items():
+            raw = os.environ.get(variable, "").strip().lower()
+            if raw in ("", "default"):
+                values[name] = default
+            elif raw in ("1", "true", "on"):
+                values[name] = True
+            elif raw in ("0", "false", "off"):
+                values[name] = False
+            else:
+                raise FusionSettingError(f"{variable}={raw!r}: use 1 (fusion on) or 0 (off)")
+        return cls(**values)
+
+    @classmethod
+    def none(cls) -> Fusions:
+        """Every fusion off: the kernels of the engine before issue 17 (the baseline)."""
+        return cls(**dict.fromkeys(DEFAULTS, False))
+
+    @classmethod
+    def only(cls, *names: str) -> Fusions:
+        """The named fusions on, every other off (the ablation's configurations)."""
+        unknown = set(names) - set(DEFAULTS)
+        if unknown:
+            raise FusionSettingError(f"unknown fusions {sorted(unknown)}; known: {list(DEFAULTS)}")
+        return cls(**{name: name in names for name in DEFAULTS})
+
+    def enabled(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+
+
+def names() -> list[str]:
+    return list(DEFAULTS)

@@ -1,0 +1,283 @@
+"""Small-batch linear layers as Triton GEMVs, optionally with SiLU * up in the epilogue.
+
+At batch 1 a decoder step's linear layers are matrix-vector products bound by reading the
+weight once. cuBLAS adds a split-K reduce kernel to some of them, and the MLP's SiLU-and-mul
+is a kernel of its own; these kernels read the weight in one pass and write the result
+(``gemv``), or read the gate and up rows of the fused gate/up weight together and write
+``silu(gate) * up`` directly (``gemv_silu_and_mul``): one launch instead of two or three.
+``gemv_rms_norm`` also folds the RMSNorm before the layer (and its residual add) into the
+GEMV's prologue: each program normalises the few input rows itself, so a decoder layer's
+two norms launch nothing of their own. Used only with their Fusions switches
+(atom/fusions.py) and at most GEMV_MAX_ROWS rows.
+
+Shapes and dtypes:
+    x        [num_rows, in_features], fp32/bf16/fp16, rows may be strided, unit-stride
+             columns; num_rows <= GEMV_MAX_ROWS.
+    weight   [out_features, in_features] (nn.Linear's layout), x's dtype, unit-stride
+             columns. For ``gemv_silu_and_mul`` out_features = 2 * intermediate: gate rows
+             then up rows (ColumnParallelLinear's [gate | up]).
+    out      [num_rows, out_features] (``gemv``) or [num_rows, intermediate], x's dtype.
+
+Numerics: fp32 accumulation (tensor-core dots, the rows padded to 16), rounded to x's dtype
+as F.linear's output; with SiLU the gate and up are rounded first, then silu in fp32 rounded,
+then the product rounded (atom/kernels/activation.py's order). The summation order differs
+from cuBLAS, so a last bit may differ.
+
+Kernel design: one program per BLOCK_N output features; it walks in_features in BLOCK_K
+chunks, loading the [BLOCK_K, BLOCK_N] weight tile(s) (contiguous along K) and the x rows,
+and accumulates with tl.dot.
+
+With the norm: x (+ residual) rounded to x's dtype, the sum of squares in fp32 (chunk by
+chunk: a different order than rms_norm's one reduction), normalised, rounded, times the norm
+weight, rounded: rms_norm's steps; program 0 writes x + residual.
+
+Runtime lengths (never constexpr, in do_not_specialize): num_rows. Geometry (constexpr):
+in/out features, tiles, whether the SiLU epilogue and the norm prologue run. Offsets are int64 (a 128K x 8K
+weight passes 2^31 elements).
+"""
+
+import torch
+
+from atom.kernels import dot_precision, use_triton
+from atom.kernels.rmsnorm import rms_norm_reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+GEMV_MAX_ROWS = 16  # the padded rows of one tl.dot: more rows would be a GEMM
+
+
+@triton.jit
+def _norm_input(
+    x_rows, residual_rows, offs_k, mask, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr
+):
+    """A [BLOCK_M, BLOCK_K] chunk of x, plus the residual rounded to x's dtype (rmsnorm.py)."""
+    x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_rows + offs_k[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    return x
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gemv_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_ptr,  # NORM and HAS_RESIDUAL: added to x before the norm
+    norm_weight_ptr,  # NORM: the RMSNorm weight [IN_FEATURES]
+    residual_out_ptr,  # NORM and HAS_RESIDUAL: x + residual, written by program 0
+    num_rows,
+    eps,
+    stride_x,
+    stride_weight,
+    stride_out,
+    stride_residual,
+    stride_residual_out,
+    IN_FEATURES: tl.constexpr,
+    OUT_FEATURES: tl.constexpr,  # of out: intermediate when SILU_MUL
+    SILU_MUL: tl.constexpr,  # weight rows [gate | up]; out = silu(gate) * up
+    NORM: tl.constexpr,  # x := rms_norm(x (+ residual)) * norm_weight first
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # GEMV_MAX_ROWS
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (no tf32 rounding)
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < num_rows
+    n_mask = offs_n < OUT_FEATURES
+    dtype = x_ptr.dtype.element_ty
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+    residual_rows = residual_ptr + offs_m.to(tl.int64)[:, None] * stride_residual
+    if NORM:
+        # Every program reads the few x rows whole (a few KB, from L2) for their RMS; the
+        # first one also writes x + residual, the residual stream of the next layer.
+        sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k_start in range(0, IN_FEATURES, BLOCK_K):
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (offs_k < IN_FEATURES)[None, :]
+            h = _norm_input(x_rows, residual_rows, offs_k, mask, dtype, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                if tl.program_id(0) == 0:
+                    out_rows = residual_out_ptr + offs_m.to(tl.int64)[:, None] * stride_residual_out
+                    tl.store(out_rows + offs_k[None, :], h, mask=mask)
+            h = h.to(tl.float32)
+            sum_squares += tl.sum(h * h, axis=1)
+        rstd = tl.rsqrt(sum_squares / IN_FEATURES + eps)
+    # [BLOCK_K, BLOCK_N] tiles of weight^T: column n is weight row n, contiguous along K.
+    gate_cols = weight_ptr + offs_n.to(tl.int64)[None, :] * stride_weight
+    up_cols = weight_ptr + (offs_n + OUT_FEATURES).to(tl.int64)[None, :] * stride_weight
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k_start in range(0, IN_FEATURES, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < IN_FEATURES
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        if NORM:  # as rmsnorm.py: normalised in fp32, rounded, times the weight, rounded
+            h = _norm_input(x_rows, residual_rows, offs_k, x_mask, dtype, HAS_RESIDUAL)
+            normed = (h.to(tl.float32) * rstd[:, None]).to(dtype)
+            norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
+            x = (norm_weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        gate = tl.load(gate_cols + offs_k[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(x, gate, acc, input_precision=INPUT_PRECISION)
+        if SILU_MUL:
+            up = tl.load(up_cols + offs_k[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, up, acc_up, input_precision=INPUT_PRECISION)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SILU_MUL:
+        # rounded as F.linear's outputs, then as activation.py's silu and product
+        gate = acc.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        tl.store(out_ptrs, (silu.to(tl.float32) * up).to(dtype), mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc.to(dtype), mask=out_mask)
+
+
+def gemv_config(out_features: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): geometry only."""
+    if not on_gpu:  # the interpreter pays per program: few, big ones
+        return min(128, max(16, triton.next_power_of_2(out_features))), 128, 4
+    return 16, 512, 4  # 16 KB of weight per tile and stage: enough bytes in flight
+
+
+def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv`` / ``gemv_silu_and_mul`` take these inputs (rows, dtypes, strides)."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    )
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    silu_mul: bool,
+    norm: tuple | None = None,  # (residual or None, norm weight, eps, residual_out or None)
+) -> None:
+    assert fits_gemv(x, weight), "x [rows <= GEMV_MAX_ROWS, K], weight [N, K], one dtype"
+    assert weight.shape[1] == x.shape[1]
+    out_features = out.shape[1]
+    block_n, block_k, num_warps = gemv_config(out_features, x.is_cuda)
+    residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, None)
+    if residual is None:  # never read
+        residual = residual_out = x
+    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+        x,
+        weight,
+        out,
+        residual,
+        norm_weight,
+        residual_out,
+        x.shape[0],
+        eps,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        residual.stride(0),
+        residual_out.stride(0),
+        IN_FEATURES=x.shape[1],
+        OUT_FEATURES=out_features,
+        SILU_MUL=silu_mul,
+        NORM=norm is not None,
+        HAS_RESIDUAL=norm is not None and norm[0] is not None,
+        BLOCK_M=GEMV_MAX_ROWS,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        INPUT_PRECISION=dot_precision(x.dtype),
+        num_warps=num_warps,
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for at most GEMV_MAX_ROWS rows (no bias).
+
+    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    """
+    if not use_triton(x):
+        return gemv_reference(x, weight)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, silu_mul=False)
+    return out
+
+
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x @ weight.T = [gate | up]`` for at most GEMV_MAX_ROWS rows.
+
+    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    """
+    if not use_triton(x):
+        return gemv_silu_and_mul_reference(x, weight)
+    assert weight.shape[0] % 2 == 0, "weight holds gate | up rows"
+    out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, silu_mul=True)
+    return out
+
+
+def gemv_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (with the residual add) and the linear layer after it, in one kernel.
+
+    Returns ``(gemv(h, weight), x + residual)`` (or ``gemv_silu_and_mul`` with
+    ``silu_mul``), h = ``rms_norm(x, norm_weight, eps, residual)``; without ``residual``
+    the second item is ``x`` itself, as ``PreNormDecoderLayer`` carries it. ``norm_weight``
+    [in_features] has x's dtype. Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1),
+    the reference otherwise.
+    """
+    if not use_triton(x):
+        return gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul)
+    hidden = x.shape[1]
+    assert norm_weight.shape == (hidden,) and norm_weight.dtype == x.dtype
+    assert norm_weight.is_contiguous()
+    residual_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.stride(1) == 1
+        residual_out = torch.empty_like(x)
+    features = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    out = torch.empty(x.shape[0], features, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, silu_mul, (residual, norm_weight, eps, residual_out))
+    return out, x if residual is None else residual_out
+
+
+def gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul=False):
+    """Pure-torch ``gemv_rms_norm``: ``rms_norm_reference`` then the linear layer."""
+    if residual is None:
+        h, residual = rms_norm_reference(x, norm_weight, eps), x
+    else:
+        h, residual = rms_norm_reference(x, norm_weight, eps, residual)
+    linear = gemv_silu_and_mul_reference if silu_mul else gemv_reference
+    return linear(h, weight), residual
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Pure-torch ``gemv``: F.linear."""
+    return torch.nn.functional.linear(x, weight)
+
+
+def gemv_silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Pure-torch ``gemv_silu_and_mul``: F.linear, then silu(gate) * up."""
+    gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
