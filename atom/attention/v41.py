@@ -50,6 +50,11 @@ from atom.kernels.v41_topk import (
     two_level_topk_reference,
 )
 
+# The Triton two-level top-k (atom/kernels/v41_topk.py) matches the references exactly but
+# measured slower on the H200 (`python -m atom.benchmarks.deepseek_v41_kernels`, 2026-12-01:
+# 218 us vs 59 us at 4K entries, 3.0 ms vs 0.09 ms at 64K): the references (no host sync,
+# CUDA-graph capturable) serve on CUDA until a kernel wins.
+TRITON_TOPK = False
 
 class V41Backend(V4Backend):
     """V4's buffers (rows, slot mapping, each row's state slot) under the name v41."""
@@ -210,10 +215,10 @@ class V41Attention(nn.Module):
         )  # fmt: skip
 
     def _choose(self, scores, visible, num_visible, published_candidates):
-        """(top-k entry ids, this layer's candidate blocks or None): Triton on CUDA, the
-        torch references on CPU. The candidate source chooses among all visible entries; a
+        """(top-k entry ids, this layer's candidate blocks or None): the torch references
+        (Triton on CUDA when TRITON_TOPK). The candidate source chooses among all visible entries; a
         later index source inside the published candidates."""
-        on_gpu = scores.is_cuda
+        on_gpu = scores.is_cuda and TRITON_TOPK
         candidates = None
         if self.is_candidate_source:
             choose_blocks = candidate_blocks if on_gpu else candidate_blocks_reference

@@ -12,7 +12,8 @@ Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
   is for image tokens: unused here); one shared expert; routed experts through
   atom/models/moe.py `routed_experts`.
 - Engram on `engram_layer_ids`: hashed n-gram rows, a gated add to every stream
-  (atom/kernels/v41_engram.py: Triton hashing and lookup on CUDA); its history is the sequence's state (the first layer's
+  (atom/kernels/v41_engram.py: Triton hashing on CUDA; the lookup is the torch reference, faster
+  than its Triton kernel on the H200); its history is the sequence's state (the first layer's
   `engram_tokens` state rows), read and written in `EngramHashes`.
 DSpark draft layers (`mtp.*`) and vision weights are skipped with one log line.
 """
@@ -75,6 +76,8 @@ def _latest(ids, layer_idx: int) -> int | None:
     earlier = [i for i in ids if i <= layer_idx]
     return max(earlier) if earlier else None
 
+
+TRITON_ENGRAM = False  # see Engram.forward
 
 class Compressor(nn.Module):
     def __init__(self, config, ratio: int):
@@ -220,7 +223,9 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
 
     def forward(self, streams, hash_ids):
-        lookup = engram if streams.is_cuda else engram_reference  # Triton on CUDA
+        # The Triton lookup measured slower on the H200 (10.5 ms vs 2.1 ms at 4K tokens,
+        # even at one token: docs/benchmarks.md): the reference until a kernel wins.
+        lookup = engram if streams.is_cuda and TRITON_ENGRAM else engram_reference
         return lookup(
             streams,
             hash_ids,
