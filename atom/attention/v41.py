@@ -56,6 +56,7 @@ from atom.kernels.v41_topk import (
 # CUDA-graph capturable) serve on CUDA until a kernel wins.
 TRITON_TOPK = False
 
+
 class V41Backend(V4Backend):
     """V4's buffers (rows, slot mapping, each row's state slot) under the name v41."""
 

@@ -79,6 +79,7 @@ def _latest(ids, layer_idx: int) -> int | None:
 
 TRITON_ENGRAM = False  # see Engram.forward
 
+
 class Compressor(nn.Module):
     def __init__(self, config, ratio: int):
         super().__init__()
