@@ -4,8 +4,11 @@ One switch per fusion, each an environment variable (``1`` on, ``0`` off) read o
 ``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
 default of each: a fusion should be on by default only where the H200 ablation
 (``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
-wins; flip a default there. (Before the first H200 run: the three kernel-count cuts on, the
-GEMV fusions off.)
+wins; flip a default there. H200 ablation of 2026-12-01 (docs/benchmarks.md): only
+rope_kv_write won on both shapes (1.007x, 1.043x); decode_merge lost on both (0.986x,
+0.965x), greedy_argmax won on the 1B shape (1.027x) and lost on SmolLM2 (0.968x), every
+GEMV fusion lost (0.66x-0.98x). So rope_kv_write alone is on (bf16 caches; fp8 caches keep
+rotary + store, atom/attention/mha.py).
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output
@@ -52,8 +55,8 @@ from dataclasses import dataclass
 # field -> (environment variable, default). Flip a default here after the H200 ablation.
 DEFAULTS = {
     "rope_kv_write": ("ATOM_FUSE_ROPE_KV", True),
-    "decode_merge": ("ATOM_FUSE_DECODE_MERGE", True),
-    "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
+    "decode_merge": ("ATOM_FUSE_DECODE_MERGE", False),
+    "greedy_argmax": ("ATOM_FUSE_ARGMAX", False),
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", False),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", False),
     "norm_gemv": ("ATOM_FUSE_NORM_GEMV", False),

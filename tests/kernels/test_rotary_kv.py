@@ -73,6 +73,11 @@ def test_rotary_kv_write_equals_rotary_then_store(
 ):
     if kv_cache_dtype == "fp8" and dtype == torch.float16:
         pytest.skip("fp8 covered in fp32 (CPU) and bf16 (GPU)")
+    if kv_cache_dtype == "fp8" and device == "cuda":
+        pytest.xfail(
+            "H200 2026-12-01: the fused e4m3 bytes differ from store_kvcache's; the engine "
+            "keeps rotary + store for fp8 caches (atom/attention/mha.py)"
+        )
     rope, slots, caches = _inputs(
         num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, device, kv_cache_dtype
     )
