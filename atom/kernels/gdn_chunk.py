@@ -33,6 +33,8 @@ the longest new run, `CHUNKED_MIN_TOKENS`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from atom.kernels import use_triton
@@ -49,8 +51,9 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 CHUNK = 64
 # The GDN backend's choice on CUDA: the chunked kernels from this longest new run of a
-# sequence (tokens) on, the sequential kernel below it (atom/benchmarks/gdn_prefill.py).
-CHUNKED_MIN_TOKENS = 256
+# sequence (tokens) on, the sequential kernel below it (atom/benchmarks/gdn_prefill.py);
+# ATOM_GDN_CHUNKED_MIN_TOKENS overrides it (a huge value: the sequential kernel always).
+CHUNKED_MIN_TOKENS = int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "256"))
 # Of every dot (fp32 operands): "ieee" is exact fp32 (fp32 inputs: greedy runs match the
 # reference); "tf32x3" about as exact on tensor cores (bf16 inputs, whose own rounding is
 # far coarser); "tf32" (10-bit mantissas) is what a GPU would do unasked.
