@@ -14,7 +14,8 @@ whether the sequence starts this step (`fresh`: its state is taken as zero, so a
 slot never leaks its previous owner's state). Math: atom/kernels/gdn_conv.py and
 atom/kernels/gdn_delta_rule.py; decode uses static shapes only (CUDA-graph capturable).
 Prefill on CUDA runs the chunked delta rule (atom/kernels/gdn_chunk.py) when a sequence's
-new run reaches `CHUNKED_MIN_TOKENS`, the sequential kernel otherwise; on CPU the reference.
+new run reaches `CHUNKED_MIN_TOKENS` (atom/kernels/gdn_chunk.py `use_chunked`), the
+sequential kernel otherwise; on CPU the reference.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from torch import nn
 from atom.attention.backend import PagedAttentionBackend
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
-from atom.kernels.gdn_chunk import CHUNKED_MIN_TOKENS, chunk_bounds, chunked_gated_delta_rule
+from atom.kernels import gdn_chunk
+from atom.kernels.gdn_chunk import chunk_bounds, chunked_gated_delta_rule
 from atom.kernels.gdn_conv import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_reference,
@@ -159,7 +161,8 @@ class GatedDeltaNetState(nn.Module):
         args = (q, k, v, g, beta, recurrent_state, meta.cu_seqlens_q, slots, fresh)
         if not on_gpu:
             return chunk_gated_delta_rule_reference(*args)
-        if meta.max_seqlen_q >= CHUNKED_MIN_TOKENS:  # long runs: the chunked kernels win
+        num_seqs = meta.cu_seqlens_q.shape[0] - 1
+        if gdn_chunk.use_chunked(meta.max_seqlen_q, num_seqs):  # where the chunked kernels win
             return chunked_gated_delta_rule(*args, bounds=meta.chunk_bounds)
         return chunk_gated_delta_rule(*args)  # short runs: the sequential (recurrent) kernel
 

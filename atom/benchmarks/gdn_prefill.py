@@ -12,7 +12,7 @@ One JSON line per measurement, on stdout (also run by atom/benchmarks/kernels.py
   and, where ``reference`` is set, ``chunk_gated_delta_rule_reference`` (torch, a loop over
   each sequence's chunks); ``speedup`` = sequential / chunked; the max abs output error of
   each kernel against the reference on the same bf16-rounded inputs (fp32). The crossover
-  length sets `CHUNKED_MIN_TOKENS` (the GDN backend's choice). ``conv_prefill_ms``: the
+  length and sequence count set `use_chunked` (the GDN backend's choice). ``conv_prefill_ms``: the
   layer's other prefill kernel (`causal_conv1d_prefill`, conv_dim 8192), for scale.
 - ``gdn_prefill_tile``: the chunked kernels at 4 x 8192 tokens for other state-pass tiles
   (block_v, num_warps) and dot precisions (ieee, tf32x3, tf32), with their errors.
@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from atom.kernels.gdn_chunk import CHUNKED_MIN_TOKENS, chunked_gated_delta_rule
+from atom.kernels.gdn_chunk import chunked_gated_delta_rule, use_chunked
 from atom.kernels.gdn_conv import causal_conv1d_prefill
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
 
@@ -117,7 +117,7 @@ def bench_case(num_seqs: int, length: int, with_reference: bool) -> None:
         chunked_ms=round(chunked, 3),
         conv_prefill_ms=round(conv, 3),
         speedup=round(sequential / chunked, 2),
-        chunked_default=length >= CHUNKED_MIN_TOKENS,
+        chunked_default=use_chunked(length, num_seqs),
         sequential_error=errors["sequential"],
         chunked_error=errors["chunked"],
     )

@@ -50,10 +50,22 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     tl = SimpleNamespace(constexpr=None)
 
 CHUNK = 64
-# The GDN backend's choice on CUDA: the chunked kernels from this longest new run of a
-# sequence (tokens) on, the sequential kernel below it (atom/benchmarks/gdn_prefill.py);
-# ATOM_GDN_CHUNKED_MIN_TOKENS overrides it (a huge value: the sequential kernel always).
-CHUNKED_MIN_TOKENS = int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "256"))
+# The GDN backend's choice on CUDA (`use_chunked`): the chunked kernels for a step of at most
+# CHUNKED_MAX_SEQS sequences whose longest new run reaches CHUNKED_MIN_TOKENS, the
+# sequential kernel otherwise. From `python -m atom.benchmarks.gdn_prefill` on the H200
+# (2026-12-01, Qwen3-Next shape, bf16): chunked / sequential speed-up 1.13x at 1 x 8192
+# tokens, 0.96x at 1 x 2048, 0.54x at 1 x 512, and 0.28x-0.43x for 4-64 sequences (the
+# sequential kernel's grid fills the GPU once there are several sequences).
+# ATOM_GDN_CHUNKED_MIN_TOKENS overrides the length (a huge value: never chunked).
+CHUNKED_MIN_TOKENS = int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "8192"))
+CHUNKED_MAX_SEQS = 1
+
+
+def use_chunked(max_seqlen: int, num_seqs: int) -> bool:
+    """Whether a CUDA prefill step takes the chunked kernels (see CHUNKED_MIN_TOKENS)."""
+    return max_seqlen >= CHUNKED_MIN_TOKENS and num_seqs <= CHUNKED_MAX_SEQS
+
+
 # Of every dot (fp32 operands): "ieee" is exact fp32 (fp32 inputs: greedy runs match the
 # reference); "tf32x3" about as exact on tensor cores (bf16 inputs, whose own rounding is
 # far coarser); "tf32" (10-bit mantissas) is what a GPU would do unasked.

@@ -191,14 +191,14 @@ def test_state_bytes_of_the_benchmark(qwen3_next_dirs):
 
 # bf16 on CUDA against HF fp32 on the same tokens: the agreement (fraction of generated
 # positions where bf16 chose HF's best token) and the worst regret ((best logit - logit of
-# the chosen token) / max|logit| there). The bounds are the worst H200 figures seen
-# (docs/benchmarks.md), and they are loose: this tiny random MoE (top-2 of 4 experts,
-# init 0.3) is chaotic in bf16, a rounding difference flips a routing choice and the next
-# logits move by O(max|logit|), and the figures moved between runs of the same build
-# (agreement 0.50-0.88, regret 0.05-1.56). The bound still catches broken kernels
-# (agreement near 0); the correctness checks on the GPU are the fp32 test below (HF's
-# exact tokens through the Triton kernels, graphs and chunked prefill) and the kernel tests.
-BF16_BOUNDS = (0.45, 1.6)  # (min agreement, max regret)
+# the chosen token) / max|logit| there). H200, 2026-12-01: 0.781 / 0.424, eager and graphs
+# alike. Earlier runs of the same test moved between 0.50 and 0.88 agreement and up to 1.56
+# regret, from run to run. That was a race in the conv kernels: they overwrote state rows
+# that other warps of the program were still reading. A barrier fixed it, and eager and
+# graphs now agree. Most positions agree exactly. A few flip to a clearly worse token,
+# because this tiny random MoE (top-2 of 4 experts, init 0.3) reroutes on a bf16 rounding.
+# The bounds are the measured figures with margin.
+BF16_BOUNDS = (0.70, 0.55)  # (min agreement, max regret)
 
 
 @pytest.mark.gpu
@@ -248,10 +248,16 @@ LONG = _prompts(2, [300, 70])
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_num_batched_tokens", [1024, 260], ids=["whole", "split"])
-def test_cuda_fp32_long_prefill_greedy_matches_hf(qwen3_next_dirs, max_num_batched_tokens):
-    """A 300-token prompt reaches the chunked delta-rule kernels (atom/kernels/gdn_chunk.py,
-    from CHUNKED_MIN_TOKENS on); split at 260 tokens, the rest continues from the chunked
-    kernels' state on the sequential kernel: HF's tokens either way (fp32, CUDA)."""
+def test_cuda_fp32_long_prefill_greedy_matches_hf(
+    qwen3_next_dirs, max_num_batched_tokens, monkeypatch
+):
+    """A 300-token prompt reaches the chunked delta-rule kernels (atom/kernels/gdn_chunk.py); split at 260 tokens, the rest continues from the chunked
+    kernels' state on the sequential kernel: HF's tokens either way (fp32, CUDA). The
+    thresholds are lowered so that this prompt takes the chunked kernels."""
+    import atom.kernels.gdn_chunk
+
+    monkeypatch.setattr(atom.kernels.gdn_chunk, "CHUNKED_MIN_TOKENS", 256)
+    monkeypatch.setattr(atom.kernels.gdn_chunk, "CHUNKED_MAX_SEQS", 2)
     path = qwen3_next_dirs["a"]
     llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=512,
                     max_num_batched_tokens=max_num_batched_tokens,
