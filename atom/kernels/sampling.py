@@ -28,9 +28,11 @@ Geometry (constexpr): BLOCK. Row counts come from the grid. Offsets are int64.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels import logprob_topk, use_triton
 
 try:
     import triton
@@ -44,6 +46,14 @@ except ImportError:  # no Triton: keep the module importable for the references
 PROMPT_FLAG = 1 << 30  # in counts: the token occurs in the prompt
 COUNT_MASK = PROMPT_FLAG - 1
 BLOCK = 4096
+# How logprob_candidates finds the top k on the device (see its docstring); "rounds" until
+# the H200 comparison (python -m atom.benchmarks.sampler --breakdown) picks another.
+CANDIDATE_METHODS = ("rounds", "filtered", "torch")
+CANDIDATES = os.environ.get("ATOM_LOGPROB_CANDIDATES", "rounds")
+
+
+class CandidateMethodError(ValueError):
+    """An unknown logprob-candidates method (argument or ATOM_LOGPROB_CANDIDATES)."""
 
 
 @triton.jit(do_not_specialize=["vocab_size", "bias_width", "stop_width", "logits_stride"])
@@ -197,7 +207,8 @@ def _logprob_candidates_kernel(
     x = tl.load(logits_ptr + row * logits_stride + offs, mask=mask, other=float("-inf"))
     x = x.to(tl.float32)
     best = tl.max(x, 0)
-    total = tl.sum(tl.where(mask, tl.exp(x - best), 0.0), 0)
+    # finite lanes only: a block of -inf logits has sum 0 (not exp(nan))
+    total = tl.sum(tl.where(x > float("-inf"), tl.exp(x - best), 0.0), 0)
     slot = i * num_blocks + block
     tl.store(block_max_ptr + slot, best)
     tl.store(block_sum_ptr + slot, total)
@@ -233,11 +244,32 @@ def _count_greater_kernel(
     tl.store(partial_ptr + i * num_blocks + block, count)
 
 
-def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
+def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, method: str | None = None):  # fmt: skip
     """Raw logits [S, V], rows [R] of them (int) -> (log-sum-exp [R] f32, top values [R, k]
-    f32 of the raw logits, top ids [R, k] int64), best first. One pass over the rows."""
+    f32 of the raw logits, top ids [R, k] int64), best first. One pass over the rows.
+
+    `method` (default: CANDIDATES, from ATOM_LOGPROB_CANDIDATES): "rounds" (this module's
+    kernel: k rounds of max per block), "filtered" (atom/kernels/logprob_topk.py: a
+    threshold from sub-block maxima, ties to the lower index; k above its capacity: the
+    rounds) or "torch" (logsumexp + torch.topk of the fp32 rows)."""
+    method = method or CANDIDATES
+    if method not in CANDIDATE_METHODS:
+        raise CandidateMethodError(
+            f"logprob candidates method {method!r} (ATOM_LOGPROB_CANDIDATES): "
+            f"use one of {', '.join(CANDIDATE_METHODS)}"
+        )
     if not use_triton(logits):
         return logprob_candidates_reference(logits, row_ids, k)
+    if method == "torch":
+        return logprob_candidates_reference(logits, row_ids, k)
+    if method == "filtered" and k <= logprob_topk.CAPACITY:
+        return logprob_topk.logprob_candidates_filtered(logits, row_ids, k)
+    return merge_block_candidates(*block_candidates(logits, row_ids, k), k)
+
+
+def block_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
+    """`_logprob_candidates_kernel` alone: (block_max, block_sum [R, blocks] f32, top values
+    [R, blocks * k] f32, top ids [R, blocks * k] int64; at least one column)."""
     vocab = logits.shape[1]
     rows = row_ids.shape[0]
     num_blocks = triton.cdiv(vocab, BLOCK)
@@ -253,9 +285,13 @@ def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
             logits, logits.stride(0), row_ids, block_max, block_sum, top_values, top_ids,
             vocab, num_blocks, k, BLOCK=BLOCK,
         )  # fmt: skip
-    best = block_max.max(dim=1, keepdim=True).values
-    lse = (best + (block_sum * (block_max - best).exp()).sum(1, keepdim=True).log()).squeeze(1)
-    values, order = top_values[:, : num_blocks * k].topk(k, dim=1)
+    return block_max, block_sum, top_values, top_ids
+
+
+def merge_block_candidates(block_max, block_sum, top_values, top_ids, k: int):
+    """The [R, blocks] statistics and candidates of `block_candidates` -> its outputs."""
+    lse = logprob_topk.log_sum_exp(block_max, block_sum)
+    values, order = top_values[:, : block_max.shape[1] * k].topk(k, dim=1)
     return lse, values, top_ids.gather(1, order)
 
 

@@ -23,6 +23,7 @@ from atom.kernels import (
     gdn_delta_rule,
     gemv,
     kv_cache,
+    logprob_topk,
     mla,
     moe,
     page_table,
@@ -258,6 +259,10 @@ KERNELS = {
         [],
     ),
     (sampling, "_count_greater_kernel"): (["vocab_size", "logits_stride", "num_blocks"], []),
+    (logprob_topk, "_logprob_candidates_filtered_kernel"): (
+        ["vocab_size", "logits_stride", "num_blocks", "k"],
+        [],
+    ),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -277,6 +282,7 @@ DEVICE_FUNCTIONS = {
     (v41_quant, "_e2m1"),
     (v41_topk, "_order_keys"),
     (v41_topk, "_tile_keys"),
+    (logprob_topk, "_order_key"),
 }
 
 
@@ -968,3 +974,17 @@ def test_sampling_kernels_one_variant(greedy):
         ["_sampling_options_kernel", "_logprob_candidates_kernel", "_count_greater_kernel"],
         run,
     )
+
+
+@pytest.mark.gpu
+def test_filtered_logprob_candidates_one_variant():
+    """Batch, vocabulary and k swept through the threshold-filtered candidates kernel."""
+    generator = _generator()
+
+    def run(n):
+        rows, vocab, k = 1 + n % 64, 1000 + n % 7000, n % 21
+        logits = torch.randn(rows, vocab, device=DEVICE, dtype=BF16, generator=generator)
+        ids = torch.arange(rows, device=DEVICE)
+        sampling.logprob_candidates(logits, ids, k, method="filtered")
+
+    assert_one_variant(logprob_topk, ["_logprob_candidates_filtered_kernel"], run)

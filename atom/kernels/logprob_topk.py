@@ -1,0 +1,172 @@
+"""Top-k log-probability candidates by threshold filtering (an alternative to the k rounds
+of `_logprob_candidates_kernel` in atom/kernels/sampling.py; chosen there by a switch).
+
+One program per (row, block of BLOCK logits), as the rounds kernel, but instead of k rounds
+of (max, first index, mask) over the whole block:
+
+1. the block's max and sum of exponentials (log-softmax statistics), and the max of each
+   sub-block of SUB_BLOCK logits;
+2. a threshold t: the k-th largest distinct sub-block max. k different sub-blocks hold a
+   value >= t, so the block's top k (and every value tied with its k-th) are >= t;
+3. the logits >= t (typically ~k + a few: 28 on average for k = 20 over random bf16
+   logits) written, in index order, as sortable int64 keys into CAPACITY slots of the
+   block; unused slots get the smallest key. A block with more than CAPACITY candidates,
+   or with fewer than k finite logits (t = -inf), falls back to the k rounds for itself.
+
+The merge is one `torch.topk` over the [R, blocks * CAPACITY] keys: a key is the
+order-preserving integer of the value in its high 32 bits and (2^32 - 1 - index) in its
+low 32 bits, so keys are distinct and the largest k are the top k values with ties to the
+lower index - the same ids as a stable descending sort of the row (NaN logits excluded;
+-0.0 counts as +0.0; in a row with fewer than k finite logits the ids of its -inf entries
+are unspecified, as in the rounds kernel).
+
+Runtime lengths (do_not_specialize): vocab_size, logits_stride, num_blocks, k.
+Geometry (constexpr): BLOCK, SUB_BLOCK, CAPACITY. Offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: keep the module importable for the references
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f), cdiv=None)
+    tl = SimpleNamespace(constexpr=None)
+
+BLOCK = 4096
+SUB_BLOCK = 32  # 128 sub-blocks per block: the threshold sits close to the k-th value
+CAPACITY = 64  # candidate slots per block (k <= CAPACITY; more candidates: the rounds)
+
+
+@triton.jit
+def _order_key(value, index):
+    """int64 keys ordered as (value, -index): value's bits made monotone (negative floats
+    flip their magnitude bits) in the high half, 2^32 - 1 - index in the low half."""
+    value = tl.where(value == 0.0, 0.0, value)  # -0.0 ties with +0.0
+    bits = value.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    return ((ordered + 1) << 32) - 1 - index
+
+
+@triton.jit(do_not_specialize=["vocab_size", "logits_stride", "num_blocks", "k"])
+def _logprob_candidates_filtered_kernel(
+    logits_ptr,
+    logits_stride,
+    row_ids_ptr,
+    block_max_ptr,
+    block_sum_ptr,
+    keys_ptr,
+    vocab_size,
+    num_blocks,
+    k,
+    BLOCK: tl.constexpr,
+    SUB_BLOCK: tl.constexpr,
+    CAPACITY: tl.constexpr,
+):
+    """logits [S, V] (any float dtype, unit stride in V), row_ids [R] -> block_max,
+    block_sum [R, num_blocks] f32, keys [R, num_blocks, CAPACITY] int64. Grid (R, blocks)."""
+    i = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    row = tl.load(row_ids_ptr + i).to(tl.int64)
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < vocab_size
+    x = tl.load(logits_ptr + row * logits_stride + offs, mask=mask, other=float("-inf"))
+    x = x.to(tl.float32)
+    best = tl.max(x, 0)
+    # finite lanes only: a block of -inf logits has sum 0 (not exp(nan))
+    total = tl.sum(tl.where(x > float("-inf"), tl.exp(x - best), 0.0), 0)
+    slot = i * num_blocks + block
+    tl.store(block_max_ptr + slot, best)
+    tl.store(block_sum_ptr + slot, total)
+    if k > 0:
+        out = keys_ptr + slot * CAPACITY
+        lanes = tl.arange(0, CAPACITY)
+        smallest = tl.full([CAPACITY], -1, tl.int64) << 63
+        sub_max = tl.max(tl.reshape(x, (BLOCK // SUB_BLOCK, SUB_BLOCK)), 1)
+        threshold = best
+        for _ in range(k):  # the k-th largest distinct sub-block max
+            threshold = tl.max(sub_max, 0)
+            sub_max = tl.where(sub_max == threshold, float("-inf"), sub_max)
+        keep = (x >= threshold) & mask
+        count = tl.sum(keep.to(tl.int32), 0)
+        if (threshold > float("-inf")) & (count <= CAPACITY):
+            position = tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(out + position, _order_key(x, offs), mask=keep)
+            tl.store(out + lanes, smallest, mask=lanes >= count)
+        else:  # many ties or few finite logits: k rounds, as _logprob_candidates_kernel
+            for j in range(k):
+                value = tl.max(x, 0)
+                index = tl.min(tl.where((x == value) & mask, offs, vocab_size), 0)
+                index = tl.minimum(index, vocab_size - 1)
+                tl.store(out + j, _order_key(value, index))
+                x = tl.where(offs == index, float("-inf"), x)
+            tl.store(out + lanes, smallest, mask=lanes >= k)
+
+
+def filtered_block_candidates(
+    logits: torch.Tensor,
+    row_ids: torch.Tensor,
+    k: int,
+    sub_block: int = SUB_BLOCK,
+    capacity: int = CAPACITY,
+):
+    """The kernel alone: (block_max, block_sum [R, blocks] f32, keys [R, blocks * capacity]
+    int64). Needs Triton (CUDA or TRITON_INTERPRET=1) and k <= capacity."""
+    if k > capacity:
+        raise ValueError(f"filtered logprob candidates: k = {k} > capacity {capacity} slots")
+    vocab = logits.shape[1]
+    rows = row_ids.shape[0]
+    num_blocks = triton.cdiv(vocab, BLOCK)
+    device = logits.device
+    block_max = torch.empty(rows, num_blocks, dtype=torch.float32, device=device)
+    block_sum = torch.empty_like(block_max)
+    keys = torch.empty(rows, num_blocks * capacity, dtype=torch.int64, device=device)
+    if rows:
+        _logprob_candidates_filtered_kernel[(rows, num_blocks)](
+            logits, logits.stride(0), row_ids, block_max, block_sum, keys,
+            vocab, num_blocks, k, BLOCK=BLOCK, SUB_BLOCK=sub_block, CAPACITY=capacity,
+        )  # fmt: skip
+    return block_max, block_sum, keys
+
+
+def merge_keys(keys: torch.Tensor, k: int):
+    """keys [R, N] int64 -> (top values [R, k] f32, top ids [R, k] int64), best first."""
+    top = keys.topk(k, dim=1).values
+    high = (top >> 32).to(torch.int32)
+    values = torch.where(high < 0, high ^ 0x7FFFFFFF, high).view(torch.float32)
+    return values, 0xFFFFFFFF - (top & 0xFFFFFFFF)
+
+
+def log_sum_exp(block_max: torch.Tensor, block_sum: torch.Tensor) -> torch.Tensor:
+    """[R] from each block's max and sum of exp(x - max)."""
+    best = block_max.max(dim=1, keepdim=True).values
+    return (best + (block_sum * (block_max - best).exp()).sum(1, keepdim=True).log()).squeeze(1)
+
+
+def logprob_candidates_filtered(
+    logits: torch.Tensor,
+    row_ids: torch.Tensor,
+    k: int,
+    sub_block: int = SUB_BLOCK,
+    capacity: int = CAPACITY,
+):
+    """Raw logits [S, V], rows [R] -> (log-sum-exp [R] f32, top values [R, k] f32, top ids
+    [R, k] int64), best first, ties to the lower index."""
+    if not use_triton(logits):
+        return topk_lower_index_reference(logits, row_ids, k)
+    block_max, block_sum, keys = filtered_block_candidates(logits, row_ids, k, sub_block, capacity)
+    values, ids = merge_keys(keys, k)
+    return log_sum_exp(block_max, block_sum), values, ids
+
+
+def topk_lower_index_reference(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
+    """The same outputs from a stable descending sort of the fp32 rows (ties: lower index)."""
+    raw = logits[row_ids.long()].float()
+    values, ids = raw.sort(dim=1, descending=True, stable=True)
+    return raw.logsumexp(dim=1), values[:, :k], ids[:, :k]
