@@ -2,6 +2,7 @@
 
     python -m atom.benchmarks.sampler            # H200: batch 256, Llama-3.2-1B shape
     python -m atom.benchmarks.sampler --device cpu --vocab 4096 --skip-engine   # smoke run
+    python -m atom.benchmarks.sampler --skip-engine --breakdown   # where the time goes
 
 1. `sampler` (device time, CUDA events; wall time on CPU): the step's sampling on random
    bf16 logits [batch, vocab], plain greedy argmax vs the SamplingPlan with presence,
@@ -13,6 +14,9 @@
 2. `engine` (CUDA): the same workload end to end, random Llama-3.2-1B-shape weights,
    --batch prompts decoding --decode-len tokens, plain greedy vs the options; decode
    milliseconds per step of each (a prefill-only run subtracted).
+
+3. `--breakdown`: each piece of `plan.sample` alone and the logprob top-k alternatives
+   (rounds, filtered, torch.topk) checked against a stable sort: see sampler_breakdown.py.
 
 The figure the issue asks for: `extra_ms / decode_ms_per_step` < 10%.
 """
@@ -144,6 +148,10 @@ def sampler_cost(args, device: torch.device) -> dict:
         host_plan_one_row_changed_ms=round(one_row_ms, 3),
     )
     emit(record)
+    if args.breakdown:
+        from atom.benchmarks.sampler_breakdown import run_breakdown
+
+        run_breakdown(plan, sampler, logits, greedy, timed, emit, device, args.iters)
     return record
 
 
@@ -204,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="each piece of plan.sample and the top-k alternatives (atom/benchmarks/sampler_breakdown.py)",
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     micro = sampler_cost(args, device)

@@ -95,3 +95,23 @@ def test_filtered_candidates_on_cuda_bf16():
     for k in (0, 1, 5, 20):
         _check(logits, rows, k)
     _check(logits, rows, 20, sub_block=64, capacity=64)
+
+
+def test_sampler_breakdown_smoke(capsys):
+    """`python -m atom.benchmarks.sampler --breakdown` at a toy shape (kernels interpreted):
+    every piece measured, the filtered candidates exact against the stable sort."""
+    import json
+
+    from atom.benchmarks import sampler
+
+    argv = "--device cpu --vocab 4200 --batch 2 --iters 1 --prompt-len 8 --output-len 2"
+    assert sampler.main([*argv.split(), "--skip-engine", "--breakdown"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    pieces = {r["piece"] for r in lines if r["case"] == "breakdown"}
+    assert {"options_greedy", "candidates_rounds_kernel", "filtered_kernel", "count_greater"} <= pieces  # fmt: skip
+    candidates = {r["method"]: r for r in lines if r["case"] == "candidates"}
+    assert candidates["filtered_32x64"]["ids_exact"] and candidates["rounds"]["values_equal"]
+    summary = lines[-1]
+    assert summary["case"] == "breakdown_summary" and set(summary["plan_sample_ms"]) == set(
+        sampling.CANDIDATE_METHODS
+    )

@@ -1,0 +1,157 @@
+"""`python -m atom.benchmarks.sampler --breakdown`: where the SamplingPlan's device time goes.
+
+On the inputs of the `sampler` case (the same plan, logits and SamplingState), one JSON line
+per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
+
+- `case: breakdown`, `piece`: each part of `SamplingPlan.sample` alone - `options_greedy`
+  (the fused options + argmax kernel the all-greedy step runs), `options_write` (the same
+  kernel writing the processed logits: steps that sample), `candidates_rounds_kernel`
+  (today's per-block k rounds of max), `candidates_rounds_merge` (log-sum-exp + topk of its
+  [R, blocks * k] candidates), `stats_only_kernel` (the same kernel with k = 0: log-softmax
+  statistics alone), `lse_merge`, `count_greater`, `chosen_gather`, `state_update`
+  (`count_sampled`), `filtered_kernel` / `filtered_merge` (atom/kernels/logprob_topk.py).
+- `case: candidates`, `method`: the top-k alternatives side by side, each checked against a
+  stable descending sort of the fp32 rows: `values_equal`, `ids_exact` (ties to the lower
+  index), `ids_valid` (each id's logit is its value, ids distinct per row), `lse_max_diff`.
+  Methods: `rounds` (default), `filtered` at a few geometries, `torch` (logsumexp + topk
+  of the fp32 rows), `torch_topk_only`.
+- `case: filtered_stats`: candidates per block of the filtered kernel's threshold, and the
+  fraction of blocks that fall back to the rounds (more than CAPACITY, or t = -inf).
+- `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it.
+- `case: breakdown_summary`: the fastest exact / valid method, plan.sample per method.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels import logprob_topk, sampling, use_triton
+
+GEOMETRIES = ((32, 64), (64, 64), (16, 64))  # (sub_block, capacity) of the filtered kernel
+
+
+def _check(got, want, logits, rows) -> dict:
+    lse, values, ids = got
+    want_lse, want_values, want_ids = want
+    raw = logits[rows.long()].float()
+    valid = torch.equal(raw.gather(1, ids), values) and all(
+        len(set(r)) == len(r) for r in ids.tolist()
+    )
+    return dict(
+        values_equal=torch.equal(values, want_values),
+        ids_exact=torch.equal(ids, want_ids),
+        ids_valid=valid,
+        lse_max_diff=float((lse - want_lse).abs().max()) if len(lse) else 0.0,
+    )
+
+
+def filtered_stats(logits, rows, k: int, sub_block: int, capacity: int) -> dict:
+    """What the filtered kernel's threshold leaves per block (torch, for the record)."""
+    raw = logits[rows.long()].float()
+    block = logprob_topk.BLOCK
+    num_blocks = -(-raw.shape[1] // block)
+    pad = num_blocks * block - raw.shape[1]
+    x = torch.nn.functional.pad(raw, (0, pad), value=float("-inf"))
+    x = x.view(len(rows), num_blocks, block)
+    sub = x.view(len(rows), num_blocks, block // sub_block, sub_block).amax(-1)
+    threshold = sub.amax(-1)
+    for _ in range(k):  # the k-th largest distinct sub-block max
+        threshold = sub.amax(-1)
+        sub = torch.where(sub == threshold.unsqueeze(-1), float("-inf"), sub)
+    count = ((x >= threshold.unsqueeze(-1)) & x.isfinite()).sum(-1).float()
+    fallback = (threshold == float("-inf")) | (count > capacity)
+    return dict(
+        case="filtered_stats",
+        sub_block=sub_block,
+        capacity=capacity,
+        k=k,
+        candidates_mean=round(float(count.mean()), 2),
+        candidates_max=int(count.max()),
+        fallback_fraction=round(float(fallback.float().mean()), 5),
+    )
+
+
+def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int) -> dict:
+    """The JSON lines above for `plan` (a reused decode plan, rows already built)."""
+
+    def ms(fn) -> float:
+        return round(timed(fn, device, iters), 4)
+
+    state = plan.state
+    tables = state.tables()
+    rows = plan.logprob_index
+    if rows is None:
+        rows = torch.arange(plan.num_rows, device=logits.device)
+    k = max(plan.logprob_k)
+    tokens, _ = plan.sample(sampler, logits, params)
+    kernels = use_triton(logits)  # the Triton pieces (CUDA, or TRITON_INTERPRET=1)
+    pieces = {}
+
+    def piece(name, fn):
+        pieces[name] = ms(fn)
+        emit(dict(case="breakdown", piece=name, ms=pieces[name]))
+
+    piece("options_greedy", lambda: sampling.greedy_with_sampling_options(logits, plan.state_rows, *tables))  # fmt: skip
+    piece("options_write", lambda: sampling.apply_sampling_options(logits, plan.state_rows, *tables))  # fmt: skip
+    if kernels:
+        blocks = sampling.block_candidates(logits, rows, k)
+        piece("candidates_rounds_kernel", lambda: sampling.block_candidates(logits, rows, k))
+        piece("candidates_rounds_merge", lambda: sampling.merge_block_candidates(*blocks, k))
+        piece("stats_only_kernel", lambda: sampling.block_candidates(logits, rows, 0))
+        piece("lse_merge", lambda: logprob_topk.log_sum_exp(blocks[0], blocks[1]))
+        filtered = logprob_topk.filtered_block_candidates(logits, rows, k)
+        piece("filtered_kernel", lambda: logprob_topk.filtered_block_candidates(logits, rows, k))
+        piece("filtered_merge", lambda: logprob_topk.merge_keys(filtered[2], k))
+    chosen = logits[rows, tokens].float()
+    piece("count_greater", lambda: sampling.count_greater(logits, rows, chosen))
+    piece("chosen_gather", lambda: logits[rows, tokens].float())
+    piece("state_update", lambda: state.count_sampled(plan.state_rows, tokens))
+
+    want = logprob_topk.topk_lower_index_reference(logits, rows, k)
+    methods = {"torch": lambda: sampling.logprob_candidates_reference(logits, rows, k)}
+    methods["torch_topk_only"] = lambda: logits[rows].float().topk(k, dim=1)
+    if kernels:
+        methods["rounds"] = lambda: sampling.logprob_candidates(logits, rows, k, method="rounds")
+        for sub_block, capacity in GEOMETRIES:
+            methods[f"filtered_{sub_block}x{capacity}"] = lambda s=sub_block, c=capacity: (
+                logprob_topk.logprob_candidates_filtered(logits, rows, k, sub_block=s, capacity=c)
+            )
+    results = {}
+    for name, fn in methods.items():
+        record = dict(case="candidates", method=name, k=k, ms=ms(fn))
+        got = fn()
+        if name == "torch_topk_only":
+            got = (want[0], got.values, got.indices)
+        record.update(_check(got, want, logits, rows))
+        results[name] = record
+        emit(record)
+    for sub_block, capacity in GEOMETRIES:
+        emit(filtered_stats(logits, rows, k, sub_block, capacity))
+
+    plan_ms = {}
+    default = sampling.CANDIDATES
+    try:
+        for method in sampling.CANDIDATE_METHODS:
+            sampling.CANDIDATES = method
+            plan_ms[method] = ms(lambda: plan.sample(sampler, logits, params))
+            emit(dict(case="plan_sample", method=method, ms=plan_ms[method]))
+    finally:
+        sampling.CANDIDATES = default
+
+    def fastest(flag):
+        ok = [r for r in results.values() if r[flag] and r["method"] != "torch_topk_only"]
+        return min(ok, key=lambda r: r["ms"])["method"] if ok else None
+
+    summary = dict(
+        case="breakdown_summary",
+        pieces_sum_ms=round(sum(v for n, v in pieces.items() if n not in _NOT_IN_PLAN), 4),
+        plan_sample_ms=plan_ms,
+        fastest_exact_method=fastest("ids_exact"),
+        fastest_valid_method=fastest("ids_valid"),
+    )
+    emit(summary)
+    return summary
+
+
+# Pieces measured beside, not part of, the default greedy plan.sample.
+_NOT_IN_PLAN = {"options_write", "stats_only_kernel", "lse_merge", "filtered_kernel", "filtered_merge"}  # fmt: skip
