@@ -9,12 +9,14 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
   (today's per-block k rounds of max), `candidates_rounds_merge` (log-sum-exp + topk of its
   [R, blocks * k] candidates), `stats_only_kernel` (the same kernel with k = 0: log-softmax
   statistics alone), `lse_merge`, `count_greater`, `chosen_gather`, `state_update`
-  (`count_sampled`), `filtered_kernel` / `filtered_merge` (atom/kernels/logprob_topk.py).
+  (`count_sampled`), `filtered_kernel` (atom/kernels/logprob_topk.py) and its merges:
+  `filtered_merge_triton` (one kernel: lse + top k) against `filtered_merge_torch` +
+  `filtered_lse_torch` (torch.topk of the keys, the log-sum-exp in torch ops).
 - `case: candidates`, `method`: the top-k alternatives side by side, each checked against a
   stable descending sort of the fp32 rows: `values_equal`, `ids_exact` (ties to the lower
   index), `ids_valid` (each id's logit is its value, ids distinct per row), `lse_max_diff`.
-  Methods: `rounds` (default), `filtered` at a few geometries, `torch` (logsumexp + topk
-  of the fp32 rows), `torch_topk_only`.
+  Methods: `rounds` (default), `filtered_{sub_block}x{capacity}_{triton|torch}_merge` at
+  three geometries, `torch` (logsumexp + topk of the fp32 rows), `torch_topk_only`.
 - `case: filtered_stats`: candidates per block of the filtered kernel's threshold, and the
   fraction of blocks that fall back to the rounds (more than CAPACITY, or t = -inf).
 - `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it.
@@ -22,6 +24,8 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -101,7 +105,9 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         piece("lse_merge", lambda: logprob_topk.log_sum_exp(blocks[0], blocks[1]))
         filtered = logprob_topk.filtered_block_candidates(logits, rows, k)
         piece("filtered_kernel", lambda: logprob_topk.filtered_block_candidates(logits, rows, k))
-        piece("filtered_merge", lambda: logprob_topk.merge_keys(filtered[2], k))
+        piece("filtered_merge_torch", lambda: logprob_topk.merge_keys(filtered[2], k))
+        piece("filtered_lse_torch", lambda: logprob_topk.log_sum_exp(filtered[0], filtered[1]))
+        piece("filtered_merge_triton", lambda: logprob_topk.merge_keys_triton(*filtered, k))
     chosen = logits[rows, tokens].float()
     piece("count_greater", lambda: sampling.count_greater(logits, rows, chosen))
     piece("chosen_gather", lambda: logits[rows, tokens].float())
@@ -113,9 +119,11 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     if kernels:
         methods["rounds"] = lambda: sampling.logprob_candidates(logits, rows, k, method="rounds")
         for sub_block, capacity in GEOMETRIES:
-            methods[f"filtered_{sub_block}x{capacity}"] = lambda s=sub_block, c=capacity: (
-                logprob_topk.logprob_candidates_filtered(logits, rows, k, sub_block=s, capacity=c)
-            )
+            for merge in ("triton", "torch"):
+                methods[f"filtered_{sub_block}x{capacity}_{merge}_merge"] = partial(
+                    logprob_topk.logprob_candidates_filtered,
+                    logits, rows, k, sub_block=sub_block, capacity=capacity, merge=merge,
+                )  # fmt: skip
     results = {}
     for name, fn in methods.items():
         record = dict(case="candidates", method=name, k=k, ms=ms(fn))
@@ -154,4 +162,12 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
 
 
 # Pieces measured beside, not part of, the default greedy plan.sample.
-_NOT_IN_PLAN = {"options_write", "stats_only_kernel", "lse_merge", "filtered_kernel", "filtered_merge"}  # fmt: skip
+_NOT_IN_PLAN = {
+    "options_write",
+    "stats_only_kernel",
+    "lse_merge",
+    "filtered_kernel",
+    "filtered_merge_torch",
+    "filtered_lse_torch",
+    "filtered_merge_triton",
+}

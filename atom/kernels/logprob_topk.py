@@ -16,9 +16,8 @@ of (max, first index, mask) over the whole block:
 The merge is one `torch.topk` over the [R, blocks * CAPACITY] keys: a key is the
 order-preserving integer of the value in its high 32 bits and (2^32 - 1 - index) in its
 low 32 bits, so keys are distinct and the largest k are the top k values with ties to the
-lower index - the same ids as a stable descending sort of the row (NaN logits excluded;
--0.0 counts as +0.0; in a row with fewer than k finite logits the ids of its -inf entries
-are unspecified, as in the rounds kernel).
+lower index - the same ids as a stable descending sort of the row, -inf entries included
+(NaN logits excluded; -0.0 counts as +0.0; k <= vocabulary size).
 
 Runtime lengths (do_not_specialize): vocab_size, logits_stride, num_blocks, k.
 Geometry (constexpr): BLOCK, SUB_BLOCK, CAPACITY. Offsets are int64.
@@ -99,14 +98,67 @@ def _logprob_candidates_filtered_kernel(
             position = tl.cumsum(keep.to(tl.int32), 0) - 1
             tl.store(out + position, _order_key(x, offs), mask=keep)
             tl.store(out + lanes, smallest, mask=lanes >= count)
-        else:  # many ties or few finite logits: k rounds, as _logprob_candidates_kernel
+        else:  # many ties or few finite logits: k rounds, as _logprob_candidates_kernel,
+            # with the winners kept apart (a -inf winner must not win again)
+            taken = offs < 0
             for j in range(k):
-                value = tl.max(x, 0)
-                index = tl.min(tl.where((x == value) & mask, offs, vocab_size), 0)
-                index = tl.minimum(index, vocab_size - 1)
-                tl.store(out + j, _order_key(value, index))
-                x = tl.where(offs == index, float("-inf"), x)
+                value = tl.max(tl.where(taken, float("-inf"), x), 0)
+                index = tl.min(tl.where((x == value) & mask & ~taken, offs, vocab_size), 0)
+                key = _order_key(value, index)
+                # fewer than k lanes in the block: the smallest key for the rest
+                tl.store(out + j, tl.where(index < vocab_size, key, tl.min(smallest, 0)))
+                taken = taken | (offs == index)
             tl.store(out + lanes, smallest, mask=lanes >= k)
+
+
+@triton.jit(do_not_specialize=["num_blocks", "width", "k"])
+def _merge_keys_kernel(
+    block_max_ptr,
+    block_sum_ptr,
+    keys_ptr,
+    lse_ptr,
+    values_ptr,
+    ids_ptr,
+    num_blocks,
+    width,
+    k,
+    CHUNK: tl.constexpr,
+):
+    """One program per row: block_max, block_sum [R, num_blocks] f32, keys [R, width] int64
+    (distinct) -> lse [R] f32, values [R, k] f32, ids [R, k] int64. Round j takes the largest
+    key below round j - 1's: nothing is written back, no key is taken twice."""
+    i = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, CHUNK)
+    acc = tl.full([CHUNK], float("-inf"), tl.float32)
+    for start in range(0, num_blocks, CHUNK):
+        index = start + lanes
+        m = tl.load(block_max_ptr + i * num_blocks + index, mask=index < num_blocks, other=float("-inf"))  # fmt: skip
+        acc = tl.maximum(acc, m)
+    best = tl.max(acc, 0)
+    total = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, num_blocks, CHUNK):
+        index = start + lanes
+        inside = index < num_blocks
+        m = tl.load(block_max_ptr + i * num_blocks + index, mask=inside, other=float("-inf"))
+        block_sum = tl.load(block_sum_ptr + i * num_blocks + index, mask=inside, other=0.0)
+        total += tl.where(m > float("-inf"), block_sum * tl.exp(m - best), 0.0)
+    tl.store(lse_ptr + i, best + tl.log(tl.sum(total, 0)))
+    smallest = tl.full([CHUNK], -1, tl.int64) << 63
+    previous = tl.max(-(smallest + 1), 0)  # the largest int64
+    for j in range(k):
+        acc_key = smallest
+        for start in range(0, width, CHUNK):
+            index = start + lanes
+            key = tl.load(keys_ptr + i * width + index, mask=index < width, other=-1)
+            key = tl.where((index < width) & (key < previous), key, smallest)
+            acc_key = tl.maximum(acc_key, key)
+        previous = tl.max(acc_key, 0)
+        high = previous >> 32
+        token = ((high + 1) << 32) - 1 - previous
+        bits = high.to(tl.int32)
+        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        tl.store(values_ptr + i * k + j, bits.to(tl.float32, bitcast=True))
+        tl.store(ids_ptr + i * k + j, token)
 
 
 def filtered_block_candidates(
@@ -143,6 +195,21 @@ def merge_keys(keys: torch.Tensor, k: int):
     return values, 0xFFFFFFFF - (top & 0xFFFFFFFF)
 
 
+def merge_keys_triton(block_max, block_sum, keys, k: int, chunk: int = 1024):
+    """`_merge_keys_kernel`: (lse [R], values [R, k], ids [R, k]) in one launch."""
+    rows = keys.shape[0]
+    lse = torch.empty(rows, dtype=torch.float32, device=keys.device)
+    # at least one column: Triton refuses the null pointer of an empty CUDA tensor (k = 0)
+    values = torch.empty(rows, max(k, 1), dtype=torch.float32, device=keys.device)
+    ids = torch.empty(rows, max(k, 1), dtype=torch.int64, device=keys.device)
+    if rows:
+        _merge_keys_kernel[(rows,)](
+            block_max, block_sum, keys, lse, values, ids,
+            block_max.shape[1], keys.shape[1], k, CHUNK=chunk,
+        )  # fmt: skip
+    return lse, values[:, :k], ids[:, :k]
+
+
 def log_sum_exp(block_max: torch.Tensor, block_sum: torch.Tensor) -> torch.Tensor:
     """[R] from each block's max and sum of exp(x - max)."""
     best = block_max.max(dim=1, keepdim=True).values
@@ -155,12 +222,16 @@ def logprob_candidates_filtered(
     k: int,
     sub_block: int = SUB_BLOCK,
     capacity: int = CAPACITY,
+    merge: str = "triton",
 ):
     """Raw logits [S, V], rows [R] -> (log-sum-exp [R] f32, top values [R, k] f32, top ids
-    [R, k] int64), best first, ties to the lower index."""
+    [R, k] int64), best first, ties to the lower index. `merge`: "triton" (one launch:
+    `_merge_keys_kernel`) or "torch" (torch.topk of the keys + a few elementwise ops)."""
     if not use_triton(logits):
         return topk_lower_index_reference(logits, row_ids, k)
     block_max, block_sum, keys = filtered_block_candidates(logits, row_ids, k, sub_block, capacity)
+    if merge == "triton":
+        return merge_keys_triton(block_max, block_sum, keys, k)
     values, ids = merge_keys(keys, k)
     return log_sum_exp(block_max, block_sum), values, ids
 

@@ -48,7 +48,7 @@ COUNT_MASK = PROMPT_FLAG - 1
 BLOCK = 4096
 # How logprob_candidates finds the top k on the device (see its docstring); "rounds" until
 # the H200 comparison (python -m atom.benchmarks.sampler --breakdown) picks another.
-CANDIDATE_METHODS = ("rounds", "filtered", "torch")
+CANDIDATE_METHODS = ("rounds", "filtered", "filtered_torch_merge", "torch")
 CANDIDATES = os.environ.get("ATOM_LOGPROB_CANDIDATES", "rounds")
 
 
@@ -250,8 +250,9 @@ def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, meth
 
     `method` (default: CANDIDATES, from ATOM_LOGPROB_CANDIDATES): "rounds" (this module's
     kernel: k rounds of max per block), "filtered" (atom/kernels/logprob_topk.py: a
-    threshold from sub-block maxima, ties to the lower index; k above its capacity: the
-    rounds) or "torch" (logsumexp + torch.topk of the fp32 rows)."""
+    threshold from sub-block maxima, ties to the lower index, merged by a second kernel;
+    k above its capacity: the rounds), "filtered_torch_merge" (the same candidates merged
+    by torch.topk) or "torch" (logsumexp + torch.topk of the fp32 rows)."""
     method = method or CANDIDATES
     if method not in CANDIDATE_METHODS:
         raise CandidateMethodError(
@@ -262,8 +263,9 @@ def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, meth
         return logprob_candidates_reference(logits, row_ids, k)
     if method == "torch":
         return logprob_candidates_reference(logits, row_ids, k)
-    if method == "filtered" and k <= logprob_topk.CAPACITY:
-        return logprob_topk.logprob_candidates_filtered(logits, row_ids, k)
+    if method.startswith("filtered") and k <= logprob_topk.CAPACITY:
+        merge = "torch" if method == "filtered_torch_merge" else "triton"
+        return logprob_topk.logprob_candidates_filtered(logits, row_ids, k, merge=merge)
     return merge_block_candidates(*block_candidates(logits, row_ids, k), k)
 
 

@@ -16,12 +16,16 @@ BLOCK = logprob_topk.BLOCK
 
 
 def _check(logits: torch.Tensor, rows: torch.Tensor, k: int, **geometry) -> None:
-    lse, values, ids = logprob_topk.logprob_candidates_filtered(logits, rows, k, **geometry)
+    """Both merges (the Triton kernel, torch.topk of the keys) equal the stable sort."""
     want_lse, want_values, want_ids = logprob_topk.topk_lower_index_reference(logits, rows, k)
-    torch.testing.assert_close(lse.cpu(), want_lse.cpu(), rtol=0, atol=1e-5)
-    assert values.shape == ids.shape == (len(rows), k)
-    assert torch.equal(values.cpu(), want_values.cpu())
-    assert ids.tolist() == want_ids.tolist()
+    for merge in ("triton", "torch"):
+        lse, values, ids = logprob_topk.logprob_candidates_filtered(
+            logits, rows, k, merge=merge, **geometry
+        )
+        torch.testing.assert_close(lse.cpu(), want_lse.cpu(), rtol=0, atol=1e-5)
+        assert values.shape == ids.shape == (len(rows), k)
+        assert torch.equal(values.cpu(), want_values.cpu()), merge
+        assert ids.tolist() == want_ids.tolist(), merge
 
 
 @pytest.mark.parametrize("k", [0, 1, 20])
@@ -48,22 +52,26 @@ def test_ties_go_to_the_lower_index_across_blocks_and_in_the_fallback():
 
 
 def test_rows_with_minus_infinity():
+    """Whole -inf blocks (the log-sum-exp of the rest), rows with fewer than k finite
+    logits (-inf entries, ids in index order as the stable sort), scattered -inf."""
     generator = torch.Generator().manual_seed(3)
     vocab = BLOCK + 300
     logits = torch.randn(3, vocab, generator=generator)
     logits[0, :BLOCK] = float("-inf")  # block 0: no finite logit (rounds, all -inf)
     logits[1, 10:] = float("-inf")  # 10 finite values: k = 20 needs -inf entries
     logits[2, ::3] = float("-inf")
-    lse, values, ids = logprob_topk.logprob_candidates_filtered(logits, torch.arange(3), 20)
     want_lse, want_values, want_ids = logprob_topk.topk_lower_index_reference(
         logits, torch.arange(3), 20
     )
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
-    assert torch.equal(values, want_values)
-    # The finite entries exactly; the ids of -inf entries are unspecified (documented).
     finite = want_values.isfinite()
-    assert ids[finite].tolist() == want_ids[finite].tolist()
     assert finite[1].sum() == 10 and finite[0].all() and finite[2].all()
+    for merge in ("triton", "torch"):
+        lse, values, ids = logprob_topk.logprob_candidates_filtered(
+            logits, torch.arange(3), 20, merge=merge
+        )
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+        assert torch.equal(values, want_values)
+        assert ids.tolist() == want_ids.tolist()  # the -inf entries too: lower ids first
 
 
 def test_small_vocabulary_below_k():
@@ -97,12 +105,14 @@ def test_filtered_candidates_on_cuda_bf16():
     _check(logits, rows, 20, sub_block=64, capacity=64)
 
 
-def test_sampler_breakdown_smoke(capsys):
+def test_sampler_breakdown_smoke(capsys, monkeypatch):
     """`python -m atom.benchmarks.sampler --breakdown` at a toy shape (kernels interpreted):
     every piece measured, the filtered candidates exact against the stable sort."""
     import json
 
-    from atom.benchmarks import sampler
+    from atom.benchmarks import sampler, sampler_breakdown
+
+    monkeypatch.setattr(sampler_breakdown, "GEOMETRIES", ((32, 64),))  # one: interpreted
 
     argv = "--device cpu --vocab 4200 --batch 2 --iters 1 --prompt-len 8 --output-len 2"
     assert sampler.main([*argv.split(), "--skip-engine", "--breakdown"]) == 0
@@ -110,7 +120,10 @@ def test_sampler_breakdown_smoke(capsys):
     pieces = {r["piece"] for r in lines if r["case"] == "breakdown"}
     assert {"options_greedy", "candidates_rounds_kernel", "filtered_kernel", "count_greater"} <= pieces  # fmt: skip
     candidates = {r["method"]: r for r in lines if r["case"] == "candidates"}
-    assert candidates["filtered_32x64"]["ids_exact"] and candidates["rounds"]["values_equal"]
+    assert (
+        candidates["filtered_32x64_triton_merge"]["ids_exact"]
+        and candidates["rounds"]["values_equal"]
+    )
     summary = lines[-1]
     assert summary["case"] == "breakdown_summary" and set(summary["plan_sample_ms"]) == set(
         sampling.CANDIDATE_METHODS

@@ -263,6 +263,7 @@ KERNELS = {
         ["vocab_size", "logits_stride", "num_blocks", "k"],
         [],
     ),
+    (logprob_topk, "_merge_keys_kernel"): (["num_blocks", "width", "k"], []),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -987,4 +988,6 @@ def test_filtered_logprob_candidates_one_variant():
         ids = torch.arange(rows, device=DEVICE)
         sampling.logprob_candidates(logits, ids, k, method="filtered")
 
-    assert_one_variant(logprob_topk, ["_logprob_candidates_filtered_kernel"], run)
+    assert_one_variant(
+        logprob_topk, ["_logprob_candidates_filtered_kernel", "_merge_keys_kernel"], run
+    )
