@@ -19,12 +19,19 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
   three geometries, `torch` (logsumexp + topk of the fp32 rows), `torch_topk_only`.
 - `case: filtered_stats`: candidates per block of the filtered kernel's threshold, and the
   fraction of blocks that fall back to the rounds (more than CAPACITY, or t = -inf).
-- `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it.
+- `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it:
+  `ms` (events around back-to-back calls), `host_enqueue_ms` (the host's time per call,
+  not waiting for the device), and on CUDA from torch.profiler `kernels_per_call`,
+  `device_us_per_call` and the `top_kernels` [name, per call, us per call].
+- last, on CUDA: `case: breakdown_graph` / `plan_sample_graph`: `graph_ms`, each piece and
+  plan.sample replayed from a CUDA graph (device time without the host's launches). If
+  `ms` is well above `graph_ms` / `device_us_per_call`, the host's launches dominate.
 - `case: breakdown_summary`: the fastest exact / valid method, plan.sample per method.
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -75,6 +82,62 @@ def filtered_stats(logits, rows, k: int, sub_block: int, capacity: int) -> dict:
     )
 
 
+def graph_ms(fn, timed, device, iters: int):
+    """Milliseconds per replay of a CUDA graph of one call of `fn`: its device time without
+    the host's launches (a string saying why when it cannot be captured; None on CPU)."""
+    if device.type != "cuda":
+        return None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return round(timed(graph.replay, device, iters), 4)
+    except Exception as error:  # noqa: BLE001 - reported, the run goes on
+        torch.cuda.synchronize()
+        return f"not capturable: {type(error).__name__}: {str(error)[:160]}"
+
+
+def device_profile(fn, calls: int = 10, top: int = 8) -> dict:
+    """Kernels per call, their device microseconds per call (torch.profiler), the top ones."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [
+        (event.name, 1, event.time_range.elapsed_us())
+        for event in prof.events()
+        if event.device_type == DeviceType.CUDA
+    ]
+    if not events:  # a profiler that lists device activity only in its averages
+        events = [
+            (entry.key, entry.count, entry.self_device_time_total)
+            for entry in prof.key_averages()
+            if entry.device_type == DeviceType.CUDA or entry.self_device_time_total > 0
+        ]
+    by_name: dict[str, list[float]] = {}
+    for name, count, us in events:
+        entry = by_name.setdefault(name, [0, 0.0])
+        entry[0] += count
+        entry[1] += us
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return dict(
+        kernels_per_call=round(sum(c for c, _ in by_name.values()) / calls, 1),
+        device_us_per_call=round(sum(us for _, us in by_name.values()) / calls, 1),
+        top_kernels=[[n[:80], round(c / calls, 1), round(us / calls, 1)] for n, (c, us) in ranked],
+    )
+
+
 def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int) -> dict:
     """The JSON lines above for `plan` (a reused decode plan, rows already built)."""
 
@@ -89,10 +152,10 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     k = max(plan.logprob_k)
     tokens, _ = plan.sample(sampler, logits, params)
     kernels = use_triton(logits)  # the Triton pieces (CUDA, or TRITON_INTERPRET=1)
-    pieces = {}
+    pieces, piece_fns = {}, {}
 
     def piece(name, fn):
-        pieces[name] = ms(fn)
+        pieces[name], piece_fns[name] = ms(fn), fn
         emit(dict(case="breakdown", piece=name, ms=pieces[name]))
 
     piece("options_greedy", lambda: sampling.greedy_with_sampling_options(logits, plan.state_rows, *tables))  # fmt: skip
@@ -136,13 +199,38 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     for sub_block, capacity in GEOMETRIES:
         emit(filtered_stats(logits, rows, k, sub_block, capacity))
 
-    plan_ms = {}
+    def sample():
+        return plan.sample(sampler, logits, params)
+
+    def host_enqueue_ms() -> float:  # the host's time per call, not waiting for the device
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(iters):
+            sample()
+        elapsed = time.perf_counter() - begin
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return round(elapsed * 1e3 / iters, 4)
+
+    plan_ms, plan_records = {}, {}
     default = sampling.CANDIDATES
     try:
         for method in sampling.CANDIDATE_METHODS:
             sampling.CANDIDATES = method
-            plan_ms[method] = ms(lambda: plan.sample(sampler, logits, params))
-            emit(dict(case="plan_sample", method=method, ms=plan_ms[method]))
+            record = dict(case="plan_sample", method=method, ms=ms(sample))
+            record["host_enqueue_ms"] = host_enqueue_ms()
+            if device.type == "cuda":
+                record.update(device_profile(sample))
+            plan_ms[method], plan_records[method] = record["ms"], record
+            emit(record)
+        # Last (a failed capture is the riskiest step): device time without launches.
+        for name, fn in piece_fns.items() if device.type == "cuda" else ():
+            emit(dict(case="breakdown_graph", piece=name, graph_ms=graph_ms(fn, timed, device, iters)))  # fmt: skip
+        for method in sampling.CANDIDATE_METHODS if device.type == "cuda" else ():
+            sampling.CANDIDATES = method
+            plan_records[method]["graph_ms"] = graph_ms(sample, timed, device, iters)
+            emit(dict(case="plan_sample_graph", method=method, graph_ms=plan_records[method]["graph_ms"]))  # fmt: skip
     finally:
         sampling.CANDIDATES = default
 
@@ -154,6 +242,9 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         case="breakdown_summary",
         pieces_sum_ms=round(sum(v for n, v in pieces.items() if n not in _NOT_IN_PLAN), 4),
         plan_sample_ms=plan_ms,
+        plan_sample_graph_ms={m: r.get("graph_ms") for m, r in plan_records.items()},
+        plan_sample_device_us={m: r.get("device_us_per_call") for m, r in plan_records.items()},
+        plan_sample_host_enqueue_ms={m: r["host_enqueue_ms"] for m, r in plan_records.items()},
         fastest_exact_method=fastest("ids_exact"),
         fastest_valid_method=fastest("ids_valid"),
     )
