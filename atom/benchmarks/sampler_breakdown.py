@@ -15,8 +15,9 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
 - `case: candidates`, `method`: the top-k alternatives side by side, each checked against a
   stable descending sort of the fp32 rows: `values_equal`, `ids_exact` (ties to the lower
   index), `ids_valid` (each id's logit is its value, ids distinct per row), `lse_max_diff`.
-  Methods: `rounds` (default), `filtered_{sub_block}x{capacity}_{triton|torch}_merge` at
-  three geometries, `torch` (logsumexp + topk of the fp32 rows), `torch_topk_only`.
+  Methods: `rounds` (default), `rounds_8_warps`, `filtered_{sub_block}x{capacity}_
+  {rounds|count}_threshold_{warps}_warps_{triton|torch}_merge` (GEOMETRIES; the first is
+  logprob_topk's default), `torch` (logsumexp + topk of the fp32 rows), `torch_topk_only`.
 - `case: filtered_stats`: candidates per block of the filtered kernel's threshold, and the
   fraction of blocks that fall back to the rounds (more than CAPACITY, or t = -inf).
 - `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it:
@@ -38,7 +39,16 @@ import torch
 
 from atom.kernels import logprob_topk, sampling, use_triton
 
-GEOMETRIES = ((32, 64), (64, 64), (16, 64))  # (sub_block, capacity) of the filtered kernel
+# The filtered kernel's configurations: (sub_block, capacity, count_threshold, num_warps);
+# the first is logprob_topk's default.
+GEOMETRIES = (
+    (32, 64, False, 8),
+    (32, 64, False, 4),
+    (32, 64, True, 8),
+    (64, 64, True, 8),
+    (64, 128, True, 8),
+    (16, 64, False, 8),
+)
 
 
 def _check(got, want, logits, rows) -> dict:
@@ -56,7 +66,7 @@ def _check(got, want, logits, rows) -> dict:
     )
 
 
-def filtered_stats(logits, rows, k: int, sub_block: int, capacity: int) -> dict:
+def filtered_stats(logits, rows, k: int, sub_block: int, capacity: int, count_threshold: bool) -> dict:  # fmt: skip
     """What the filtered kernel's threshold leaves per block (torch, for the record)."""
     raw = logits[rows.long()].float()
     block = logprob_topk.BLOCK
@@ -66,15 +76,19 @@ def filtered_stats(logits, rows, k: int, sub_block: int, capacity: int) -> dict:
     x = x.view(len(rows), num_blocks, block)
     sub = x.view(len(rows), num_blocks, block // sub_block, sub_block).amax(-1)
     threshold = sub.amax(-1)
-    for _ in range(k):  # the k-th largest distinct sub-block max
-        threshold = sub.amax(-1)
-        sub = torch.where(sub == threshold.unsqueeze(-1), float("-inf"), sub)
+    if count_threshold:  # the k-th largest sub-block max
+        threshold = sub.topk(min(k, sub.shape[-1]), dim=-1).values[..., -1]
+    else:  # the k-th largest distinct sub-block max
+        for _ in range(k):
+            threshold = sub.amax(-1)
+            sub = torch.where(sub == threshold.unsqueeze(-1), float("-inf"), sub)
     count = ((x >= threshold.unsqueeze(-1)) & x.isfinite()).sum(-1).float()
     fallback = (threshold == float("-inf")) | (count > capacity)
     return dict(
         case="filtered_stats",
         sub_block=sub_block,
         capacity=capacity,
+        count_threshold=count_threshold,
         k=k,
         candidates_mean=round(float(count.mean()), 2),
         candidates_max=int(count.max()),
@@ -163,6 +177,7 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     if kernels:
         blocks = sampling.block_candidates(logits, rows, k)
         piece("candidates_rounds_kernel", lambda: sampling.block_candidates(logits, rows, k))
+        piece("candidates_rounds_kernel_8_warps", lambda: sampling.block_candidates(logits, rows, k, num_warps=8))  # fmt: skip
         piece("candidates_rounds_merge", lambda: sampling.merge_block_candidates(*blocks, k))
         piece("stats_only_kernel", lambda: sampling.block_candidates(logits, rows, 0))
         piece("lse_merge", lambda: logprob_topk.log_sum_exp(blocks[0], blocks[1]))
@@ -181,11 +196,17 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     methods["torch_topk_only"] = lambda: logits[rows].float().topk(k, dim=1)
     if kernels:
         methods["rounds"] = lambda: sampling.logprob_candidates(logits, rows, k, method="rounds")
-        for sub_block, capacity in GEOMETRIES:
-            for merge in ("triton", "torch"):
-                methods[f"filtered_{sub_block}x{capacity}_{merge}_merge"] = partial(
+        methods["rounds_8_warps"] = lambda: sampling.merge_block_candidates(
+            *sampling.block_candidates(logits, rows, k, num_warps=8), k
+        )
+        for n, (sub_block, capacity, count, warps) in enumerate(GEOMETRIES):
+            for merge in ("triton", "torch") if n == 0 else ("triton",):
+                threshold = "count" if count else "rounds"
+                name = f"filtered_{sub_block}x{capacity}_{threshold}_threshold_{warps}_warps_{merge}_merge"  # fmt: skip
+                methods[name] = partial(
                     logprob_topk.logprob_candidates_filtered,
                     logits, rows, k, sub_block=sub_block, capacity=capacity, merge=merge,
+                    count_threshold=count, num_warps=warps,
                 )  # fmt: skip
     results = {}
     for name, fn in methods.items():
@@ -196,8 +217,8 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         record.update(_check(got, want, logits, rows))
         results[name] = record
         emit(record)
-    for sub_block, capacity in GEOMETRIES:
-        emit(filtered_stats(logits, rows, k, sub_block, capacity))
+    for stats in sorted({g[:3] for g in GEOMETRIES}):
+        emit(filtered_stats(logits, rows, k, *stats))
 
     def sample():
         return plan.sample(sampler, logits, params)
@@ -255,6 +276,7 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
 # Pieces measured beside, not part of, the default greedy plan.sample.
 _NOT_IN_PLAN = {
     "options_write",
+    "candidates_rounds_kernel_8_warps",
     "stats_only_kernel",
     "lse_merge",
     "filtered_kernel",

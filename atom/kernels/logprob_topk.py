@@ -6,8 +6,9 @@ of (max, first index, mask) over the whole block:
 
 1. the block's max and sum of exponentials (log-softmax statistics), and the max of each
    sub-block of SUB_BLOCK logits;
-2. a threshold t: the k-th largest distinct sub-block max. k different sub-blocks hold a
-   value >= t, so the block's top k (and every value tied with its k-th) are >= t;
+2. a threshold t: the k-th largest (distinct, or with COUNT_THRESHOLD counted with
+   multiplicity) sub-block max. k different sub-blocks hold a value >= t, so the block's
+   top k (and every value tied with its k-th) are >= t;
 3. the logits >= t (typically ~k + a few: 28 on average for k = 20 over random bf16
    logits) written, in index order, as sortable int64 keys into CAPACITY slots of the
    block; unused slots get the smallest key. A block with more than CAPACITY candidates,
@@ -20,7 +21,7 @@ lower index - the same ids as a stable descending sort of the row, -inf entries 
 (NaN logits excluded; -0.0 counts as +0.0; k <= vocabulary size).
 
 Runtime lengths (do_not_specialize): vocab_size, logits_stride, num_blocks, k.
-Geometry (constexpr): BLOCK, SUB_BLOCK, CAPACITY. Offsets are int64.
+Geometry (constexpr): BLOCK, SUB_BLOCK, CAPACITY, COUNT_THRESHOLD. Offsets are int64.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ except ImportError:  # no Triton: keep the module importable for the references
 BLOCK = 4096
 SUB_BLOCK = 32  # 128 sub-blocks per block: the threshold sits close to the k-th value
 CAPACITY = 64  # candidate slots per block (k <= CAPACITY; more candidates: the rounds)
+# The threshold by k reductions over the sub-block maxima (False) or by ranking all pairs of
+# them (True: two reductions over [blocks / SUB_BLOCK]^2); and the kernel's warps. Defaults
+# until the H200 breakdown (python -m atom.benchmarks.sampler --breakdown) measures them.
+COUNT_THRESHOLD = False
+NUM_WARPS = 8  # 87 registers a thread on sm_90 (4 warps: 168)
 
 
 @triton.jit
@@ -67,15 +73,19 @@ def _logprob_candidates_filtered_kernel(
     BLOCK: tl.constexpr,
     SUB_BLOCK: tl.constexpr,
     CAPACITY: tl.constexpr,
+    COUNT_THRESHOLD: tl.constexpr,
 ):
     """logits [S, V] (any float dtype, unit stride in V), row_ids [R] -> block_max,
     block_sum [R, num_blocks] f32, keys [R, num_blocks, CAPACITY] int64. Grid (R, blocks)."""
     i = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     row = tl.load(row_ids_ptr + i).to(tl.int64)
-    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=mask, other=float("-inf"))
+    # int32 positions in the block (registers: 4096 int64 offsets would double them); the
+    # block's int64 start is added where a vocabulary index is formed
+    start = block.to(tl.int64) * BLOCK
+    offs = tl.arange(0, BLOCK)
+    mask = offs < vocab_size - block * BLOCK
+    x = tl.load(logits_ptr + row * logits_stride + start + offs, mask=mask, other=float("-inf"))
     x = x.to(tl.float32)
     best = tl.max(x, 0)
     # finite lanes only: a block of -inf logits has sum 0 (not exp(nan))
@@ -88,25 +98,30 @@ def _logprob_candidates_filtered_kernel(
         lanes = tl.arange(0, CAPACITY)
         smallest = tl.full([CAPACITY], -1, tl.int64) << 63
         sub_max = tl.max(tl.reshape(x, (BLOCK // SUB_BLOCK, SUB_BLOCK)), 1)
-        threshold = best
-        for _ in range(k):  # the k-th largest distinct sub-block max
-            threshold = tl.max(sub_max, 0)
-            sub_max = tl.where(sub_max == threshold, float("-inf"), sub_max)
+        if COUNT_THRESHOLD:  # the k-th largest sub-block max: compare all pairs, 2 reductions
+            above = tl.expand_dims(sub_max, 0) >= tl.expand_dims(sub_max, 1)  # [c, s]: s >= c
+            ranks = tl.sum(above.to(tl.int32), 1)
+            threshold = tl.max(tl.where(ranks >= k, sub_max, float("-inf")), 0)
+        else:  # the k-th largest distinct sub-block max: k reductions
+            threshold = best
+            for _ in range(k):
+                threshold = tl.max(sub_max, 0)
+                sub_max = tl.where(sub_max == threshold, float("-inf"), sub_max)
         keep = (x >= threshold) & mask
         count = tl.sum(keep.to(tl.int32), 0)
         if (threshold > float("-inf")) & (count <= CAPACITY):
             position = tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(out + position, _order_key(x, offs), mask=keep)
+            tl.store(out + position, _order_key(x, start + offs), mask=keep)
             tl.store(out + lanes, smallest, mask=lanes >= count)
         else:  # many ties or few finite logits: k rounds, as _logprob_candidates_kernel,
             # with the winners kept apart (a -inf winner must not win again)
             taken = offs < 0
             for j in range(k):
                 value = tl.max(tl.where(taken, float("-inf"), x), 0)
-                index = tl.min(tl.where((x == value) & mask & ~taken, offs, vocab_size), 0)
-                key = _order_key(value, index)
+                index = tl.min(tl.where((x == value) & mask & ~taken, offs, BLOCK), 0)
+                key = _order_key(value, start + index)
                 # fewer than k lanes in the block: the smallest key for the rest
-                tl.store(out + j, tl.where(index < vocab_size, key, tl.min(smallest, 0)))
+                tl.store(out + j, tl.where(index < BLOCK, key, tl.min(smallest, 0)))
                 taken = taken | (offs == index)
             tl.store(out + lanes, smallest, mask=lanes >= k)
 
@@ -167,6 +182,8 @@ def filtered_block_candidates(
     k: int,
     sub_block: int = SUB_BLOCK,
     capacity: int = CAPACITY,
+    count_threshold: bool = COUNT_THRESHOLD,
+    num_warps: int = NUM_WARPS,
 ):
     """The kernel alone: (block_max, block_sum [R, blocks] f32, keys [R, blocks * capacity]
     int64). Needs Triton (CUDA or TRITON_INTERPRET=1) and k <= capacity."""
@@ -183,6 +200,7 @@ def filtered_block_candidates(
         _logprob_candidates_filtered_kernel[(rows, num_blocks)](
             logits, logits.stride(0), row_ids, block_max, block_sum, keys,
             vocab, num_blocks, k, BLOCK=BLOCK, SUB_BLOCK=sub_block, CAPACITY=capacity,
+            COUNT_THRESHOLD=count_threshold, num_warps=num_warps,
         )  # fmt: skip
     return block_max, block_sum, keys
 
@@ -223,13 +241,17 @@ def logprob_candidates_filtered(
     sub_block: int = SUB_BLOCK,
     capacity: int = CAPACITY,
     merge: str = "triton",
+    count_threshold: bool = COUNT_THRESHOLD,
+    num_warps: int = NUM_WARPS,
 ):
     """Raw logits [S, V], rows [R] -> (log-sum-exp [R] f32, top values [R, k] f32, top ids
     [R, k] int64), best first, ties to the lower index. `merge`: "triton" (one launch:
     `_merge_keys_kernel`) or "torch" (torch.topk of the keys + a few elementwise ops)."""
     if not use_triton(logits):
         return topk_lower_index_reference(logits, row_ids, k)
-    block_max, block_sum, keys = filtered_block_candidates(logits, row_ids, k, sub_block, capacity)
+    block_max, block_sum, keys = filtered_block_candidates(
+        logits, row_ids, k, sub_block, capacity, count_threshold, num_warps
+    )
     if merge == "triton":
         return merge_keys_triton(block_max, block_sum, keys, k)
     values, ids = merge_keys(keys, k)

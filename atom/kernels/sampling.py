@@ -269,9 +269,10 @@ def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, meth
     return merge_block_candidates(*block_candidates(logits, row_ids, k), k)
 
 
-def block_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
+def block_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, num_warps: int | None = None):  # fmt: skip
     """`_logprob_candidates_kernel` alone: (block_max, block_sum [R, blocks] f32, top values
-    [R, blocks * k] f32, top ids [R, blocks * k] int64; at least one column)."""
+    [R, blocks * k] f32, top ids [R, blocks * k] int64; at least one column). `num_warps`:
+    Triton's default (4) unless given (the benchmark's breakdown tries 8)."""
     vocab = logits.shape[1]
     rows = row_ids.shape[0]
     num_blocks = triton.cdiv(vocab, BLOCK)
@@ -285,7 +286,7 @@ def block_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int):
     if rows:
         _logprob_candidates_kernel[(rows, num_blocks)](
             logits, logits.stride(0), row_ids, block_max, block_sum, top_values, top_ids,
-            vocab, num_blocks, k, BLOCK=BLOCK,
+            vocab, num_blocks, k, BLOCK=BLOCK, **({"num_warps": num_warps} if num_warps else {}),
         )  # fmt: skip
     return block_max, block_sum, top_values, top_ids
 

@@ -34,6 +34,7 @@ def test_equals_stable_sort_bf16_ties_and_partial_block(k):
     # bf16: many tied values; the vocabulary is not a multiple of the block
     logits = (torch.randn(4, 2 * BLOCK + 77, generator=generator) * 3).to(torch.bfloat16)
     _check(logits, torch.tensor([3, 0, 2]), k)
+    _check(logits, torch.tensor([1]), k, sub_block=64, count_threshold=True)
 
 
 def test_ties_go_to_the_lower_index_across_blocks_and_in_the_fallback():
@@ -49,6 +50,7 @@ def test_ties_go_to_the_lower_index_across_blocks_and_in_the_fallback():
     logits[3, [BLOCK + 4, 11]] = 4.0
     _check(logits, torch.arange(4), 20)
     _check(logits, torch.tensor([3, 1, 0]), 7, sub_block=64, capacity=32)
+    _check(logits, torch.arange(4), 20, count_threshold=True)
 
 
 def test_rows_with_minus_infinity():
@@ -95,6 +97,8 @@ def test_logprob_candidates_switch():
 
 @pytest.mark.gpu
 def test_filtered_candidates_on_cuda_bf16():
+    from atom.benchmarks import sampler_breakdown
+
     generator = torch.Generator().manual_seed(11)
     logits = (torch.randn(64, 128256, generator=generator) * 4).to("cuda", torch.bfloat16)
     logits[3, 5000:] = float("-inf")
@@ -102,7 +106,9 @@ def test_filtered_candidates_on_cuda_bf16():
     rows = torch.arange(64, device="cuda")
     for k in (0, 1, 5, 20):
         _check(logits, rows, k)
-    _check(logits, rows, 20, sub_block=64, capacity=64)
+    for sub_block, capacity, count, warps in sampler_breakdown.GEOMETRIES:
+        _check(logits, rows, 20, sub_block=sub_block, capacity=capacity,
+               count_threshold=count, num_warps=warps)  # fmt: skip
 
 
 def test_sampler_breakdown_smoke(capsys, monkeypatch):
@@ -112,7 +118,8 @@ def test_sampler_breakdown_smoke(capsys, monkeypatch):
 
     from atom.benchmarks import sampler, sampler_breakdown
 
-    monkeypatch.setattr(sampler_breakdown, "GEOMETRIES", ((32, 64),))  # one: interpreted
+    geometries = ((32, 64, False, 8), (64, 64, True, 8))  # two: interpreted
+    monkeypatch.setattr(sampler_breakdown, "GEOMETRIES", geometries)
 
     argv = "--device cpu --vocab 4200 --batch 2 --iters 1 --prompt-len 8 --output-len 2"
     assert sampler.main([*argv.split(), "--skip-engine", "--breakdown"]) == 0
@@ -121,7 +128,7 @@ def test_sampler_breakdown_smoke(capsys, monkeypatch):
     assert {"options_greedy", "candidates_rounds_kernel", "filtered_kernel", "count_greater"} <= pieces  # fmt: skip
     candidates = {r["method"]: r for r in lines if r["case"] == "candidates"}
     assert (
-        candidates["filtered_32x64_triton_merge"]["ids_exact"]
+        candidates["filtered_32x64_rounds_threshold_8_warps_triton_merge"]["ids_exact"]
         and candidates["rounds"]["values_equal"]
     )
     summary = lines[-1]
