@@ -24,10 +24,11 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
   `ms` (events around back-to-back calls), `host_enqueue_ms` (the host's time per call,
   not waiting for the device), and on CUDA from torch.profiler `kernels_per_call`,
   `device_us_per_call` and the `top_kernels` [name, per call, us per call].
-- last, on CUDA: `case: breakdown_graph` / `plan_sample_graph`: `graph_ms`, each piece and
-  plan.sample replayed from a CUDA graph (device time without the host's launches). If
-  `ms` is well above `graph_ms` / `device_us_per_call`, the host's launches dominate.
 - `case: breakdown_summary`: the fastest exact / valid method, plan.sample per method.
+- last, on CUDA: `case: plan_sample_graph` / `candidates_graph` / `breakdown_graph`:
+  `graph_ms`, plan.sample, each top-k method and each piece replayed from a CUDA graph
+  (device time without the host's launches), then `case: graph_summary` with all of them.
+  If `ms` is well above `graph_ms` / `device_us_per_call`, the host's launches dominate.
 """
 
 from __future__ import annotations
@@ -245,13 +246,6 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
                 record.update(device_profile(sample))
             plan_ms[method], plan_records[method] = record["ms"], record
             emit(record)
-        # Last (a failed capture is the riskiest step): device time without launches.
-        for name, fn in piece_fns.items() if device.type == "cuda" else ():
-            emit(dict(case="breakdown_graph", piece=name, graph_ms=graph_ms(fn, timed, device, iters)))  # fmt: skip
-        for method in sampling.CANDIDATE_METHODS if device.type == "cuda" else ():
-            sampling.CANDIDATES = method
-            plan_records[method]["graph_ms"] = graph_ms(sample, timed, device, iters)
-            emit(dict(case="plan_sample_graph", method=method, graph_ms=plan_records[method]["graph_ms"]))  # fmt: skip
     finally:
         sampling.CANDIDATES = default
 
@@ -263,14 +257,40 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         case="breakdown_summary",
         pieces_sum_ms=round(sum(v for n, v in pieces.items() if n not in _NOT_IN_PLAN), 4),
         plan_sample_ms=plan_ms,
-        plan_sample_graph_ms={m: r.get("graph_ms") for m, r in plan_records.items()},
         plan_sample_device_us={m: r.get("device_us_per_call") for m, r in plan_records.items()},
         plan_sample_host_enqueue_ms={m: r["host_enqueue_ms"] for m, r in plan_records.items()},
         fastest_exact_method=fastest("ids_exact"),
         fastest_valid_method=fastest("ids_valid"),
     )
     emit(summary)
+    if device.type == "cuda":  # last: a failed capture is the riskiest step
+        summary["graph"] = graph_section(plan, sample, piece_fns, methods, timed, emit, device, iters)  # fmt: skip
     return summary
+
+
+def graph_section(plan, sample, piece_fns, methods, timed, emit, device, iters) -> dict:
+    """Device time without the host's launches: plan.sample per method, each top-k method
+    and each piece replayed from a CUDA graph; then `case: graph_summary`."""
+    figures: dict[str, dict] = {"plan_sample": {}, "candidates": {}, "pieces": {}}
+    default = sampling.CANDIDATES
+    try:
+        for method in sampling.CANDIDATE_METHODS:
+            sampling.CANDIDATES = method
+            figures["plan_sample"][method] = graph_ms(sample, timed, device, iters)
+            emit(dict(case="plan_sample_graph", method=method, graph_ms=figures["plan_sample"][method]))  # fmt: skip
+        sampling.CANDIDATES = default
+        for name, fn in methods.items():
+            figures["candidates"][name] = graph_ms(fn, timed, device, iters)
+            emit(dict(case="candidates_graph", method=name, graph_ms=figures["candidates"][name]))  # fmt: skip
+        for name, fn in piece_fns.items():
+            figures["pieces"][name] = graph_ms(fn, timed, device, iters)
+            emit(dict(case="breakdown_graph", piece=name, graph_ms=figures["pieces"][name]))
+    except Exception as error:  # noqa: BLE001 - a broken capture: the figures so far stand
+        emit(dict(case="graph_error", error=f"{type(error).__name__}: {str(error)[:200]}"))
+    finally:
+        sampling.CANDIDATES = default
+    emit(dict(case="graph_summary", **figures))
+    return figures
 
 
 # Pieces measured beside, not part of, the default greedy plan.sample.
