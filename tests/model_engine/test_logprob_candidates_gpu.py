@@ -35,9 +35,14 @@ def _generate(path, device):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+@pytest.fixture(scope="module")
+def cpu_outputs(model_dir):
+    return _generate(model_dir, "cpu")
+
+
 @pytest.mark.parametrize("method", [m for m in sampling.CANDIDATE_METHODS if m != "rounds"])
-def test_engine_logprobs_per_candidates_method(model_dir, method, monkeypatch):
-    cpu = _generate(model_dir, "cpu")
+def test_engine_logprobs_per_candidates_method(model_dir, cpu_outputs, method, monkeypatch):
+    cpu = cpu_outputs
     monkeypatch.setattr(sampling, "CANDIDATES", method)
     gpu = _generate(model_dir, "cuda")
     for a, b in zip(cpu, gpu, strict=True):
