@@ -31,7 +31,10 @@ def _generate(path, device):
         temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=0.8,
         repetition_penalty=1.3, logit_bias={7: 2.0}, logprobs=20,
     )  # fmt: skip
-    llm = build_llm(path, device=device, dtype="float32", max_model_len=64, num_kvcache_blocks=16)
+    llm = build_llm(
+        path, device=device, dtype="float32", max_model_len=64, num_kvcache_blocks=16,
+        max_num_seqs=4,
+    )  # fmt: skip
     return llm.generate(prompts, params, use_tqdm=False)
 
 
