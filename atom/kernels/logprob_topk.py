@@ -14,10 +14,10 @@ of (max, first index, mask) over the whole block:
    block; unused slots get the smallest key. A block with more than CAPACITY candidates,
    or with fewer than k finite logits (t = -inf), falls back to the k rounds for itself.
 
-The merge is one `torch.topk` over the [R, blocks * CAPACITY] keys: a key is the
-order-preserving integer of the value in its high 32 bits and (2^32 - 1 - index) in its
-low 32 bits, so keys are distinct and the largest k are the top k values with ties to the
-lower index - the same ids as a stable descending sort of the row, -inf entries included
+The merge takes the k largest of the [R, blocks * CAPACITY] keys (`_merge_keys_kernel`,
+one launch with the log-sum-exp; or `torch.topk`): a key is the order-preserving integer
+of the value in its high 32 bits and (2^32 - 1 - index) in its low 32 bits, so keys are
+distinct and the largest k are the top k values with ties to the lower index - the same ids as a stable descending sort of the row, -inf entries included
 (NaN logits excluded; -0.0 counts as +0.0; k <= vocabulary size).
 
 Runtime lengths (do_not_specialize): vocab_size, logits_stride, num_blocks, k.
@@ -43,7 +43,7 @@ BLOCK = 4096
 SUB_BLOCK = 32  # 128 sub-blocks per block: the threshold sits close to the k-th value
 CAPACITY = 64  # candidate slots per block (k <= CAPACITY; more candidates: the rounds)
 # The threshold by k reductions over the sub-block maxima (False) or by ranking all pairs of
-# them (True: two reductions over [blocks / SUB_BLOCK]^2); and the kernel's warps. Defaults
+# them (True: two reductions over [BLOCK / SUB_BLOCK]^2); and the kernel's warps. Defaults
 # until the H200 breakdown (python -m atom.benchmarks.sampler --breakdown) measures them.
 COUNT_THRESHOLD = False
 NUM_WARPS = 8  # 87 registers a thread on sm_90 (4 warps: 168)

@@ -20,7 +20,8 @@ index instead of writing the logits (all-greedy steps without a grammar).
 `logprob_candidates`: log-softmax statistics (per-block max and sum of
 exponentials) and each block's top k of the RAW logits in one pass, merged on [S, blocks];
 `count_greater`: the sampled token's rank (how many logits exceed its own), one pass.
-Nothing sorts the vocabulary.
+Nothing sorts the vocabulary. `CANDIDATES` (ATOM_LOGPROB_CANDIDATES) picks the top-k
+method: these k rounds per block, or atom/kernels/logprob_topk.py's threshold filtering.
 
 Runtime lengths (do_not_specialize): vocab_size, the table widths, k, num_blocks, strides.
 Geometry (constexpr): BLOCK. Row counts come from the grid. Offsets are int64.
