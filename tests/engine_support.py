@@ -154,3 +154,35 @@ def random_prompts(seed: int, lengths) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+def vocab_prompts(seed: int, lengths, vocab_size: int) -> list[list[int]]:
+    """Token-id prompts in [3, vocab_size) (above the tiny configs' bos/eos/pad ids)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+_HF_NO_EOS: dict = {}
+
+
+def hf_greedy_no_eos(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF fp32 greedy `generate` with no EOS id (cached per model, prompts and length).
+
+    Without an EOS id generate never stops early and, unlike with min_new_tokens, never
+    masks the EOS id, which tiny random vocabularies do pick (atom runs with ignore_eos)."""
+    key = (path, str(prompts), max_new_tokens)
+    if key not in _HF_NO_EOS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.generation_config.eos_token_id = None
+        outputs = []
+        for ids in prompts:
+            input_ids = torch.tensor([ids])
+            out = model.eval().generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+            outputs.append(out[0, len(ids) :].tolist())
+        _HF_NO_EOS[key] = outputs
+    return _HF_NO_EOS[key]

@@ -11,7 +11,7 @@ import transformers
 
 from atom.attention.backend import MLABackend
 from atom.sampling_params import SamplingParams
-from tests.engine_support import build_llm
+from tests.engine_support import build_llm, hf_greedy_no_eos, vocab_prompts
 
 VOCAB = 320
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -80,33 +80,14 @@ def deepseek_dirs(tmp_path_factory):
 
 
 def _prompts(seed, lengths):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    return vocab_prompts(seed, lengths, VOCAB)
 
 
 PROMPTS = _prompts(0, [1, 9, 40, 21])
-_HF_CACHE: dict = {}
 
 
 def _hf(path, prompts=PROMPTS, max_new_tokens=GREEDY.max_tokens):
-    key = (path, str(prompts), max_new_tokens)
-    if key not in _HF_CACHE:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        # No EOS: generate then never stops early and, unlike with min_new_tokens, never
-        # masks the EOS id, which these tiny vocabularies do pick (ignore_eos in atom).
-        model.generation_config.eos_token_id = None
-        outputs = []
-        for ids in prompts:
-            input_ids = torch.tensor([ids])
-            out = model.eval().generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-        _HF_CACHE[key] = outputs
-    return _HF_CACHE[key]
+    return hf_greedy_no_eos(path, prompts, max_new_tokens)
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):

@@ -21,7 +21,7 @@ if not hasattr(transformers, "Qwen3NextForCausalLM"):
 
 from atom.attention.gdn import GDNBackend  # noqa: E402
 from atom.sampling_params import SamplingParams  # noqa: E402
-from tests.engine_support import build_llm  # noqa: E402
+from tests.engine_support import build_llm, hf_greedy_no_eos, vocab_prompts  # noqa: E402
 
 VOCAB = 320
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -103,32 +103,15 @@ def qwen3_next_dirs(tmp_path_factory):
 
 
 def _prompts(seed, lengths):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    return vocab_prompts(seed, lengths, VOCAB)
 
 
 PROMPTS = _prompts(0, [1, 5, 40, 70])
 MIXED = _prompts(1, [1, 2, 3, 8, 15, 17, 33, 66])
-_HF_CACHE: dict = {}
 
 
 def _hf(path, prompts=PROMPTS):
-    key = (path, str(prompts))
-    if key not in _HF_CACHE:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.generation_config.eos_token_id = None  # never stop early (ignore_eos here)
-        outputs = []
-        for ids in prompts:
-            input_ids = torch.tensor([ids])
-            out = model.eval().generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=GREEDY.max_tokens,
-                do_sample=False,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-        _HF_CACHE[key] = outputs
-    return _HF_CACHE[key]
+    return hf_greedy_no_eos(path, prompts, GREEDY.max_tokens)
 
 
 def _tokens(llm, prompts=PROMPTS):
