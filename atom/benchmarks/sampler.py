@@ -16,7 +16,7 @@
    milliseconds per step of each (a prefill-only run subtracted).
 
 3. `--breakdown`: each piece of `plan.sample` alone and the logprob top-k alternatives
-   (rounds, filtered, torch.topk) checked against a stable sort: see sampler_breakdown.py.
+   (select, rounds, torch.topk) checked against a stable sort: see sampler_breakdown.py.
 
 The figure the issue asks for: `extra_ms / decode_ms_per_step` < 10%.
 """

@@ -4,22 +4,18 @@ On the inputs of the `sampler` case (the same plan, logits and SamplingState), o
 per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
 
 - `case: breakdown`, `piece`: each part of `SamplingPlan.sample` alone - `options_greedy`
-  (the fused options + argmax kernel the all-greedy step runs), `options_write` (the same
-  kernel writing the processed logits: steps that sample), `candidates_rounds_kernel`
-  (today's per-block k rounds of max), `candidates_rounds_merge` (log-sum-exp + topk of its
-  [R, blocks * k] candidates), `stats_only_kernel` (the same kernel with k = 0: log-softmax
-  statistics alone), `lse_merge`, `count_greater`, `chosen_gather`, `state_update`
-  (`count_sampled`), `filtered_kernel` (atom/kernels/logprob_topk.py) and its merges:
-  `filtered_merge_triton` (one kernel: lse + top k) against `filtered_merge_torch` +
-  `filtered_lse_torch` (torch.topk of the keys, the log-sum-exp in torch ops).
+  (the sampling pass with the options and the argmax: an all-greedy step without
+  logprobs), `options_greedy_stats` (the same pass also leaving the raw logits' statistics:
+  the plan's pass when logprobs are on), `options_write` (the pass writing the processed
+  logits: steps that sample), `stats_only` (the statistics alone), `select` (the top-k
+  selection from the statistics: atom/kernels/logprob_topk.py), `rounds_kernel` /
+  `rounds_merge` (the k-rounds alternative), `count_greater`, `chosen_gather`,
+  `state_update` (`count_sampled`).
 - `case: candidates`, `method`: the top-k alternatives side by side, each checked against a
   stable descending sort of the fp32 rows: `values_equal`, `ids_exact` (ties to the lower
   index), `ids_valid` (each id's logit is its value, ids distinct per row), `lse_max_diff`.
-  Methods: `rounds` (default), `rounds_8_warps`, `filtered_{sub_block}x{capacity}_
-  {rounds|count}_threshold_{warps}_warps_{triton|torch}_merge` (GEOMETRIES; the first is
-  logprob_topk's default), `torch` (logsumexp + topk of the fp32 rows), `torch_topk_only`.
-- `case: filtered_stats`: candidates per block of the filtered kernel's threshold, and the
-  fraction of blocks that fall back to the rounds (more than CAPACITY, or t = -inf).
+  Methods: `select` (statistics pass + selection), `rounds`, `torch` (logsumexp + topk of
+  the fp32 rows), `torch_topk_only`.
 - `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it:
   `ms` (events around back-to-back calls), `host_enqueue_ms` (the host's time per call,
   not waiting for the device), and on CUDA from torch.profiler `kernels_per_call`,
@@ -34,22 +30,10 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import torch
 
 from atom.kernels import logprob_topk, sampling, use_triton
-
-# The filtered kernel's configurations: (sub_block, capacity, count_threshold, num_warps);
-# the first is logprob_topk's default.
-GEOMETRIES = (
-    (32, 64, False, 8),
-    (32, 64, False, 4),
-    (32, 64, True, 8),
-    (64, 64, True, 8),
-    (64, 128, True, 8),
-    (16, 64, False, 8),
-)
 
 
 def _check(got, want, logits, rows) -> dict:
@@ -64,36 +48,6 @@ def _check(got, want, logits, rows) -> dict:
         ids_exact=torch.equal(ids, want_ids),
         ids_valid=valid,
         lse_max_diff=float((lse - want_lse).abs().max()) if len(lse) else 0.0,
-    )
-
-
-def filtered_stats(logits, rows, k: int, sub_block: int, capacity: int, count_threshold: bool) -> dict:  # fmt: skip
-    """What the filtered kernel's threshold leaves per block (torch, for the record)."""
-    raw = logits[rows.long()].float()
-    block = logprob_topk.BLOCK
-    num_blocks = -(-raw.shape[1] // block)
-    pad = num_blocks * block - raw.shape[1]
-    x = torch.nn.functional.pad(raw, (0, pad), value=float("-inf"))
-    x = x.view(len(rows), num_blocks, block)
-    sub = x.view(len(rows), num_blocks, block // sub_block, sub_block).amax(-1)
-    threshold = sub.amax(-1)
-    if count_threshold:  # the k-th largest sub-block max
-        threshold = sub.topk(min(k, sub.shape[-1]), dim=-1).values[..., -1]
-    else:  # the k-th largest distinct sub-block max
-        for _ in range(k):
-            threshold = sub.amax(-1)
-            sub = torch.where(sub == threshold.unsqueeze(-1), float("-inf"), sub)
-    count = ((x >= threshold.unsqueeze(-1)) & x.isfinite()).sum(-1).float()
-    fallback = (threshold == float("-inf")) | (count > capacity)
-    return dict(
-        case="filtered_stats",
-        sub_block=sub_block,
-        capacity=capacity,
-        count_threshold=count_threshold,
-        k=k,
-        candidates_mean=round(float(count.mean()), 2),
-        candidates_max=int(count.max()),
-        fallback_fraction=round(float(fallback.float().mean()), 5),
     )
 
 
@@ -173,20 +127,17 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         pieces[name], piece_fns[name] = ms(fn), fn
         emit(dict(case="breakdown", piece=name, ms=pieces[name]))
 
-    piece("options_greedy", lambda: sampling.greedy_with_sampling_options(logits, plan.state_rows, *tables))  # fmt: skip
-    piece("options_write", lambda: sampling.apply_sampling_options(logits, plan.state_rows, *tables))  # fmt: skip
+    tables = (plan.state_rows, *tables)
+    piece("options_greedy", lambda: sampling.greedy_with_sampling_options(logits, *tables))
+    piece("options_greedy_stats", lambda: sampling.greedy_with_sampling_options(logits, *tables, stats=True))  # fmt: skip
+    piece("options_write", lambda: sampling.apply_sampling_options(logits, *tables))
     if kernels:
+        piece("stats_only", lambda: sampling.logit_stats(logits, rows))
+        stats = sampling.greedy_with_sampling_options(logits, *tables, stats=True)[1]
+        piece("select", lambda: logprob_topk.select_topk(logits, rows, stats, rows, k))
         blocks = sampling.block_candidates(logits, rows, k)
-        piece("candidates_rounds_kernel", lambda: sampling.block_candidates(logits, rows, k))
-        piece("candidates_rounds_kernel_8_warps", lambda: sampling.block_candidates(logits, rows, k, num_warps=8))  # fmt: skip
-        piece("candidates_rounds_merge", lambda: sampling.merge_block_candidates(*blocks, k))
-        piece("stats_only_kernel", lambda: sampling.block_candidates(logits, rows, 0))
-        piece("lse_merge", lambda: logprob_topk.log_sum_exp(blocks[0], blocks[1]))
-        filtered = logprob_topk.filtered_block_candidates(logits, rows, k)
-        piece("filtered_kernel", lambda: logprob_topk.filtered_block_candidates(logits, rows, k))
-        piece("filtered_merge_torch", lambda: logprob_topk.merge_keys(filtered[2], k))
-        piece("filtered_lse_torch", lambda: logprob_topk.log_sum_exp(filtered[0], filtered[1]))
-        piece("filtered_merge_triton", lambda: logprob_topk.merge_keys_triton(*filtered, k))
+        piece("rounds_kernel", lambda: sampling.block_candidates(logits, rows, k))
+        piece("rounds_merge", lambda: sampling.merge_block_candidates(*blocks, k))
     chosen = logits[rows, tokens].float()
     piece("count_greater", lambda: sampling.count_greater(logits, rows, chosen))
     piece("chosen_gather", lambda: logits[rows, tokens].float())
@@ -196,19 +147,8 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     methods = {"torch": lambda: sampling.logprob_candidates_reference(logits, rows, k)}
     methods["torch_topk_only"] = lambda: logits[rows].float().topk(k, dim=1)
     if kernels:
-        methods["rounds"] = lambda: sampling.logprob_candidates(logits, rows, k, method="rounds")
-        methods["rounds_8_warps"] = lambda: sampling.merge_block_candidates(
-            *sampling.block_candidates(logits, rows, k, num_warps=8), k
-        )
-        for n, (sub_block, capacity, count, warps) in enumerate(GEOMETRIES):
-            for merge in ("triton", "torch") if n == 0 else ("triton",):
-                threshold = "count" if count else "rounds"
-                name = f"filtered_{sub_block}x{capacity}_{threshold}_threshold_{warps}_warps_{merge}_merge"  # fmt: skip
-                methods[name] = partial(
-                    logprob_topk.logprob_candidates_filtered,
-                    logits, rows, k, sub_block=sub_block, capacity=capacity, merge=merge,
-                    count_threshold=count, num_warps=warps,
-                )  # fmt: skip
+        for method in ("select", "rounds"):
+            methods[method] = lambda m=method: sampling.logprob_candidates(logits, rows, k, method=m)  # fmt: skip
     results = {}
     for name, fn in methods.items():
         record = dict(case="candidates", method=name, k=k, ms=ms(fn))
@@ -218,8 +158,6 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         record.update(_check(got, want, logits, rows))
         results[name] = record
         emit(record)
-    for stats in sorted({g[:3] for g in GEOMETRIES}):
-        emit(filtered_stats(logits, rows, k, *stats))
 
     def sample():
         return plan.sample(sampler, logits, params)
@@ -294,14 +232,5 @@ def graph_section(plan, sample, piece_fns, methods, timed, emit, device, iters) 
     return figures
 
 
-# Pieces measured beside, not part of, the default greedy plan.sample.
-_NOT_IN_PLAN = {
-    "options_write",
-    "candidates_rounds_kernel_8_warps",
-    "stats_only_kernel",
-    "lse_merge",
-    "filtered_kernel",
-    "filtered_merge_torch",
-    "filtered_lse_torch",
-    "filtered_merge_triton",
-}
+# Pieces measured beside, not part of, the greedy plan.sample with logprobs.
+_NOT_IN_PLAN = {"options_greedy", "options_write", "stats_only", "rounds_kernel", "rounds_merge"}

@@ -8,6 +8,8 @@ row: neutral options, used by requests without them):
     row_floats  [R, 3] f32    presence, frequency, repetition
     row_ints    [R, 4] int32  min_tokens, output tokens so far, bias entries, stop ids
     bias_tokens / bias_values [R, Wb], stop_ids [R, Ws]   (widths grow on demand)
+    bias_start  [R, blocks + 1] int32  each row's bias entries sorted by token, and where
+                              each block of the sampling pass's BLOCK logits starts in them
 
 A row is *built* once, at its request's first sampling step (the end of its prefill), from
 the host's token ids: the step stages the row's options, prompt and output tokens in the
@@ -31,10 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from atom.kernels import sampling as kernels
 from atom.kernels.sampling import PROMPT_FLAG
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN
 
 NULL_ROW = 0
+NO_TOKEN = torch.iinfo(torch.int32).max  # unused bias slots: sorted after every token
 
 
 class SamplingStateError(RuntimeError):
@@ -68,7 +72,8 @@ class SamplingState:
         self._batch_seqs: list = []  # the whole step's sequences: never evicted
         self.counts: torch.Tensor | None = None  # allocated with the first row
         self.row_floats = self.row_ints = None
-        self.bias_tokens = self.bias_values = self.stop_ids = None
+        self.bias_tokens = self.bias_values = self.stop_ids = self.bias_start = None
+        self._block_edges = None
 
     def begin_step(self, seqs: list) -> None:
         """The sequences of the step being launched (all micro-batches)."""
@@ -122,9 +127,11 @@ class SamplingState:
         self.row_floats = torch.zeros(rows, 3, dtype=torch.float32, device=device)
         self.row_floats[:, 2] = 1.0
         self.row_ints = torch.zeros(rows, 4, dtype=torch.int32, device=device)
-        self._num_output = self.row_ints[:, 1]  # a view: output tokens so far
-        self._ones = torch.ones(rows, dtype=torch.int32, device=device)
-        self.bias_tokens = torch.zeros(rows, 1, dtype=torch.int32, device=device)
+        self.bias_tokens = torch.full((rows, 1), NO_TOKEN, dtype=torch.int32, device=device)
+        num_blocks = -(-self.vocab_size // kernels.BLOCK)
+        self.bias_start = torch.zeros(rows, num_blocks + 1, dtype=torch.int32, device=device)
+        self._block_edges = torch.arange(num_blocks + 1, dtype=torch.int32, device=device)
+        self._block_edges *= kernels.BLOCK
         self.bias_values = torch.zeros(rows, 1, dtype=torch.float32, device=device)
         self.stop_ids = torch.zeros(rows, 1, dtype=torch.int32, device=device)
 
@@ -204,10 +211,10 @@ class SamplingState:
 
     def _ensure_widths(self, bias: int, stop: int) -> None:
         if bias > self.bias_tokens.shape[1]:
-            self.bias_tokens = _widen(self.bias_tokens, bias)
-            self.bias_values = _widen(self.bias_values, bias)
+            self.bias_tokens = _widen(self.bias_tokens, bias, NO_TOKEN)
+            self.bias_values = _widen(self.bias_values, bias, 0)
         if stop > self.stop_ids.shape[1]:
-            self.stop_ids = _widen(self.stop_ids, stop)
+            self.stop_ids = _widen(self.stop_ids, stop, 0)
 
     # -- device side -------------------------------------------------------------------------
     def apply_builds(self, builds: StagedBuilds, ints, floats, entries, values) -> None:
@@ -226,8 +233,15 @@ class SamplingState:
         self.counts.index_put_((output[:, 0], output[:, 2]), ones, accumulate=True)
         end += builds.num_output
         bias = entries[end : end + builds.num_bias]
+        self.bias_tokens.index_fill_(0, rows, NO_TOKEN)
         self.bias_tokens.index_put_((bias[:, 0], bias[:, 1]), bias[:, 2].int())
         self.bias_values.index_put_((bias[:, 0], bias[:, 1]), values[end : end + builds.num_bias])
+        # sorted by token, and each block's first entry: the pass visits only its own
+        tokens, order = self.bias_tokens[rows].sort(dim=1)
+        self.bias_tokens.index_copy_(0, rows, tokens)
+        self.bias_values.index_copy_(0, rows, self.bias_values[rows].gather(1, order))
+        edges = self._block_edges.expand(len(rows), -1).contiguous()
+        self.bias_start.index_copy_(0, rows, torch.searchsorted(tokens, edges).int())
         end += builds.num_bias
         stop = entries[end : end + builds.num_stop]
         self.stop_ids.index_put_((stop[:, 0], stop[:, 1]), stop[:, 2].int())
@@ -235,9 +249,7 @@ class SamplingState:
     def count_sampled(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Count each row's sampled token (device tensors [S]; null rows count harmlessly:
         their options are neutral)."""
-        ones = self._ones[: len(tokens)]
-        self.counts.index_put_((state_rows, tokens), ones, accumulate=True)
-        self._num_output.index_put_((state_rows,), ones, accumulate=True)
+        kernels.count_sampled(self.counts, self.row_ints, state_rows, tokens)
 
     def tables(self):
         """The kernel's state arguments (atom/kernels/sampling.py)."""
@@ -245,14 +257,15 @@ class SamplingState:
             self.counts,
             self.row_floats,
             self.row_ints,
+            self.bias_start,
             self.bias_tokens,
             self.bias_values,
             self.stop_ids,
         )
 
 
-def _widen(table: torch.Tensor, width: int) -> torch.Tensor:
+def _widen(table: torch.Tensor, width: int, fill) -> torch.Tensor:
     width = 1 << (width - 1).bit_length()  # powers of two: few reallocations
-    wider = torch.zeros(table.shape[0], width, dtype=table.dtype, device=table.device)
+    wider = torch.full((table.shape[0], width), fill, dtype=table.dtype, device=table.device)
     wider[:, : table.shape[1]] = table
     return wider

@@ -158,13 +158,12 @@ class SamplingPlan:
     ) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Tokens [S] and the step's log-probabilities (None if nobody asked)."""
         ops = _KERNELS if logits.is_cuda else _REFERENCES
-        rows = None
+        rows = stats = None
         if self.logprob_rows:
             rows = self.logprob_index
             if rows is None:  # every row: kept for the steps that reuse this plan
                 rows = self.logprob_index = torch.arange(self.num_rows, device=logits.device)
             k = max(self.logprob_k)
-            lse, top_values, top_ids = ops.candidates(logits, rows, k)
         state = self.state
         if state is not None:
             if self.build_tensors is not None:
@@ -172,8 +171,15 @@ class SamplingPlan:
             elif self.fallback_builds is not None:
                 state.apply_builds(*self.fallback_builds)
         if state is not None and params.all_greedy and self.bitmask is None:
-            tokens = ops.greedy(logits, self.state_rows, *state.tables())  # nothing written
+            # nothing written; the raw logits' statistics from the same pass
+            if rows is None:
+                tokens = ops.greedy(logits, self.state_rows, *state.tables())
+            else:
+                tokens, stats = ops.greedy(logits, self.state_rows, *state.tables(), stats=True)
+                lse, top_values, top_ids = ops.candidates(logits, rows, k, stats=stats)
         else:
+            if rows is not None:  # before the sampler, which may scale fp32 logits in place
+                lse, top_values, top_ids = ops.candidates(logits, rows, k)
             if state is not None:
                 processed = ops.options(logits, self.state_rows, *state.tables())
             else:
@@ -216,9 +222,20 @@ _KERNELS = _Ops(
     kernels.logprob_candidates,
     kernels.count_greater,
 )
+
+
+def _greedy_reference(logits, state_rows, *tables, stats: bool = False):
+    tokens = kernels.greedy_with_sampling_options_reference(logits, state_rows, *tables)
+    return (tokens, None) if stats else tokens
+
+
+def _candidates_reference(logits, row_ids, k, stats=None):
+    return kernels.logprob_candidates_reference(logits, row_ids, k)
+
+
 _REFERENCES = _Ops(
     kernels.apply_sampling_options_reference,
-    kernels.greedy_with_sampling_options_reference,
-    kernels.logprob_candidates_reference,
+    _greedy_reference,
+    _candidates_reference,
     kernels.count_greater_reference,
 )

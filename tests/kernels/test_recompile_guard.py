@@ -250,20 +250,20 @@ KERNELS = {
     ),
     # Sampling options and logprobs: rows come from the grid; the vocabulary, the state's
     # bias / stop table widths, the logprob count k and the logits' row stride are runtime.
-    (sampling, "_sampling_options_kernel"): (
-        ["vocab_size", "bias_width", "stop_width", "logits_stride"],
+    (sampling, "_sampling_pass_kernel"): (
+        ["logits_stride", "bias_width", "stop_width", "vocab_size", "num_blocks", "sub_width"],
         [],
     ),
+    (sampling, "_count_sampled_kernel"): (["vocab_size"], []),
     (sampling, "_logprob_candidates_kernel"): (
         ["vocab_size", "logits_stride", "num_blocks", "k"],
         [],
     ),
     (sampling, "_count_greater_kernel"): (["vocab_size", "logits_stride", "num_blocks"], []),
-    (logprob_topk, "_logprob_candidates_filtered_kernel"): (
-        ["vocab_size", "logits_stride", "num_blocks", "k"],
+    (logprob_topk, "_select_topk_kernel"): (
+        ["logits_stride", "vocab_size", "num_blocks", "sub_width", "k"],
         [],
     ),
-    (logprob_topk, "_merge_keys_kernel"): (["num_blocks", "width", "k"], []),
 }
 # pointer arguments not named *_ptr: the scatter kernel's arenas, the page-table kernels'
 POINTERS = {"src", "dst", "rows", "buffer", "positions", "cu_seqlens", "context_lens", "out"}
@@ -284,6 +284,7 @@ DEVICE_FUNCTIONS = {
     (v41_topk, "_order_keys"),
     (v41_topk, "_tile_keys"),
     (logprob_topk, "_order_key"),
+    (logprob_topk, "_ordered_u32"),
 }
 
 
@@ -947,15 +948,20 @@ def test_v4_index_scores_one_variant():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("greedy", [False, True])
-def test_sampling_kernels_one_variant(greedy):
-    """Batch, vocabulary, bias / stop table widths and k all swept (the options kernel in
-    one mode per sweep: GREEDY is a constexpr switch, one variant per mode)."""
+@pytest.mark.parametrize("mode", ["write", "greedy", "greedy_stats", "stats"])
+def test_sampling_kernels_one_variant(mode):
+    """Batch, vocabulary, bias / stop table widths and k all swept through the sampling pass
+    (one mode per sweep: its switches are constexprs, one variant per mode: the options
+    written, their argmax, their argmax with the raw statistics, the statistics alone), the
+    top-k selection, the rank count and the state update."""
+    from atom.model_engine.sampling_state import SamplingState
+
     generator = _generator()
-    options = sampling.greedy_with_sampling_options if greedy else sampling.apply_sampling_options
+    options = sampling.apply_sampling_options if mode == "write" else sampling.greedy_with_sampling_options  # fmt: skip
+    extra = {"stats": True} if mode == "greedy_stats" else {}
 
     def run(n):
-        rows, vocab, k = 1 + n % 64, 1000 + n % 7000, n % 21
+        rows, vocab, k = 1 + n % 64, 1000 + n % 7000, 1 + n % 20
         logits = torch.randn(rows, vocab, device=DEVICE, dtype=BF16, generator=generator)
         state_rows = torch.randint(0, 8, (rows,), device=DEVICE, dtype=torch.int32)
         counts = torch.randint(0, 3, (8, vocab), device=DEVICE, dtype=torch.int32)
@@ -964,30 +970,26 @@ def test_sampling_kernels_one_variant(greedy):
         width = min(n, 4096)
         ints[:, 2:].clamp_(max=width)  # entries within the tables' width
         tokens = torch.randint(0, vocab, (8, width), device=DEVICE, dtype=torch.int32)
+        tokens = tokens.sort(dim=1).values
         values = torch.rand(8, width, device=DEVICE)
-        options(logits, state_rows, counts, floats, ints, tokens, values, tokens)
+        edges = torch.arange(0, vocab + sampling.BLOCK, sampling.BLOCK, device=DEVICE)
+        start = torch.searchsorted(tokens, edges.int().expand(8, -1).contiguous()).int()
         ids = torch.arange(rows, device=DEVICE)
-        sampling.logprob_candidates(logits, ids, k)
+        if mode == "stats":
+            sampling.logprob_candidates(logits, ids, k)
+        else:
+            got = options(logits, state_rows, counts, floats, ints, start, tokens, values, tokens, **extra)  # fmt: skip
+        if mode == "greedy_stats":
+            sampling.logprob_candidates(logits, ids, k, stats=got[1])
         sampling.count_greater(logits, ids, torch.zeros(rows, device=DEVICE))
+        state = SamplingState(8, vocab, torch.device(DEVICE))
+        state._allocate()
+        state.count_sampled(state_rows, torch.randint(0, vocab, (rows,), device=DEVICE))
 
     assert_one_variant(
         sampling,
-        ["_sampling_options_kernel", "_logprob_candidates_kernel", "_count_greater_kernel"],
+        ["_sampling_pass_kernel", "_count_greater_kernel", "_count_sampled_kernel"],
         run,
     )
-
-
-@pytest.mark.gpu
-def test_filtered_logprob_candidates_one_variant():
-    """Batch, vocabulary and k swept through the threshold-filtered candidates kernel."""
-    generator = _generator()
-
-    def run(n):
-        rows, vocab, k = 1 + n % 64, 1000 + n % 7000, n % 21
-        logits = torch.randn(rows, vocab, device=DEVICE, dtype=BF16, generator=generator)
-        ids = torch.arange(rows, device=DEVICE)
-        sampling.logprob_candidates(logits, ids, k, method="filtered")
-
-    assert_one_variant(
-        logprob_topk, ["_logprob_candidates_filtered_kernel", "_merge_keys_kernel"], run
-    )
+    if mode in ("stats", "greedy_stats"):
+        assert_one_variant(logprob_topk, ["_select_topk_kernel"], run)
