@@ -11,6 +11,8 @@
    already built); plus the host time of the plan staged in a RunnerSlot and published:
    `host_plan_ms` for an unchanged decode batch (the steady state), and for the first
    step (every state row built from its tokens) and a step that replaces one request.
+   Once per --max-model-len (default 131072, Llama-3.2-1B's context, then 8192): the
+   SamplingState's counts are int32 for the first, int16 (half the bytes) up to 32767.
 2. `engine` (CUDA): the same workload end to end, random Llama-3.2-1B-shape weights,
    --batch prompts decoding --decode-len tokens, plain greedy vs the options; decode
    milliseconds per step of each (a prefill-only run subtracted).
@@ -34,6 +36,7 @@ import torch
 from atom.benchmarks.offline_throughput import LLAMA_32_1B
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler, SamplingTensors
+from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -91,7 +94,7 @@ def _stage_plan(slot: RunnerSlot, batch: ScheduledBatch):
     return plan
 
 
-def sampler_cost(args, device: torch.device) -> dict:
+def sampler_cost(args, device: torch.device, max_model_len: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     vocab, batch = args.vocab, args.batch
     bias = torch.randint(0, vocab, (16,), generator=generator).tolist()
@@ -105,7 +108,8 @@ def sampler_cost(args, device: torch.device) -> dict:
         seqs.append(seq)
     spare, seqs = seqs[-1], seqs[:-1]
     max_len = args.prompt_len + args.output_len + 16
-    slot = RunnerSlot(0, batch, max(batch, 2048), -(-max_len // 16), 16, vocab, device)
+    state = SamplingState(batch, vocab, device, max_count=max_model_len)
+    slot = RunnerSlot(0, batch, max(batch, 2048), -(-max_len // 16), 16, vocab, device, sampling_state=state)  # fmt: skip
     logits = torch.randn(batch, vocab, generator=generator).to(device, torch.bfloat16)
     sampler, greedy = Sampler(), SamplingTensors(all_greedy=True)
 
@@ -136,6 +140,8 @@ def sampler_cost(args, device: torch.device) -> dict:
     record = dict(
         case="sampler",
         device=str(device),
+        max_model_len=max_model_len,
+        counts_dtype=str(state.count_dtype).removeprefix("torch."),
         batch=batch,
         vocab=vocab,
         prompt_len=args.prompt_len,
@@ -148,7 +154,7 @@ def sampler_cost(args, device: torch.device) -> dict:
         host_plan_one_row_changed_ms=round(one_row_ms, 3),
     )
     emit(record)
-    if args.breakdown:
+    if args.breakdown and max_model_len == args.max_model_len[0]:
         from atom.benchmarks.sampler_breakdown import run_breakdown
 
         run_breakdown(plan, sampler, logits, greedy, timed, emit, device, args.iters)
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--max-model-len", type=int, nargs="+", default=[131072, 8192])
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument(
         "--breakdown",
@@ -219,17 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    micro = sampler_cost(args, device)
+    micros = [sampler_cost(args, device, n) for n in args.max_model_len]
     if device.type == "cuda" and not args.skip_engine:
         macro = engine_cost(args)
+        step_ms = macro["plain_decode_ms_per_step"]
         emit(
             dict(
                 case="summary",
-                sampler_extra_ms=micro["extra_ms"],
-                plain_decode_ms_per_step=macro["plain_decode_ms_per_step"],
-                sampler_extra_fraction_of_step=round(
-                    micro["extra_ms"] / macro["plain_decode_ms_per_step"], 4
-                ),
+                plain_decode_ms_per_step=step_ms,
+                **{
+                    f"sampler_extra_fraction_of_step_{m['counts_dtype']}_counts": round(
+                        m["extra_ms"] / step_ms, 4
+                    )  # fmt: skip
+                    for m in micros
+                },
                 engine_extra_fraction=macro["extra_fraction"],
             )
         )

@@ -7,8 +7,8 @@ row's logits once and, by its constexpr switches:
   presence penalties, reading the row's state from device tensors owned by `SamplingState`
   (atom/model_engine/sampling_state.py):
 
-      counts      [R, V] int32   output-token counts of state row r; bit 30 (PROMPT_FLAG)
-                                 set where the token occurs in the prompt
+      counts      [R, V] int16 or int32  output-token counts of state row r; the sign
+                                 bit set where the token occurs in the prompt
       row_floats  [R, 3] f32     presence, frequency, repetition
       row_ints    [R, 4] int32   min_tokens, output tokens so far, bias entries, stop ids
       bias_start  [R, blocks + 1] int32  where each block's bias entries start (sorted)
@@ -53,8 +53,8 @@ except ImportError:  # no Triton: keep the module importable for the references
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f), cdiv=None)
     tl = SimpleNamespace(constexpr=None)
 
-PROMPT_FLAG = 1 << 30  # in counts: the token occurs in the prompt
-COUNT_MASK = PROMPT_FLAG - 1
+# counts (int16 or int32): the sign bit flags a token of the prompt, the rest counts it
+COUNT_DTYPES = (torch.int16, torch.int32)
 BLOCK = 2048  # logits per program of the sampling pass (H200: faster than 4096, 8192)
 NUM_WARPS = 4
 # How logprob_candidates finds the top k on the device (see its docstring); the others stay
@@ -141,16 +141,18 @@ def _sampling_pass_kernel(
                 token = tl.load(stop_ids_ptr + state * stop_width + j)
                 x = tl.where(offs == token - start, float("-inf"), x)
         counts = tl.load(counts_ptr + state * vocab_size + start + offs, mask=mask, other=0)
-        output = (counts & 0x3FFFFFFF).to(tl.float32)
-        seen = (counts >= 0x40000000) | (output > 0)
+        if counts_ptr.dtype.element_ty == tl.int16:  # the sign bit: the prompt flag
+            output = (counts.to(tl.int32) & 0x7FFF).to(tl.float32)
+        else:
+            output = (counts & 0x7FFFFFFF).to(tl.float32)
+        seen = (counts < 0) | (output > 0)
         penalised = tl.where(x > 0, x / repetition, x * repetition)
         x = tl.where(seen, penalised, x)
         x = x - frequency * output
         x = x - tl.where(output > 0, presence, 0.0)
     if MODE == 1:
         x = tl.where(mask, x, float("-inf"))
-        best = tl.max(x, 0)
-        index = tl.min(tl.where((x == best) & mask, offs, BLOCK), 0)
+        best, index = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
         tl.store(block_best_ptr + slot, best)
         tl.store(block_arg_ptr + slot, tl.minimum(start + index, vocab_size - 1))
     if MODE == 2:
@@ -239,8 +241,8 @@ def apply_sampling_options_reference(logits, state_rows, counts, row_floats, row
     r = index.unsqueeze(1).expand_as(masked)[masked]
     x[r, stop_ids[rows].long()[masked]] = float("-inf")
     state = counts[rows]
-    output = (state & COUNT_MASK).float()
-    seen = (state >= PROMPT_FLAG) | (output > 0)
+    output = (state & torch.iinfo(state.dtype).max).float()
+    seen = (state < 0) | (output > 0)
     floats = row_floats[rows]
     repetition = floats[:, 2:3]
     x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
@@ -391,22 +393,26 @@ def count_greater_reference(logits, row_ids, threshold):
 
 @triton.jit(do_not_specialize=["vocab_size"])
 def _count_sampled_kernel(counts_ptr, row_ints_ptr, state_rows_ptr, tokens_ptr, vocab_size):
-    """counts[state_rows[i], tokens[i]] += 1 and the row's output tokens += 1 (atomics: the
-    null row may repeat). Grid (S,)."""
+    """counts[state_rows[i], tokens[i]] += 1 and the row's output tokens += 1, except for the
+    null row 0 (neutral options: its counts are never read). Grid (S,); a state row appears
+    at most once in a step (one per running request), so no atomics."""
     i = tl.program_id(0)
     state = tl.load(state_rows_ptr + i).to(tl.int64)
     token = tl.load(tokens_ptr + i).to(tl.int64)
-    tl.atomic_add(counts_ptr + state * vocab_size + token, 1)
-    tl.atomic_add(row_ints_ptr + state * 4 + 1, 1)
+    if state != 0:
+        count = counts_ptr + state * vocab_size + token
+        tl.store(count, tl.load(count) + 1)
+        tl.store(row_ints_ptr + state * 4 + 1, tl.load(row_ints_ptr + state * 4 + 1) + 1)
 
 
 def count_sampled(counts, row_ints, state_rows, tokens) -> None:
     """Count each sampling row's token into its state row (device tensors [S])."""
     if not use_triton(counts):
-        ones = torch.ones(len(tokens), dtype=counts.dtype, device=counts.device)
-        rows = state_rows.long()
-        counts.index_put_((rows, tokens.long()), ones, accumulate=True)
-        row_ints[:, 1].index_put_((rows,), ones, accumulate=True)
+        real = state_rows != 0
+        rows, tokens = state_rows[real].long(), tokens[real].long()
+        ones = torch.ones(len(rows), dtype=counts.dtype, device=counts.device)
+        counts.index_put_((rows, tokens), ones, accumulate=True)
+        row_ints[:, 1].index_put_((rows,), ones.int(), accumulate=True)
         return
     if len(tokens):
         _count_sampled_kernel[(len(tokens),)](counts, row_ints, state_rows, tokens, counts.shape[1])  # fmt: skip

@@ -14,9 +14,13 @@ pytest.importorskip("triton")
 
 BLOCK = sampling.BLOCK
 SUB = logprob_topk.SUB
+# the kernels: compiled on a GPU machine, interpreted on CPU (a CPU tensor on a GPU
+# machine would take the torch reference, whose ties are in any order)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check(logits, rows, k: int) -> None:
+    logits, rows = logits.to(DEVICE), rows.to(DEVICE)
     want_lse, want_values, want_ids = logprob_topk.topk_lower_index_reference(logits, rows, k)
     lse, values, ids = sampling.logprob_candidates(logits, rows, k, method="select")
     torch.testing.assert_close(lse.cpu(), want_lse.cpu(), rtol=0, atol=1e-5)
@@ -73,16 +77,16 @@ def test_statistics_of_the_greedy_options_pass():
 
     generator = torch.Generator().manual_seed(7)
     vocab, rows = 3 * BLOCK + 11, 4
-    logits = torch.randn(rows, vocab, generator=generator)
-    state = SamplingState(rows, vocab, torch.device("cpu"))
+    logits = torch.randn(rows, vocab, generator=generator).to(DEVICE)
+    state = SamplingState(rows, vocab, torch.device(DEVICE))
     state._allocate()
     state.row_floats[1] = torch.tensor([0.5, 0.3, 1.3])
     state.counts[1, logits[2].argmax()] = 3  # row 2 reads state 1: its argmax penalised
-    state_rows = torch.tensor([0, 0, 1, 0], dtype=torch.int32)
+    state_rows = torch.tensor([0, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     tokens, stats = sampling.greedy_with_sampling_options(logits, state_rows, *state.tables(), stats=True)  # fmt: skip
     want = sampling.greedy_with_sampling_options_reference(logits, state_rows, *state.tables())
     assert tokens.tolist() == want.tolist() and want[2] != logits[2].argmax()
-    subset = torch.tensor([2, 0])
+    subset = torch.tensor([2, 0], device=DEVICE)
     got = sampling.logprob_candidates(logits, subset, 20, method="select", stats=stats)
     lse, values, ids = logprob_topk.topk_lower_index_reference(logits, subset, 20)
     torch.testing.assert_close(got[0], lse, rtol=0, atol=1e-5)
@@ -91,13 +95,13 @@ def test_statistics_of_the_greedy_options_pass():
 
 def test_logprob_candidates_switch():
     generator = torch.Generator().manual_seed(5)
-    logits = torch.randn(3, BLOCK + 9, generator=generator)
-    rows = torch.tensor([1, 2])
+    logits = torch.randn(3, BLOCK + 9, generator=generator).to(DEVICE)
+    rows = torch.tensor([1, 2], device=DEVICE)
     want = logprob_topk.topk_lower_index_reference(logits, rows, 20)
     for method in sampling.CANDIDATE_METHODS:
         lse, values, ids = sampling.logprob_candidates(logits, rows, 20, method=method)
         torch.testing.assert_close(lse, want[0], rtol=0, atol=1e-5)
-        assert torch.equal(values, want[1]) and ids.tolist() == want[2].tolist()
+        assert torch.equal(values, want[1]) and ids.tolist() == want[2].tolist(), method
     assert sampling.CANDIDATES == "select"  # the default (H200 breakdown)
     with pytest.raises(sampling.CandidateMethodError, match="ATOM_LOGPROB_CANDIDATES"):
         sampling.logprob_candidates(logits, rows, 3, method="sorted")
