@@ -43,6 +43,7 @@ SUB = 32  # logits per sub-block (the pass's BLOCK is a multiple)
 KMAX = 32  # the largest k the kernel takes (larger: the torch reference)
 CAPACITY = 2 * KMAX  # candidate sub-blocks: < k above the threshold + k at it
 CHUNK = 4096  # sub-block maxima per step of the threshold's rounds
+NUM_WARPS = 4
 
 
 @dataclass
@@ -176,7 +177,7 @@ def select_topk(logits: torch.Tensor, logit_rows: torch.Tensor, stats: LogitStat
             logits, logits.stride(0), logit_rows, stat_rows,
             stats.block_max, stats.block_sum, stats.sub_max, scratch, lse, values, ids,
             logits.shape[1], stats.block_max.shape[1], stats.sub_max.shape[1], k,
-            SUB=SUB, CHUNK=CHUNK, CAPACITY=CAPACITY, num_warps=4,
+            SUB=SUB, CHUNK=CHUNK, CAPACITY=CAPACITY, num_warps=NUM_WARPS,
         )  # fmt: skip
     return lse, values, ids
 
