@@ -11,8 +11,6 @@
    already built); plus the host time of the plan staged in a RunnerSlot and published:
    `host_plan_ms` for an unchanged decode batch (the steady state), and for the first
    step (every state row built from its tokens) and a step that replaces one request.
-   Once per --max-model-len (default 131072, Llama-3.2-1B's context, then 8192): the
-   SamplingState's counts are int32 for the first, int16 (half the bytes) up to 32767.
 2. `engine` (CUDA): the same workload end to end, random Llama-3.2-1B-shape weights,
    --batch prompts decoding --decode-len tokens, plain greedy vs the options; decode
    milliseconds per step of each (a prefill-only run subtracted).
@@ -38,7 +36,6 @@ import torch
 from atom.benchmarks.offline_throughput import LLAMA_32_1B
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler, SamplingTensors
-from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -96,7 +93,7 @@ def _stage_plan(slot: RunnerSlot, batch: ScheduledBatch):
     return plan
 
 
-def sampler_cost(args, device: torch.device, max_model_len: int) -> dict:
+def sampler_cost(args, device: torch.device) -> dict:
     generator = torch.Generator().manual_seed(0)
     vocab, batch = args.vocab, args.batch
     bias = torch.randint(0, vocab, (16,), generator=generator).tolist()
@@ -110,8 +107,7 @@ def sampler_cost(args, device: torch.device, max_model_len: int) -> dict:
         seqs.append(seq)
     spare, seqs = seqs[-1], seqs[:-1]
     max_len = args.prompt_len + args.output_len + 16
-    state = SamplingState(batch, vocab, device, max_count=max_model_len)
-    slot = RunnerSlot(0, batch, max(batch, 2048), -(-max_len // 16), 16, vocab, device, sampling_state=state)  # fmt: skip
+    slot = RunnerSlot(0, batch, max(batch, 2048), -(-max_len // 16), 16, vocab, device)
     logits = torch.randn(batch, vocab, generator=generator).to(device, torch.bfloat16)
     sampler, greedy = Sampler(), SamplingTensors(all_greedy=True)
 
@@ -142,8 +138,6 @@ def sampler_cost(args, device: torch.device, max_model_len: int) -> dict:
     record = dict(
         case="sampler",
         device=str(device),
-        max_model_len=max_model_len,
-        counts_dtype=str(state.count_dtype).removeprefix("torch."),
         batch=batch,
         vocab=vocab,
         prompt_len=args.prompt_len,
@@ -164,7 +158,7 @@ def sampler_cost(args, device: torch.device, max_model_len: int) -> dict:
         if isinstance(plain_graph, float) and isinstance(with_graph, float):
             record["extra_graph_ms"] = round(with_graph - plain_graph, 4)
     emit(record)
-    if args.breakdown and max_model_len == args.max_model_len[0]:
+    if args.breakdown:
         from atom.benchmarks.sampler_breakdown import run_breakdown
 
         run_breakdown(plan, sampler, logits, greedy, timed, emit, device, args.iters)
@@ -227,7 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--max-model-len", type=int, nargs="+", default=[131072, 8192])
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument(
         "--breakdown",
@@ -236,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    micros = [sampler_cost(args, device, n) for n in args.max_model_len]
+    micro = sampler_cost(args, device)
     if device.type == "cuda" and not args.skip_engine:
         macro = engine_cost(args)
         step_ms = macro["plain_decode_ms_per_step"]
@@ -244,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
             dict(
                 case="summary",
                 plain_decode_ms_per_step=step_ms,
-                **{
-                    f"sampler_extra_fraction_of_step_{m['counts_dtype']}_counts": round(
-                        m["extra_ms"] / step_ms, 4
-                    )  # fmt: skip
-                    for m in micros
-                },
+                sampler_extra_ms=micro["extra_ms"],
+                sampler_extra_fraction_of_step=round(micro["extra_ms"] / step_ms, 4),
+                sampler_device_extra_ms=micro.get("extra_graph_ms"),
+                sampler_device_extra_fraction_of_step=(
+                    round(micro["extra_graph_ms"] / step_ms, 4)
+                    if "extra_graph_ms" in micro
+                    else None
+                ),
                 engine_extra_fraction=macro["extra_fraction"],
             )
         )

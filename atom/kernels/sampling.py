@@ -7,8 +7,8 @@ row's logits once and, by its constexpr switches:
   presence penalties, reading the row's state from device tensors owned by `SamplingState`
   (atom/model_engine/sampling_state.py):
 
-      counts      [R, V] int16 or int32  output-token counts of state row r; the sign
-                                 bit set where the token occurs in the prompt
+      counts      [R, V] int32   output-token counts of state row r; the sign bit
+                                 (PROMPT_FLAG) set where the token occurs in the prompt
       row_floats  [R, 3] f32     presence, frequency, repetition
       row_ints    [R, 4] int32   min_tokens, output tokens so far, bias entries, stop ids
       bias_start  [R, blocks + 1] int32  where each block's bias entries start (sorted)
@@ -53,9 +53,10 @@ except ImportError:  # no Triton: keep the module importable for the references
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f), cdiv=None)
     tl = SimpleNamespace(constexpr=None)
 
-# counts (int16 or int32): the sign bit flags a token of the prompt, the rest counts it
-COUNT_DTYPES = (torch.int16, torch.int32)
-BLOCK = 2048  # logits per program of the sampling pass (H200: faster than 4096, 8192)
+PROMPT_FLAG = -(1 << 31)  # in counts: the sign bit flags a token of the prompt
+# logits per program of the sampling pass, its warps: the fastest on the H200 of 1024-8192
+# and 2-8 warps (docs/benchmarks.md)
+BLOCK = 1024
 NUM_WARPS = 4
 # How logprob_candidates finds the top k on the device (see its docstring); the others stay
 # for the H200 comparison (python -m atom.benchmarks.sampler --breakdown).
@@ -141,11 +142,8 @@ def _sampling_pass_kernel(
                 token = tl.load(stop_ids_ptr + state * stop_width + j)
                 x = tl.where(offs == token - start, float("-inf"), x)
         counts = tl.load(counts_ptr + state * vocab_size + start + offs, mask=mask, other=0)
-        if counts_ptr.dtype.element_ty == tl.int16:  # the sign bit: the prompt flag
-            output = (counts.to(tl.int32) & 0x7FFF).to(tl.float32)
-        else:
-            output = (counts & 0x7FFFFFFF).to(tl.float32)
-        seen = (counts < 0) | (output > 0)
+        output = (counts & 0x7FFFFFFF).to(tl.float32)
+        seen = (counts < 0) | (output > 0)  # the sign bit: a token of the prompt
         penalised = tl.where(x > 0, x / repetition, x * repetition)
         x = tl.where(seen, penalised, x)
         x = x - frequency * output
@@ -241,7 +239,7 @@ def apply_sampling_options_reference(logits, state_rows, counts, row_floats, row
     r = index.unsqueeze(1).expand_as(masked)[masked]
     x[r, stop_ids[rows].long()[masked]] = float("-inf")
     state = counts[rows]
-    output = (state & torch.iinfo(state.dtype).max).float()
+    output = (state & ~PROMPT_FLAG).float()
     seen = (state < 0) | (output > 0)
     floats = row_floats[rows]
     repetition = floats[:, 2:3]

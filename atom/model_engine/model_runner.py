@@ -89,9 +89,7 @@ class ModelRunner:
         self.num_state_slots = config.max_num_seqs if uses_state else 0
         self.sampler = Sampler(greedy_argmax=config.fusions.greedy_argmax)
         # Penalties, logit_bias, min_tokens state of running requests, shared by the slots.
-        self.sampling_state = SamplingState(
-            config.max_num_seqs, hf_config.vocab_size, self.device, max_count=max_model_len
-        )
+        self.sampling_state = SamplingState(config.max_num_seqs, hf_config.vocab_size, self.device)
         max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.slots = [
             RunnerSlot(

@@ -4,8 +4,8 @@ What penalties, logit_bias and min_tokens need lives in device tensors owned by 
 object, one *state row* per running request that asks for any of them (row 0 is the null
 row: neutral options, used by requests without them):
 
-    counts      [R, V] int16 (max_count <= 32767) or int32: output-token counts, the sign
-                              bit set for a token of the prompt
+    counts      [R, V] int32  output-token counts, the sign bit (PROMPT_FLAG) = a token of
+                              the prompt
     row_floats  [R, 3] f32    presence, frequency, repetition
     row_ints    [R, 4] int32  min_tokens, output tokens so far, bias entries, stop ids
     bias_tokens / bias_values [R, Wb], stop_ids [R, Ws]   (widths grow on demand)
@@ -61,12 +61,8 @@ class StagedBuilds:
 
 
 class SamplingState:
-    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device, max_count: int | None = None):  # fmt: skip
-        """`max_count`: the most times a request can emit one token (its max_model_len):
-        up to 32767 the counts are int16, half the bytes the sampling pass reads."""
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device):
         self.num_rows = max_num_seqs + 1
-        small = max_count is not None and max_count <= torch.iinfo(torch.int16).max
-        self.count_dtype = torch.int16 if small else torch.int32
         self.vocab_size = vocab_size
         self.device = device
         self._row_of: dict[int, int] = {}  # seq_id -> state row
@@ -127,7 +123,7 @@ class SamplingState:
 
     def _allocate(self) -> None:
         rows, device = self.num_rows, self.device
-        self.counts = torch.zeros(rows, self.vocab_size, dtype=self.count_dtype, device=device)
+        self.counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=device)
         self.row_floats = torch.zeros(rows, 3, dtype=torch.float32, device=device)
         self.row_floats[:, 2] = 1.0
         self.row_ints = torch.zeros(rows, 4, dtype=torch.int32, device=device)
@@ -230,11 +226,10 @@ class SamplingState:
         entries = entries.long()
         end = builds.num_prompt
         prompt = entries[:end]
-        flag = torch.iinfo(self.count_dtype).min  # the sign bit alone
-        flag = torch.full((end,), flag, dtype=self.count_dtype, device=self.device)
+        flag = torch.full((end,), kernels.PROMPT_FLAG, dtype=torch.int32, device=self.device)
         self.counts.index_put_((prompt[:, 0], prompt[:, 2]), flag)  # repeats: same value
         output = entries[end : end + builds.num_output]
-        ones = torch.ones(len(output), dtype=self.count_dtype, device=self.device)
+        ones = torch.ones(len(output), dtype=torch.int32, device=self.device)
         self.counts.index_put_((output[:, 0], output[:, 2]), ones, accumulate=True)
         end += builds.num_output
         bias = entries[end : end + builds.num_bias]
