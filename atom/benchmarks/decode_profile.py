@@ -229,10 +229,11 @@ def configurations(ablate: bool) -> list[tuple[str, Fusions]]:
     return configs
 
 
-def baseline_ms(records: list[tuple[str, dict]]) -> float:
-    """The baseline's step time: the mean of its first and last measurement (drift)."""
+def baseline_ms(records: list[tuple[str, dict]]) -> float | None:
+    """The baseline's step time: the mean of its first and last measurement (drift); None
+    when the run measured no baseline (--profile-kernels: the defaults alone)."""
     times = [r["decode_ms_per_step"] for label, r in records if label.startswith("baseline")]
-    return sum(times) / len(times)
+    return sum(times) / len(times) if times else None
 
 
 def print_table(shape: str, records: list[tuple[str, dict]]) -> None:
@@ -244,10 +245,10 @@ def print_table(shape: str, records: list[tuple[str, dict]]) -> None:
         file=sys.stderr,
     )
     for label, r in records:
-        speedup = base_ms / r["decode_ms_per_step"]
+        speedup = f"{base_ms / r['decode_ms_per_step']:>9.3f}" if base_ms else f"{'-':>9}"
         print(
             f"{label:<14}{r['decode_tok_s']:>9.0f}{r['decode_ms_per_step']:>9.3f}"
-            f"{speedup:>9.3f}{r['kernels_per_step']:>9.1f}{r['gpu_us_per_step']:>9.1f}"
+            f"{speedup}{r['kernels_per_step']:>9.1f}{r['gpu_us_per_step']:>9.1f}"
             f"{r['fraction_of_weight_read_limit']:>9.2f}",
             file=sys.stderr,
         )

@@ -28,3 +28,19 @@ def test_ablation_configurations():
     assert Fusions.only(*names()).enabled() == names()
     with pytest.raises(FusionSettingError, match="unknown fusions"):
         Fusions.only("fused_everything")
+
+
+def test_profile_kernels_table_without_a_baseline(capsys):
+    """`--profile-kernels` measures the defaults alone: the table prints without speed-ups
+    (no baseline to divide by), `--ablate`'s with them."""
+    from atom.benchmarks import decode_profile
+
+    record = dict(decode_tok_s=900.0, decode_ms_per_step=1.1, kernels_per_step=180.0,
+                  gpu_us_per_step=1050.0, fraction_of_weight_read_limit=0.5)  # fmt: skip
+    decode_profile.print_table("shape", [("default", record)])
+    assert decode_profile.baseline_ms([("default", record)]) is None
+    table = capsys.readouterr().err.splitlines()[-1].split()
+    assert table == ["default", "900", "1.100", "-", "180.0", "1050.0", "0.50"]
+    faster = dict(record, decode_ms_per_step=0.55)
+    decode_profile.print_table("shape", [("baseline", record), ("all", faster)])
+    assert capsys.readouterr().err.splitlines()[-1].split()[3] == "2.000"
