@@ -63,7 +63,7 @@ def candidates(quick: bool = False):
     from atom.kernels.decode_attention_short import CONFIGS, DEFAULT_CONFIG, ShortDecodeConfig
 
     found = []
-    for block_n, warps in ((64, (2, 4)), (128, (4, 8)), (256, (4, 8))):
+    for block_n, warps in ((32, (2, 4)), (64, (2, 4)), (128, (4, 8)), (256, (4, 8))):
         for num_warps in warps:
             for num_stages in (1,) if quick else (1, 2):
                 for tiles in (1, 2) if quick else (1, 2, 4):

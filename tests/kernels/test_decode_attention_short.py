@@ -108,6 +108,8 @@ GEOMETRIES = [(32, 8, 64), (9, 3, 64)]  # Llama-3.2-1B, SmolLM2-135M
 def test_short_decode_sweep_candidates_match_reference(
     num_q_heads, num_kv_heads, head_dim, kv_cache_dtype
 ):
+    """bf16: the default and the quick sweep's candidates (the full sweep checks its own
+    outputs, max_err); fp8: the default."""
     from atom.benchmarks.decode_attention_sweep import candidates
 
     context_lens = [4096, 1, 0, 257, 255, 256, 1000, 64]
@@ -123,7 +125,8 @@ def test_short_decode_sweep_candidates_match_reference(
         lens = torch.tensor(context_lens[rows], dtype=torch.int32, device="cuda")
         args = (q, k_cache, v_cache, block_tables[rows], lens, head_dim**-0.5)
         expected = paged_decode_attention_reference(*args, **kv_scales)
-        for config in [None, *candidates()]:
+        configs = [None, *candidates(quick=True)] if kv_cache_dtype == "auto" else [None]
+        for config in configs:
             out = torch.full_like(q, float("nan"))
             paged_decode_attention_short(*args, out=out, config=config, **kv_scales)
             torch.testing.assert_close(
@@ -159,3 +162,20 @@ def test_short_decode_replays_in_cuda_graph_with_new_lengths():
         expected = paged_decode_attention_reference(*args)
         torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=3e-2)
     assert not split_counters(q.device, 4 * num_kv_heads).any()
+
+
+def test_sweep_chooses_the_smallest_worst_slowdown_and_prints_a_pasteable_table():
+    from atom.benchmarks.decode_attention_sweep import candidates, choose, config_table, label
+
+    times = {  # case -> path -> us
+        (1, 512, 64): {"a": 1.0, "b": 1.1, "c": 3.0},
+        (1, 512, 384): {"a": 2.0, "b": 1.2, "c": 1.0},
+    }
+    assert choose(times, ["a", "b", "c"]) == "b"  # worst 1.2x; a is 2x off, c 3x
+    configs = candidates()
+    assert len({label(c) for c in configs}) == len(configs)
+    assert candidates(quick=True) and set(candidates(quick=True)) <= set(configs)
+    chosen = {(32, 8, 64): configs[0], (9, 3, 64): configs[-1]}
+    namespace = {"ShortDecodeConfig": ShortDecodeConfig}
+    exec(config_table(chosen), namespace)  # what the lead pastes into CONFIGS
+    assert namespace["CONFIGS"] == chosen
