@@ -65,10 +65,15 @@ def candidates(quick: bool = False):
     found = []
     for block_n, warps in ((32, (2, 4)), (64, (2, 4)), (128, (4, 8)), (256, (4, 8))):
         for num_warps in warps:
-            for num_stages in (1,) if quick else (1, 2):
+            # 32-token tiles: many short trips; 256: one or two a split. Pipelining in between.
+            for num_stages in (1,) if quick or block_n in (32, 256) else (1, 2):
                 for tiles in (1, 2) if quick else (1, 2, 4):
-                    config = ShortDecodeConfig(block_n, tiles * block_n, num_warps, num_stages)
-                    found.append(config)
+                    split_tokens = tiles * block_n
+                    found.append(ShortDecodeConfig(block_n, split_tokens, num_warps, num_stages))
+                    if split_tokens <= 128 and not quick:  # the grid's cap bites: lift it
+                        found.append(
+                            ShortDecodeConfig(block_n, split_tokens, num_warps, num_stages, 16)
+                        )
     for config in (DEFAULT_CONFIG, *CONFIGS.values()):
         if config not in found:
             found.append(config)
@@ -78,7 +83,10 @@ def candidates(quick: bool = False):
 def label(config) -> str:
     if isinstance(config, str):
         return config
-    return f"n{config.block_n}-s{config.split_tokens}-w{config.num_warps}-st{config.num_stages}"
+    return (
+        f"n{config.block_n}-s{config.split_tokens}-w{config.num_warps}-st{config.num_stages}"
+        f"-p{config.programs_per_sm}"
+    )
 
 
 # -- timing --------------------------------------------------------------------------------
@@ -181,7 +189,7 @@ def config_table(chosen: dict[tuple[int, int, int], object]) -> str:
         lines.append(
             f"    {geometry}: ShortDecodeConfig(block_n={config.block_n}, "
             f"split_tokens={config.split_tokens}, num_warps={config.num_warps}, "
-            f"num_stages={config.num_stages}),"
+            f"num_stages={config.num_stages}, programs_per_sm={config.programs_per_sm}),"
         )
     lines.append("}")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ import torch
 
 from atom.kernels import dot_precision, use_triton
 from atom.kernels.decode_attention import (
+    _multi_processors,
     check_kv_scales,
     paged_decode_attention_reference,
     placeholder,
@@ -66,17 +67,23 @@ class ShortDecodeConfig:
 
     block_n: tokens per tile (one loop trip); split_tokens: context tokens per split, a
     multiple of block_n (contexts up to it run one program per kv head and no merge);
-    num_warps, num_stages: Triton launch options.
+    num_warps, num_stages: Triton launch options; programs_per_sm: the grid's size at most
+    (batch x kv heads x splits, over the SM count; past it splits get longer). Programs
+    past a row's context still cost a load each: a grid of several waves of them delays
+    the kernel's end by a round trip a wave.
     """
 
     block_n: int
     split_tokens: int
     num_warps: int = 4
     num_stages: int = 1
+    programs_per_sm: int = 4
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
         if self.split_tokens < self.block_n or self.split_tokens % self.block_n:
             raise ValueError(
                 f"split_tokens ({self.split_tokens}) must be a positive multiple of block_n "
@@ -299,13 +306,22 @@ def _interpreted_bf16(q: torch.Tensor) -> bool:
     return not q.is_cuda and q.dtype == torch.bfloat16
 
 
-def grid_splits(max_context: int, config: ShortDecodeConfig) -> tuple[int, int]:
-    """(split_tokens, num_splits) for a block table holding ``max_context`` tokens a row:
-    the configured split size, longer where more than MAX_SPLITS splits would be needed."""
+def grid_splits(
+    max_context: int,
+    config: ShortDecodeConfig,
+    programs: int = 1,
+    multi_processors: int | None = None,
+) -> tuple[int, int]:
+    """(split_tokens, num_splits) for a block table holding ``max_context`` tokens a row
+    and ``programs`` (sequence, kv head) pairs: the configured split size, longer (whole
+    tiles) where more than MAX_SPLITS splits, or more programs than ``programs_per_sm`` x
+    ``multi_processors``, would be needed."""
+    max_splits = MAX_SPLITS
+    if multi_processors is not None:
+        max_splits = min(max_splits, max(1, config.programs_per_sm * multi_processors // programs))
     block_n = config.block_n
-    split_tokens = max(
-        config.split_tokens, triton.cdiv(max_context, MAX_SPLITS * block_n) * block_n
-    )
+    longest = triton.cdiv(max_context, max_splits * block_n) * block_n
+    split_tokens = max(config.split_tokens, longest)
     return split_tokens, max(1, triton.cdiv(max_context, split_tokens))
 
 
@@ -347,7 +363,10 @@ def paged_decode_attention_short(
         return out
     config = config or config_for(num_q_heads, num_kv_heads, head_dim)
     table_width = block_tables.shape[1]
-    split_tokens, num_splits = grid_splits(table_width * block_size, config)
+    multi_processors = _multi_processors(q.device) if q.is_cuda else None  # no cap on CPU
+    split_tokens, num_splits = grid_splits(
+        table_width * block_size, config, batch * num_kv_heads, multi_processors
+    )
     counters = split_counters(q.device, batch * num_kv_heads)
     partial_out = partial_lse = placeholder(q.device)  # the same pointer dtype: one variant
     if num_splits > 1:

@@ -83,6 +83,9 @@ def test_wide_tables_get_longer_splits_not_more(monkeypatch):
     config = ShortDecodeConfig(block_n=16, split_tokens=16)
     assert grid_splits(312, config) == (16, 20)
     assert grid_splits(1, config) == (16, 1)
+    # 132 SMs, 4 programs each, batch 4 x 8 kv heads: at most 16 splits
+    assert grid_splits(8192, ShortDecodeConfig(64, 64), 32, 132) == (512, 16)
+    assert grid_splits(8192, ShortDecodeConfig(64, 64, programs_per_sm=16), 32, 132) == (128, 64)
     monkeypatch.setattr(decode_attention_short, "MAX_SPLITS", 4)
     assert grid_splits(312, config) == (80, 4)  # cdiv(312, 4 * 16) tiles of 16 a split
     args, kv_scales = _case([300, 5], torch.float32, "auto", seed=2)
