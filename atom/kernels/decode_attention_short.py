@@ -20,7 +20,7 @@ that merges the splits. This kernel:
   before the current tile's math, so each loop trip waits on one memory round trip;
 - writes the output directly when a row uses one split (no partials, no merge); with
   several, the last split of a (sequence, kv head) to finish (an atomic counter, left at
-  zero for the next launch) merges their partial results, MERGE_CHUNK splits at a time.
+  zero for the next launch) merges their partial results, merge_chunk() splits at a time.
 
 Tile size, split size, num_warps and num_stages are per head geometry: ``CONFIGS`` (pasted
 from ``python -m atom.benchmarks.decode_attention_sweep`` on the H200), ``DEFAULT_CONFIG``
@@ -58,7 +58,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 MAX_BATCH = 4  # the benchmark's largest batch; larger batches keep paged_decode_attention
 MAX_SPLITS = 128  # a wider table gets longer splits (the grid never grows past this)
-MERGE_CHUNK = 16  # splits merged per loop trip of the merging program
+MERGE_TILE = 4096  # fp32 elements of partial output merged per loop trip (see merge_chunk)
 
 
 @dataclass(frozen=True)
@@ -94,10 +94,14 @@ class ShortDecodeConfig:
 # (num_q_heads, num_kv_heads, head_dim) -> config. Paste the sweep's table here.
 CONFIGS: dict[tuple[int, int, int], ShortDecodeConfig] = {}
 DEFAULT_CONFIG = ShortDecodeConfig(block_n=128, split_tokens=256, num_warps=4, num_stages=1)
+WIDE_HEADS_CONFIG = ShortDecodeConfig(block_n=64, split_tokens=256, num_warps=8, num_stages=1)
 
 
 def config_for(num_q_heads: int, num_kv_heads: int, head_dim: int) -> ShortDecodeConfig:
-    return CONFIGS.get((num_q_heads, num_kv_heads, head_dim), DEFAULT_CONFIG)
+    """The geometry's entry of CONFIGS; else DEFAULT_CONFIG, or for head_dim > 128 (K and V
+    tiles twice as wide) WIDE_HEADS_CONFIG."""
+    default = DEFAULT_CONFIG if head_dim <= 128 else WIDE_HEADS_CONFIG
+    return CONFIGS.get((num_q_heads, num_kv_heads, head_dim), default)
 
 
 @triton.jit(do_not_specialize=["split_tokens", "table_width", "stride_block_tables_row"])
@@ -306,6 +310,13 @@ def _interpreted_bf16(q: torch.Tensor) -> bool:
     return not q.is_cuda and q.dtype == torch.bfloat16
 
 
+def merge_chunk(group_size: int, head_dim: int) -> int:
+    """Splits merged per loop trip: MERGE_TILE fp32 elements of [splits, group, head_dim]
+    (16 splits for a group of 4 at head_dim 64; 2 for 8 at 256, which would spill)."""
+    tile = triton.next_power_of_2(group_size) * max(16, triton.next_power_of_2(head_dim))
+    return max(2, min(16, MERGE_TILE // tile))
+
+
 def grid_splits(
     max_context: int,
     config: ShortDecodeConfig,
@@ -406,7 +417,7 @@ def paged_decode_attention_short(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
-        MERGE_CHUNK=MERGE_CHUNK,
+        MERGE_CHUNK=merge_chunk(group_size, head_dim),
         KV_FP8=kv_fp8,
         DOT_PRECISION="ieee" if dot_in_fp32 else dot_precision(q.dtype),
         DOT_IN_FP32=dot_in_fp32,

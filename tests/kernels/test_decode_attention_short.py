@@ -11,9 +11,9 @@ import torch
 from atom.kernels import decode_attention_short, paged_decode_attention_reference
 from atom.kernels.decode_attention import split_counters
 from atom.kernels.decode_attention_short import (
-    MERGE_CHUNK,
     ShortDecodeConfig,
     grid_splits,
+    merge_chunk,
     paged_decode_attention_short,
 )
 from tests.kernels.paged_kv import make_paged_kv, quantize_paged_kv
@@ -22,7 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5 if DEVICE == "cpu" else 5e-3, torch.bfloat16: 3e-2}
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 6, 2, 32, 8  # GQA group 3 (padded to 4)
 # 0: a padding row; 1; 7/8/9: a block boundary; 16/17: a 16-token tile or split boundary;
-# 300: more than MERGE_CHUNK splits of 16 tokens (two merge trips)
+# 300: more than merge_chunk(3, 32) = 16 splits of 16 tokens (two merge trips)
 CONTEXTS = [0, 1, 9, 16, 17, 300, 8, 7]
 
 
@@ -97,7 +97,7 @@ def test_config_rejects_split_sizes_that_are_not_whole_tiles():
         ShortDecodeConfig(block_n=32, split_tokens=48)
     with pytest.raises(ValueError, match="power of two"):
         ShortDecodeConfig(block_n=24, split_tokens=48)
-    assert MERGE_CHUNK & (MERGE_CHUNK - 1) == 0
+    assert merge_chunk(3, 32) == 16 and merge_chunk(4, 64) == 16 and merge_chunk(8, 256) == 2
 
 
 # -- on the GPU: the benchmark's geometries and candidates, CUDA-graph replays ---------------
@@ -139,6 +139,23 @@ def test_short_decode_sweep_candidates_match_reference(
                 rtol=3e-2,
                 msg=lambda m, c=config: f"{c}: {m}",
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(8, 2, 128), (16, 2, 256)])
+def test_short_decode_default_config_other_geometries(num_q_heads, num_kv_heads, head_dim, dtype):
+    context_lens = [1000, 0, 300, 17]
+    k_cache, v_cache, block_tables, _, _ = make_paged_kv(
+        context_lens, num_kv_heads, head_dim, 16, dtype, "cuda", capacity=4
+    )
+    q = torch.randn(4, num_q_heads, head_dim, device="cuda", dtype=dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
+    out = paged_decode_attention_short(*args)
+    expected = paged_decode_attention_reference(*args)
+    tol = 5e-3 if dtype != torch.bfloat16 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.gpu
