@@ -23,11 +23,13 @@ own K/V cache and output, sharing q, the block table and the context lengths; th
 (a 128 MiB memset) before each call and subtracts the flush alone, measured the same way.
 Each path's output of the first layer is checked against the torch reference (``max_err``).
 
-Output: one JSON line per (case, path) (``case: decode_sweep``), then per geometry a table:
+Output: with ``--jsonl PATH`` one JSON line per (case, path) (``case: decode_sweep``) in
+that file (on stdout only those whose output is wrong), then per geometry a table:
 the per-case best path, and the configuration chosen for the geometry (one compiled variant
 must serve every case: the candidate with the smallest worst-case slowdown against the
 per-case best, ties by the total), its speed-up over today's kernel per case, and the
-``CONFIGS`` entries to paste, between ``--- paste`` markers.
+``CONFIGS`` entries to paste, between ``--- paste`` markers. The ``decode_sweep_choice``
+line also names the best configuration for batch 1 at contexts <= 512 alone.
 """
 
 from __future__ import annotations
@@ -186,11 +188,13 @@ def choose(times: dict[tuple, dict[str, float]], names: list[str]) -> str:
 def config_table(chosen: dict[tuple[int, int, int], object]) -> str:
     lines = ["CONFIGS: dict[tuple[int, int, int], ShortDecodeConfig] = {"]
     for geometry, config in chosen.items():
+        lines.append(f"    {geometry}: ShortDecodeConfig(")  # as ruff format writes it
         lines.append(
-            f"    {geometry}: ShortDecodeConfig(block_n={config.block_n}, "
-            f"split_tokens={config.split_tokens}, num_warps={config.num_warps}, "
-            f"num_stages={config.num_stages}, programs_per_sm={config.programs_per_sm}),"
+            f"        block_n={config.block_n}, split_tokens={config.split_tokens}, "
+            f"num_warps={config.num_warps}, num_stages={config.num_stages}, "
+            f"programs_per_sm={config.programs_per_sm}"
         )
+        lines.append("    ),")
     lines.append("}")
     return "\n".join(lines)
 
@@ -218,11 +222,13 @@ def summarize(geometry_name, geometry, times, configs) -> object:
         print(f"{batch:>5} {max_model_len:>7} {context:>5} {per_path['decode+merge']:>12.2f} "
               f"{per_path['decode_merge']:>12.2f} {per_path[best]:>7.2f} {best:<20} "
               f"{per_path[chosen]:>7.2f} {speedup:>5.2f}")  # fmt: skip
+    short = {case: t for case, t in times.items() if case[0] == 1 and case[2] <= 512}
     emit(
         case="decode_sweep_choice",
         geometry=geometry_name,
         heads=list(geometry),
         chosen=chosen,
+        chosen_for_batch1_ctx_le_512=choose(short, names) if short else None,
         speedup_geomean=round(geomean(speedups), 3),
         speedup_worst=round(min(speedups), 3),
         speedup_batch1_ctx_le_512=round(geomean(batch1_short), 3) if batch1_short else None,
@@ -244,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer candidate configurations")
     parser.add_argument("--cold", action="store_true", help="flush L2 before each call")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--jsonl", help="write one JSON line per (case, path) to this file")
     args = parser.parse_args(argv)
     smoke = args.device == "cpu"
     if smoke:  # the plumbing on CPU: tiny sizes, the interpreter, no timing
@@ -263,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold and not smoke:
         scratch = torch.empty(128 << 20, dtype=torch.uint8, device=args.device)
         flush = scratch.zero_
+    records = open(args.jsonl, "w") if args.jsonl else None  # noqa: SIM115
     started = time.perf_counter()
     chosen = {}
     for name in args.geometries:
@@ -299,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                             us = graph_us(calls, args.repeats, flush) - flush_us
                         out = layers.out[0][:batch].float()
                         max_err = (out - expected).abs().max().item()
+                        us = max(us, 1e-3)  # --cold subtracts the flush: never <= 0
                         per_path[label(path)] = us
-                        emit(
+                        record = dict(
                             case="decode_sweep",
                             geometry=name,
                             batch=batch,
@@ -311,10 +320,16 @@ def main(argv: list[str] | None = None) -> int:
                             max_err=round(max_err, 5),
                             ok=max_err < 0.05,
                         )
+                        if records is not None:
+                            records.write(json.dumps(record) + "\n")
+                        if not record["ok"]:
+                            emit(**record)  # a wrong output: on stdout too
         chosen[geometry] = summarize(name, geometry, times, configs)
     print("\n--- paste into atom/kernels/decode_attention_short.py")
     print(config_table(chosen))
     print("--- end paste")
+    if records is not None:
+        records.close()
     emit(case="decode_sweep_done", seconds=round(time.perf_counter() - started, 1))
     return 0
 
