@@ -21,6 +21,8 @@ that merges the splits. This kernel:
 - writes the output directly when a row uses one split (no partials, no merge); with
   several, the last split of a (sequence, kv head) to finish (an atomic counter, left at
   zero for the next launch) merges their partial results, merge_chunk() splits at a time.
+  The counters are decode_attention.split_counters (shared with Fusions.decode_merge): one
+  stream per device runs these launches, as the engine does.
 
 Tile size, split size, num_warps and num_stages are per head geometry: ``CONFIGS`` (pasted
 from ``python -m atom.benchmarks.decode_attention_sweep`` on the H200), ``DEFAULT_CONFIG``
