@@ -12,7 +12,8 @@ that merges the splits. This kernel:
 
 - splits the context into fixed ``split_tokens`` pieces (a runtime argument picked on the
   host from the block-table width, so one CUDA graph serves every context up to the
-  captured maximum). The grid has room for the widest row; a row uses
+  captured maximum). The grid has room for the widest row (at most programs_per_sm x SM
+  count programs, one wave: past that, the splits get longer); a row uses
   ``cdiv(context_len, split_tokens)`` splits (read on the device), the other programs
   return after one load;
 - loads the context length, the query group and the first tile's block ids at once (a
