@@ -19,6 +19,13 @@ rotary + store, atom/attention/mha.py).
                                            kv head merges) and picks the number of splits it
                                            uses from the context length on the device: no
                                            merge kernel, one split for short contexts.
+    decode_short    ATOM_FUSE_DECODE_SHORT at <= MAX_BATCH sequences, paged decode attention in
+                                           one launch (atom/kernels/decode_attention_short.py):
+                                           fixed-size splits, a short context in one program
+                                           writing the output directly, longer ones merged
+                                           in-kernel; tiles per head geometry from
+                                           atom/benchmarks/decode_attention_sweep.py. Wins over
+                                           decode_merge when both are on.
     greedy_argmax   ATOM_FUSE_ARGMAX       greedy sampling through a two-stage Triton argmax
                                            over the vocabulary (atom/kernels/argmax.py)
                                            instead of torch's argmax.
@@ -56,6 +63,7 @@ from dataclasses import dataclass
 DEFAULTS = {
     "rope_kv_write": ("ATOM_FUSE_ROPE_KV", True),
     "decode_merge": ("ATOM_FUSE_DECODE_MERGE", False),
+    "decode_short": ("ATOM_FUSE_DECODE_SHORT", False),
     "greedy_argmax": ("ATOM_FUSE_ARGMAX", False),
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", False),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", False),
@@ -71,6 +79,7 @@ class FusionSettingError(ValueError):
 class Fusions:
     rope_kv_write: bool = DEFAULTS["rope_kv_write"][1]
     decode_merge: bool = DEFAULTS["decode_merge"][1]
+    decode_short: bool = DEFAULTS["decode_short"][1]
     greedy_argmax: bool = DEFAULTS["greedy_argmax"][1]
     gemv_silu: bool = DEFAULTS["gemv_silu"][1]
     gemv_linear: bool = DEFAULTS["gemv_linear"][1]

@@ -11,7 +11,8 @@ On CUDA the Triton kernels run; on CPU their torch references (the same math).
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
 (atom/kernels/rotary_kv.py); `Fusions.decode_merge` picks the decode kernel's in-kernel
-split merge (atom/fusions.py).
+split merge, and `Fusions.decode_short` the one-launch decode kernel for <= MAX_BATCH
+sequences (atom/kernels/decode_attention_short.py), before decode_merge (atom/fusions.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from atom.kernels import (
     store_kvcache,
     store_kvcache_reference,
 )
+from atom.kernels.decode_attention_short import MAX_BATCH, paged_decode_attention_short
 from atom.kernels.rotary_kv import rotary_kv_write
 
 
@@ -58,7 +60,7 @@ class MHAAttention(nn.Module):
         store = store_kvcache if q.is_cuda else store_kvcache_reference
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)
-        return self._attend(q, meta, context.fusions.decode_merge)
+        return self._attend(q, meta, context.fusions)
 
     def forward_rotary(self, positions, q, k, v, rotary) -> torch.Tensor:
         """`forward` of the rotated q and k: `rotary` (a RotaryEmbedding) is applied here,
@@ -75,16 +77,20 @@ class MHAAttention(nn.Module):
             positions, q, k, v, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
             meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
-        return self._attend(q, meta, context.fusions.decode_merge)
+        return self._attend(q, meta, context.fusions)
 
-    def _attend(self, q, meta, merge_in_kernel: bool) -> torch.Tensor:
+    def _attend(self, q, meta, fusions) -> torch.Tensor:
         """Attention of q over the cache (this step's K/V already written): [T, Hq * D]."""
         on_gpu = q.is_cuda
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if meta.is_decode:
-            if on_gpu:
-                kv_scales["merge_in_kernel"] = merge_in_kernel
-            decode = paged_decode_attention if on_gpu else paged_decode_attention_reference
+            if not on_gpu:
+                decode = paged_decode_attention_reference
+            elif fusions.decode_short and q.shape[0] <= MAX_BATCH:
+                decode = paged_decode_attention_short
+            else:
+                decode = paged_decode_attention
+                kv_scales["merge_in_kernel"] = fusions.decode_merge
             out = decode(
                 q,
                 self.k_cache,
