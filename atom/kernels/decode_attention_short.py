@@ -94,8 +94,17 @@ class ShortDecodeConfig:
             )
 
 
-# (num_q_heads, num_kv_heads, head_dim) -> config. Paste the sweep's table here.
-CONFIGS: dict[tuple[int, int, int], ShortDecodeConfig] = {}
+# (num_q_heads, num_kv_heads, head_dim) -> config: the H200 sweep of 2026-12-01
+# (python -m atom.benchmarks.decode_attention_sweep; docs/benchmarks.md), the config with the
+# smallest worst slowdown against each case's best.
+CONFIGS: dict[tuple[int, int, int], ShortDecodeConfig] = {
+    (32, 8, 64): ShortDecodeConfig(
+        block_n=256, split_tokens=256, num_warps=4, num_stages=1, programs_per_sm=4
+    ),
+    (9, 3, 64): ShortDecodeConfig(
+        block_n=256, split_tokens=256, num_warps=4, num_stages=1, programs_per_sm=4
+    ),
+}
 DEFAULT_CONFIG = ShortDecodeConfig(block_n=128, split_tokens=256, num_warps=4, num_stages=1)
 WIDE_HEADS_CONFIG = ShortDecodeConfig(block_n=64, split_tokens=256, num_warps=8, num_stages=1)
 
