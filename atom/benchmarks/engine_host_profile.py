@@ -95,6 +95,8 @@ class PhaseClock:
         self.records: list[dict[str, float]] = []  # per decode step: phase -> seconds
         self.gc_step = 0.0  # garbage-collector pauses of the step (inside its phases)
         self.gc_records: list[float] = []
+        self.gc_by_generation = [0.0, 0.0, 0.0]  # the whole run, prefill steps too
+        self.gc_counts = [0, 0, 0]
         self.totals: dict[str, float] = defaultdict(float)
         self.ops: dict[str, int] = defaultdict(int)
         self.op_seconds: dict[str, float] = defaultdict(float)
@@ -327,7 +329,10 @@ def _gc_clock(clock: PhaseClock):
         if phase == "start":
             began[0] = time.perf_counter()
         else:
-            clock.gc_step += time.perf_counter() - began[0]
+            seconds = time.perf_counter() - began[0]
+            clock.gc_step += seconds
+            clock.gc_by_generation[info["generation"]] += seconds
+            clock.gc_counts[info["generation"]] += 1
 
     gc.callbacks.append(callback)
     try:
@@ -387,6 +392,8 @@ def report(case: str, clock: PhaseClock, ops: PhaseClock | None, seconds: float)
         step_ms=round(sum(p["ms"] for p in phases.values()), 4),
         step_median_ms=round(statistics.median(totals) * 1e3, 4),
         gc_ms=round(sum(clock.gc_records) * 1e3 / steps, 4),
+        gc_collections=clock.gc_counts,  # the whole generate, per generation 0 / 1 / 2
+        gc_ms_by_generation=[round(s * 1e3, 2) for s in clock.gc_by_generation],
         generate_s=round(seconds, 3),
         phases=phases,
     )
