@@ -24,14 +24,22 @@ decode-only steps (steps that launched and completed decode batches only):
     launch_other  the rest of ModelRunner.launch (publication calls, handle, slots)
     step_other    the rest of LLMEngine.step; `generate_other`: LLM.generate's loop
 
-On CUDA the host phases are enqueue time (the device runs asynchronously) and `wait` is
-where the device time shows. On CPU `forward` and `sample` are model compute; every phase
-also gets, from a second pass under a TorchDispatchMode, its torch ops per step (`ops`: a
-launch each on a GPU), their summed time (`op_ms`, compute on CPU) and `sync_ops`: ops that
-synchronize a CUDA device (`.item()`, nonzero, masked_select, boolean-mask indexing, device
-to pageable-host copies). On CUDA the run also counts the syncs torch's sync debug mode
-reports, by phase (`cuda_syncs`). `host_ms` = phase wall - op_ms: Python work that would
-serialize on a GPU.
+Each phase gets `ms` (mean per decode step: what throughput pays) and `median_ms` (robust
+to pauses and to other processes on a shared machine). On CUDA the host phases are enqueue
+time (the device runs asynchronously, CUDA graphs replay the forward) and `wait` is where
+the device time shows: with asynchronous scheduling a step costs about
+max(device time, host time), so `host_ms_outside_compute` + the `sample` enqueue must stay
+below the device's step. On CPU `forward` and `sample` are model compute (irrelevant on a
+GPU, where they are queued) and the other phases are host work.
+
+The second pass (skip: --no-count-ops) runs under a TorchDispatchMode: per phase its torch
+ops per step (`ops`: a launch each on a GPU; note the CPU `sample` runs the torch
+references, not the CUDA path's kernels), their time inside the mode (`op_ms`) and
+`sync_ops`: ops that would synchronize a CUDA device (`.item()`, nonzero, masked_select,
+boolean-mask indexing, copies to pageable host memory). On CUDA the first pass also counts,
+by phase, the syncs torch's sync debug mode reports (`cuda_syncs`; the event wait in
+`wait` is not one of them). `gc_ms`: the garbage collector's pauses per decode step, inside
+whichever phase they hit, and the collections of the whole run per generation.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import cProfile
 import gc
 import json
 import pstats
+import shutil
 import statistics
 import tempfile
 import time
@@ -280,7 +289,10 @@ def build_llm(args):
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     else:
         kwargs.update(dtype="float32", kv_cache_memory_bytes=256 << 20)
-    return LLM(directory, **kwargs), shape["vocab_size"]
+    try:
+        return LLM(directory, **kwargs), shape["vocab_size"]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)  # read at start-up only
 
 
 def measure(llm, prompts, params, args, count_ops: bool, profile: cProfile.Profile | None):

@@ -1,5 +1,6 @@
-"""The host side of a step's log-probabilities (atom/model_engine/logprobs.py) and the
-frozen start-up heap of the stepping loops (atom/gc_heap.py).
+"""The host side of a step: its log-probability entries (atom/model_engine/logprobs.py),
+the frozen start-up heap of the stepping loops (atom/gc_heap.py), and the profile of a
+decode step's host phases (atom/benchmarks/engine_host_profile.py).
 
 A step's Logprob entries keep their alternatives in the step's arrays until `top` is
 read; what a reader sees must equal the eager conversion of the same tensors."""
@@ -75,3 +76,28 @@ def test_frozen_heap_skips_old_objects_and_leaves_foreign_freezes():
         assert gc.get_freeze_count() == outside
     finally:
         gc.unfreeze()
+
+
+def test_engine_host_profile_smoke(capsys):
+    """`python -m atom.benchmarks.engine_host_profile` at a toy shape: every phase of both
+    cases, the logprob conversion only with the options, the heap's freeze undone."""
+    import json
+
+    from atom.benchmarks import engine_host_profile
+
+    frozen = gc.get_freeze_count()
+    argv = ["--device", "cpu", "--batch", "4", "--vocab", "512", "--prompt-len", "8"]
+    assert engine_host_profile.main([*argv, "--decode-len", "4"]) == 0
+    records = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            records[record["case"]] = record
+    plain, options = records["plain"], records["with_options"]
+    for record in (plain, options):
+        assert record["decode_steps"] >= 2
+        assert set(record["phases"]) == set(engine_host_profile.PHASES)
+        assert all("ops" in p and "sync_ops" in p for p in record["phases"].values())
+    assert plain["phases"]["logprobs"]["ms"] == 0 < options["phases"]["logprobs"]["ms"]
+    assert "extra_ms_by_phase" in records["summary"]
+    assert gc.get_freeze_count() == frozen
