@@ -124,6 +124,8 @@ class LogprobTensors:
 
 def _host_array(tensor: torch.Tensor):
     """A numpy copy of a host tensor (its memory may be pinned, and reused once freed)."""
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; the values are exact in f32
+        return tensor.float().numpy()
     return tensor.numpy().copy()
 
 
