@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from atom.gc_heap import frozen_heap
 from atom.model_engine.llm_engine import LLMEngine, StepOutput
 from atom.sampling_params import SamplingParams
 
@@ -176,13 +177,8 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop:
-                self._wakeup.clear()  # before draining: a later submit wakes the wait below
-                self._run_commands()
-                if not self.engine.has_unfinished():
-                    self._wakeup.wait()
-                    continue
-                self._step()
+            with frozen_heap():  # collections while it serves skip the start-up heap
+                self._serve()
         except BaseException as error:
             logger.exception("the engine thread failed; failing every live request")
             self.error = error
@@ -191,6 +187,15 @@ class AsyncEngine:
                 self._accepting = False
             self._run_commands(refuse=True)
             self._shut_down_requests()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            self._wakeup.clear()  # before draining: a later submit wakes the wait below
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+                continue
+            self._step()
 
     def _run_commands(self, refuse: bool = False) -> None:
         """Run queued commands in order; `refuse`: fail them instead (thread exit)."""

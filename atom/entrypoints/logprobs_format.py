@@ -15,7 +15,7 @@ _FLOOR = -9999.0
 
 
 class TokenTexts:
-    """Text of single token ids, cached (the same ids recur across steps)."""
+    """Text of single token ids, cached (the same ids recur across steps and requests)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

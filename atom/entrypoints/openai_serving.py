@@ -51,6 +51,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
+        # The text of one token id never changes: one cache for every request's logprobs.
+        self.token_texts = TokenTexts(self.tokenizer)
         self.model_name = model_name
         self.max_model_len = self.llm.max_model_len
         self._tokenizer_threads = ThreadPoolExecutor(
@@ -93,7 +95,7 @@ class OpenAIServing:
         await self._check_grammar(params[0])
         streams = await self._add_requests(prompt_ids, params)
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
-        texts = TokenTexts(self.tokenizer)
+        texts = self.token_texts
         k = request.logprobs
 
         if request.stream:
@@ -172,7 +174,7 @@ class OpenAIServing:
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
-        texts = TokenTexts(self.tokenizer)
+        texts = self.token_texts
 
         def logprobs_of(entries) -> dict | None:
             if not request.logprobs:

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from atom import profiling
 from atom.config import Config
+from atom.gc_heap import frozen_heap
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.logprobs import Logprob
@@ -564,21 +565,9 @@ class LLM:
         bar = tqdm(
             total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True
         )
-        start, generated = time.perf_counter(), 0
         try:
-            while any(s is None or not s.is_finished for s in seqs):
-                for parent in [
-                    i for i in later if seqs[i].num_emitted_tokens or seqs[i].is_finished
-                ]:
-                    for index, prompt, params in later.pop(parent):
-                        seqs[index] = engine.requests[engine.add_request(prompt, params)]
-                outputs = engine.step()
-                generated += sum(len(o.new_token_ids) for o in outputs)
-                done = sum(1 for o in outputs if o.finished)
-                if done:
-                    bar.update(done)
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"{generated / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
+            with frozen_heap():  # collections while it steps skip the engine's own heap
+                self._run_steps(seqs, later, bar)
         finally:
             bar.close()
             for seq in seqs:
@@ -592,6 +581,22 @@ class LLM:
             results.append(group[0])
             start += params.n
         return results
+
+    def _run_steps(self, seqs: list, later: dict, bar) -> None:
+        """Step the engine until every sample of `seqs` has finished (LLM.generate)."""
+        engine = self.engine
+        start, generated = time.perf_counter(), 0
+        while any(s is None or not s.is_finished for s in seqs):
+            for parent in [i for i in later if seqs[i].num_emitted_tokens or seqs[i].is_finished]:
+                for index, prompt, params in later.pop(parent):
+                    seqs[index] = engine.requests[engine.add_request(prompt, params)]
+            outputs = engine.step()
+            generated += sum(len(o.new_token_ids) for o in outputs)
+            done = sum(1 for o in outputs if o.finished)
+            if done:
+                bar.update(done)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix_str(f"{generated / max(elapsed, 1e-9):.0f} tok/s", refresh=False)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of `messages` rendered through the model's chat template."""

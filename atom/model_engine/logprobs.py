@@ -14,14 +14,85 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
 class Logprob:
-    """One token's log-probability with its rank and the most likely alternatives."""
+    """One token's log-probability with its rank and the most likely alternatives.
 
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    `top` is a list of (token id, logprob), most likely first. An engine step builds its
+    Logprobs from the step's host arrays without making the (token id, logprob) pairs:
+    each entry keeps its row of the step's [R, K] arrays and makes its `top` list the
+    first time it is read (a step of 256 rows asking for 20 alternatives would otherwise
+    build 5,120 Python tuples whether anybody reads them or not).
+    """
+
+    __slots__ = ("token_id", "logprob", "rank", "_top", "_rows", "_row", "_k")
+
+    def __init__(
+        self,
+        token_id: int,
+        logprob: float,
+        rank: int,  # 1 = the most likely token
+        top: list[tuple[int, float]] | None = None,
+    ):
+        self.token_id = token_id
+        self.logprob = logprob
+        self.rank = rank
+        self._top = [] if top is None else top
+        self._rows: TopRows | None = None
+
+    @classmethod
+    def of_row(cls, token_id: int, logprob: float, rank: int, rows: TopRows, row: int, k: int):
+        """An entry whose alternatives are the first k of row `row` of `rows` (made on
+        first read)."""
+        entry = cls.__new__(cls)
+        entry.token_id, entry.logprob, entry.rank = token_id, logprob, rank
+        entry._top, entry._rows, entry._row, entry._k = None, rows, row, k
+        return entry
+
+    @property
+    def top(self) -> list[tuple[int, float]]:
+        if self._rows is not None:
+            self._top = self._rows.pairs(self._row, self._k)
+            self._rows = None  # the step's arrays are no longer held for this entry
+        return self._top
+
+    @top.setter
+    def top(self, value: list[tuple[int, float]]) -> None:
+        self._top, self._rows = value, None
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Logprob):
+            return NotImplemented
+        return (self.token_id, self.logprob, self.rank, self.top) == (
+            other.token_id,
+            other.logprob,
+            other.rank,
+            other.top,
+        )
+
+    __hash__ = None  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(token_id={self.token_id!r}, logprob={self.logprob!r}, "
+            f"rank={self.rank!r}, top={self.top!r})"
+        )
+
+    def __reduce__(self):  # pickles as a plain entry
+        return Logprob, (self.token_id, self.logprob, self.rank, self.top)
+
+
+class TopRows:
+    """One step's top alternatives on the host: ids [R, K] int64, logprobs [R, K] f32
+    (numpy, copied out of the transfer's pinned memory)."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self, ids, values):
+        self.ids = ids
+        self.values = values
+
+    def pairs(self, row: int, k: int) -> list[tuple[int, float]]:
+        return list(zip(self.ids[row, :k].tolist(), self.values[row, :k].tolist(), strict=True))
 
 
 @dataclass
@@ -40,18 +111,22 @@ class LogprobTensors:
         return self.chosen, self.ranks, self.top_ids, self.top_values
 
     def entries(self, token_ids: list[int], ks: list[int]) -> list[Logprob]:
-        """Host lists: one Logprob per row, each with its own number of alternatives."""
+        """Host tensors -> one Logprob per row, each with its own number of alternatives:
+        two short lists per step; the alternatives stay in arrays until read."""
         chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
-        top_ids, top_values = self.top_ids.tolist(), self.top_values.tolist()
+        rows = TopRows(_host_array(self.top_ids), _host_array(self.top_values))
+        of_row = Logprob.of_row
         return [
-            Logprob(
-                token,
-                chosen[i],
-                ranks[i],
-                list(zip(top_ids[i][:k], top_values[i][:k], strict=True)),
-            )
+            of_row(token, chosen[i], ranks[i], rows, i, k)
             for i, (token, k) in enumerate(zip(token_ids, ks, strict=True))
         ]
+
+
+def _host_array(tensor: torch.Tensor):
+    """A numpy copy of a host tensor (its memory may be pinned, and reused once freed)."""
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; the values are exact in f32
+        return tensor.float().numpy()
+    return tensor.numpy().copy()
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobTensors:
