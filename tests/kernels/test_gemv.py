@@ -130,7 +130,10 @@ def test_one_row_gemv_table_entries_on_gpu():
             got = gemv_rms_norm(*args, config=config)[0]
             expected = gemv_rms_norm_reference(*args)[0]
         elif silu_mul:
-            got, expected = gemv_silu_and_mul(x, weight, config), gemv_silu_and_mul_reference(x, weight)
+            got, expected = (
+                gemv_silu_and_mul(x, weight, config),
+                gemv_silu_and_mul_reference(x, weight),
+            )
         else:
             got, expected = gemv(x, weight, config), gemv_reference(x, weight)
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=f"{k}x{n} {entry}")
@@ -160,3 +163,35 @@ def test_fits_gemv_refuses_what_it_cannot_take():
     assert not fits_gemv(torch.zeros(0, 16), weight)
     assert not fits_gemv(torch.zeros(2, 16, dtype=torch.float16), weight)
     assert not fits_gemv(torch.zeros(16, 2).T, weight)  # columns not unit-stride
+
+
+def test_gemv_sweep_smoke(capsys):
+    """atom/benchmarks/gemv_sweep.py at a toy model on CPU (interpreted, two geometries):
+    every layer measured against its baseline, a summary each, a table ready to paste."""
+    import json
+
+    from atom.benchmarks import gemv_sweep
+
+    toy = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, num_hidden_layers=2, vocab_size=160)  # fmt: skip
+    args = gemv_sweep.parse_args(["--calls", "2", "--rotation-bytes", "0"])
+    grid = [GemvConfig(16, 64, 4, 1), GemvConfig(64, 128, 4, 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        table = gemv_sweep.run_sweep(args, {"toy": toy}, "cpu", grid=grid)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    layers = ["qkv", "qkv+norm", "o", "gate_up+silu", "gate_up+silu+norm", "down", "lm_head"]
+    summaries = [r for r in records if r["case"] == "summary"]
+    assert [r["layer"] for r in summaries] == layers
+    measured = [r for r in records if r["case"] == "measurement" and "matches" in r]
+    # the heuristic's geometry and the two of the grid, each checked against the baseline
+    assert len(measured) == 3 * len(layers) and all(r["matches"] for r in measured)
+    assert all(r["best_speedup"] is not None and r["best_us"] > 0 for r in summaries)
+    assert (64, 128, False, False, True) in table  # qkv: 2 * 32 + 2 * 1 * 32 rows
+    namespace = {}
+    exec(out[out.index("GEMV_CONFIGS:") :], namespace)  # the block to paste
+    assert namespace["GEMV_CONFIGS"] == table
