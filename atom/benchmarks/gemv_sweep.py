@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -56,7 +57,13 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels.activation import silu_and_mul
-from atom.kernels.gemv import GemvConfig, gemv, gemv_rms_norm, gemv_silu_and_mul
+from atom.kernels.gemv import (
+    GemvConfig,
+    compile_row_kernel,
+    gemv,
+    gemv_rms_norm,
+    gemv_silu_and_mul,
+)
 from atom.kernels.rmsnorm import rms_norm
 
 BLOCK_NS = (1, 2, 4, 8, 16)
@@ -312,6 +319,31 @@ def stage_candidates(sweep: Sweep, layer: Layer) -> list[GemvConfig]:
     return out
 
 
+def precompile(jobs: list[tuple[Layer, GemvConfig]]) -> None:
+    """Compile the (layer, geometry) pairs in a thread pool through Triton's
+    AsyncCompileMode where this Triton has it (compiling dominates the sweep: ~150 variants);
+    else they compile one by one at their first call. Errors surface at that call."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        emit(dict(case="precompile", skipped="this Triton has no AsyncCompileMode"))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+            with AsyncCompileMode(pool, ignore_errors=True):
+                for layer, config in jobs:
+                    out_features = layer.rows // 2 if layer.silu_mul else layer.rows
+                    compile_row_kernel(layer.in_features, out_features, layer.silu_mul,
+                                       layer.norm, layer.norm, config)  # fmt: skip
+    except Exception as error:  # an older Triton's API: compile at the first call instead
+        emit(dict(case="precompile", error=repr(error)[:200]))
+        return
+    emit(dict(case="precompile", variants=len(jobs), seconds=round(time.perf_counter() - start, 1)))
+
+
 def run_sweep(args, models: dict[str, dict], device: str, grid=None) -> dict:
     """Measure every layer of `models`; returns the config table. `grid` (a list of
     GemvConfig) replaces the search (the CPU smoke test)."""
@@ -332,6 +364,8 @@ def run_sweep(args, models: dict[str, dict], device: str, grid=None) -> dict:
     by_name = {(layer.model, layer.name): layer for layer in layers}
     plain = [layer for layer in layers if not layer.norm]
     normed = [layer for layer in layers if layer.norm]
+    if device == "cuda" and grid is None:
+        precompile([(layer, config) for layer in plain for config in tile_grid(layer)])
     for layer in plain:  # stage 1
         candidates = grid or tile_grid(layer)
         if sweep.over_budget():  # the geometries compiled already: the best of each layer

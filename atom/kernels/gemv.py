@@ -298,6 +298,38 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -> dict:
+    return dict(
+        SILU_MUL=silu_mul,
+        NORM=norm,
+        HAS_RESIDUAL=has_residual,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def compile_row_kernel(
+    in_features: int,
+    out_features: int,
+    silu_mul: bool,
+    norm: bool,
+    has_residual: bool,
+    config: GemvConfig,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Compile the one-row kernel for this geometry without launching it (Triton's
+    ``warmup``; under its AsyncCompileMode the compile joins a pool: the sweep compiles its
+    grid ahead in parallel). Arguments as ``_launch`` gives them, pointers as dtypes."""
+    _gemv_row_kernel.warmup(
+        dtype, dtype, dtype, dtype, dtype, dtype,
+        in_features, out_features, 1e-5, in_features,
+        grid=(1,),
+        **_flags(silu_mul, norm, has_residual, config),
+    )  # fmt: skip
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -318,15 +350,7 @@ def _launch(
     if residual is None:  # never read
         residual = residual_out = x
     grid = (triton.cdiv(out_features, config.block_n),)
-    flags = dict(
-        SILU_MUL=silu_mul,
-        NORM=norm is not None,
-        HAS_RESIDUAL=norm is not None and norm[0] is not None,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    flags = _flags(silu_mul, norm is not None, norm is not None and norm[0] is not None, config)
     if single_row:  # batch-1 decode: no tl.dot (see the module docstring)
         _gemv_row_kernel[grid](
             x, weight, out, residual, norm_weight, residual_out,
