@@ -298,14 +298,22 @@ def _measured_best(sweep: Sweep, layer: Layer) -> list[GemvConfig]:
 
 
 def norm_candidates(sweep: Sweep, layer: Layer, plain: Layer) -> list[GemvConfig]:
-    """The 4 best geometries without the norm, and each with 2x and 4x BLOCK_N (fewer
-    programs, so fewer per-program reads of x for the RMS)."""
+    """The 4 best geometries without the norm, and each with 2x and 4x BLOCK_N over a BLOCK_K
+    as much narrower (the same tile: fewer programs, so fewer per-program reads of x for
+    the RMS)."""
     out = []
     for config in sweep.best(plain, 4):
         for factor in (1, 2, 4):
-            block_n = config.block_n * factor
-            if block_n <= 16:
-                out.append(GemvConfig(block_n, config.block_k, config.num_warps, config.num_stages))
+            block_n, block_k = config.block_n * factor, max(128, config.block_k // factor)
+            if block_n > 16:
+                continue
+            if layer.in_features <= block_k:
+                stages = 1  # one chunk: nothing to pipeline
+            elif layer.in_features > config.block_k:
+                stages = config.num_stages  # the K loop was a loop already
+            else:
+                stages = 2
+            out.append(GemvConfig(block_n, block_k, config.num_warps, stages))
     return list(dict.fromkeys(out))
 
 
@@ -341,7 +349,8 @@ def precompile(jobs: list[tuple[Layer, GemvConfig]]) -> None:
     except Exception as error:  # an older Triton's API: compile at the first call instead
         emit(dict(case="precompile", error=repr(error)[:200]))
         return
-    emit(dict(case="precompile", variants=len(jobs), seconds=round(time.perf_counter() - start, 1)))
+    seconds = round(time.perf_counter() - start, 1)
+    emit(dict(case="precompile", jobs=len(jobs), seconds=seconds))
 
 
 def run_sweep(args, models: dict[str, dict], device: str, grid=None) -> dict:

@@ -2,6 +2,8 @@
 
 One row runs the batch-1 kernel (no tl.dot), 2..GEMV_MAX_ROWS rows the dot kernel."""
 
+import json
+
 import pytest
 import torch
 
@@ -168,8 +170,6 @@ def test_fits_gemv_refuses_what_it_cannot_take():
 def test_gemv_sweep_smoke(capsys):
     """atom/benchmarks/gemv_sweep.py at a toy model on CPU (interpreted, two geometries):
     every layer measured against its baseline, a summary each, a table ready to paste."""
-    import json
-
     from atom.benchmarks import gemv_sweep
 
     toy = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
@@ -195,3 +195,38 @@ def test_gemv_sweep_smoke(capsys):
     namespace = {}
     exec(out[out.index("GEMV_CONFIGS:") :], namespace)  # the block to paste
     assert namespace["GEMV_CONFIGS"] == table
+
+
+def test_gemv_sweep_search_finds_the_fastest(monkeypatch, capsys):
+    """The sweep's search (stage 1 grid, the norm layers' candidates, stage 2's stages) on a
+    toy model with made-up timings (no kernels run): each layer's summary names the geometry
+    the timings favour, found through the stages."""
+    from atom.benchmarks import gemv_sweep
+
+    def fake_seconds(run, weights, calls, replays):
+        config = getattr(run, "config", None)
+        if config is None:
+            return 1e-5  # the baseline and the heuristic
+        n, k, warps, stages = config.block_n, config.block_k, config.num_warps, config.num_stages
+        return 1e-6 * (1 + abs(n - 4) + abs(warps - 2) + abs(stages - 3) + (k != 128))
+
+    def fake_triton_call(layer, inputs, config):
+        baseline = gemv_sweep.baseline_call(layer, inputs)
+
+        def run(weight):
+            return baseline(weight)
+
+        run.config = config
+        return run
+
+    monkeypatch.setattr(gemv_sweep, "seconds_per_call", fake_seconds)
+    monkeypatch.setattr(gemv_sweep, "triton_call", fake_triton_call)
+    toy = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, num_hidden_layers=1, vocab_size=64)  # fmt: skip
+    args = gemv_sweep.parse_args(["--rotation-bytes", "0"])
+    table = gemv_sweep.run_sweep(args, {"toy": toy}, "cpu")
+    assert table[(256, 512, False, False, True)] == (4, 128, 2, 3)  # qkv, stage 2's 3 stages
+    assert table[(256, 512, False, True, True)] == (4, 128, 2, 3)  # qkv+norm
+    summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+                 if '"summary"' in line]  # fmt: skip
+    assert len(summaries) == 7 and all(r["best_speedup"] == 10.0 for r in summaries)
