@@ -18,8 +18,9 @@ Shapes and dtypes:
              then up rows (ColumnParallelLinear's [gate | up]).
     out      [num_rows, out_features] (``gemv``) or [num_rows, intermediate], x's dtype.
 
-Numerics: fp32 accumulation (tensor-core dots, the rows padded to 16), rounded to x's dtype
-as F.linear's output; with SiLU the gate and up are rounded first, then silu in fp32 rounded,
+Numerics: fp32 accumulation (tensor-core dots with the rows padded to 16; one row: fp32
+products summed along K per lane, then across lanes), rounded to x's dtype as F.linear's
+output; with SiLU the gate and up are rounded first, then silu in fp32 rounded,
 then the product rounded (atom/kernels/activation.py's order). The summation order differs
 from cuBLAS, so a last bit may differ.
 
@@ -49,7 +50,9 @@ passes 2^31 elements).
 
 No residual epilogue (out = residual + W x): every residual add of a Llama layer already
 lives in the next RMSNorm kernel (rmsnorm.py) or, with ``norm_gemv``, in the next GEMV's
-prologue, so moving it into o_proj / down would remove no kernel.
+prologue, so moving it into o_proj / down would remove no kernel. No split-K either: a
+small BLOCK_N gives enough programs (e.g. 2048 for the 1B shape's down projection at
+BLOCK_N 1) without a second pass or a zeroed output.
 """
 
 from dataclasses import dataclass
