@@ -372,30 +372,37 @@ def run_sweep(args, models: dict[str, dict], device: str, grid=None) -> dict:
         layers = [layer for layer in layers if layer.name in args.layers]
     by_name = {(layer.model, layer.name): layer for layer in layers}
     plain = [layer for layer in layers if not layer.norm]
-    normed = [layer for layer in layers if layer.norm]
-    if device == "cuda" and grid is None:
-        precompile([(layer, config) for layer in plain for config in tile_grid(layer)])
-    for layer in plain:  # stage 1
-        candidates = grid or tile_grid(layer)
-        if sweep.over_budget():  # the geometries compiled already: the best of each layer
-            candidates = [c for other in plain for c in _measured_best(sweep, other)]
-        sweep.measure(layer, ["baseline", None, *candidates])
-    for layer in normed:
+    # stage 1: the grid (or the given geometries) for the layers without the norm
+    run_phase(sweep, [(layer, grid or tile_grid(layer)) for layer in plain], plain)
+    plan = []  # the norm layers: from their sibling's best (the whole grid without one)
+    for layer in (layer for layer in layers if layer.norm):
         sibling = by_name.get((layer.model, layer.plain_name))
-        candidates = list(grid or [])
-        if sibling is not None and grid is None:
-            candidates = norm_candidates(sweep, layer, sibling)
-        elif sibling is None and grid is None:
-            candidates = tile_grid(layer)
-        sweep.measure(layer, ["baseline", None, *candidates])
-    if grid is None:  # stage 2, while the budget lasts
-        for layer in layers:
-            if sweep.over_budget():
-                emit(dict(case="budget_spent", skipped="stage 2 from", layer=layer.name,
-                          model=layer.model, seconds=round(time.perf_counter() - sweep.started)))  # fmt: skip
-                break
-            sweep.measure(layer, stage_candidates(sweep, layer))
+        if grid is not None:
+            plan.append((layer, grid))
+        elif sibling is None:
+            plan.append((layer, tile_grid(layer)))
+        else:
+            plan.append((layer, norm_candidates(sweep, layer, sibling)))
+    run_phase(sweep, plan, plain)
+    if grid is None:  # stage 2: the pipelining depth of the best, while the budget lasts
+        if sweep.over_budget():
+            emit(dict(case="budget_spent", skipped="stage 2",
+                      seconds=round(time.perf_counter() - sweep.started)))  # fmt: skip
+        else:
+            run_phase(sweep, [(layer, stage_candidates(sweep, layer)) for layer in layers], [])
     return summarize(sweep, layers, models)
+
+
+def run_phase(sweep: Sweep, plan: list[tuple[Layer, list[GemvConfig]]], fallback) -> None:
+    """Measure each layer's baseline, the heuristic and its candidates, compiled ahead in
+    parallel. Past the budget a layer tries only the best geometries of the `fallback`
+    layers measured so far (compiled already) instead of its candidates."""
+    if sweep.device == "cuda" and not sweep.args.no_precompile:
+        precompile([(layer, config) for layer, configs in plan for config in configs])
+    for layer, candidates in plan:
+        if sweep.over_budget() and fallback:
+            candidates = [c for other in fallback for c in _measured_best(sweep, other)]
+        sweep.measure(layer, ["baseline", None, *candidates])
 
 
 def summarize(sweep: Sweep, layers: list[Layer], models: dict[str, dict]) -> dict:
@@ -456,6 +463,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=180.0,
                         help="after this many seconds the stage-2 refinement is skipped")  # fmt: skip
     parser.add_argument("--rotation-bytes", type=int, default=ROTATION_BYTES)
+    parser.add_argument("--no-precompile", action="store_true",
+                        help="compile each geometry at its first call, not ahead in threads")  # fmt: skip
     return parser.parse_args(argv)
 
 
