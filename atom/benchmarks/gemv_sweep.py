@@ -26,10 +26,12 @@ as in the engine's decode graph. The calls rotate over copies of the weight whos
 stay there, as in the engine).
 
 Search: stage 1 sweeps BLOCK_N in 1..16, BLOCK_K in 128..2048 and 1..8 warps, keeping the
-geometries with 8..64 weight elements per thread and tile, at 2 stages (1 when the K loop
-has one chunk); the norm layers try the 4 best geometries of their layer without the norm
-(and the same with 2x and 4x BLOCK_N: the prologue's x reads are per program); stage 2
-tries 1, 3 and 4 stages for the 3 best of each layer, while the budget lasts.
+geometries with 8..64 weight elements per thread and tile, each with 1 stage (loads into
+registers) and 2 (cp.async through shared memory) where the K loop has several chunks;
+the norm layers try the 4 best geometries of their layer without the norm (and the same
+tile with 2x and 4x BLOCK_N: the prologue's x reads are per program); stage 2 tries 3 and 4
+stages for the 3 best of each layer, while the budget lasts. Each phase's geometries are
+compiled ahead in a thread pool (Triton's AsyncCompileMode, where this Triton has it).
 
 Output, one JSON line each: `stream_bandwidth` (a 4 GiB streaming read and copy, as
 decode_profile measures it); per layer and candidate `measurement` (`config` = [BLOCK_N,
@@ -69,7 +71,6 @@ from atom.kernels.rmsnorm import rms_norm
 BLOCK_NS = (1, 2, 4, 8, 16)
 BLOCK_KS = (128, 256, 512, 1024, 2048)
 WARPS = (1, 2, 4, 8)
-STAGES = (1, 2, 3, 4)
 L2_BYTES = 50 << 20
 ROTATION_BYTES = 3 * L2_BYTES  # the weight copies one graph rotates over
 EPS = 1e-5
@@ -132,7 +133,8 @@ def default_models() -> dict[str, dict]:
 
 def tile_grid(layer: Layer) -> list[GemvConfig]:
     """Stage 1: every (BLOCK_N, BLOCK_K, warps) with 8..64 weight elements per thread and
-    tile, BLOCK_K no wider than in_features' power of two, BLOCK_N no more than the rows."""
+    tile, BLOCK_K no wider than in_features' power of two, BLOCK_N no more than the rows;
+    1 and 2 stages where the K loop has several chunks."""
     out_rows = layer.rows // 2 if layer.silu_mul else layer.rows
     widest = 1 << math.ceil(math.log2(layer.in_features))
     grid = []
@@ -141,8 +143,9 @@ def tile_grid(layer: Layer) -> list[GemvConfig]:
             for warps in WARPS:
                 per_thread = block_n * block_k // (32 * warps)
                 if 8 <= per_thread <= 64 and block_k <= max(widest, 128) and block_n <= out_rows:
-                    stages = 2 if layer.in_features > block_k else 1
-                    grid.append(GemvConfig(block_n, block_k, warps, stages))
+                    # loads from registers (1 stage) or pipelined through shared memory
+                    for stages in (1, 2) if layer.in_features > block_k else (1,):
+                        grid.append(GemvConfig(block_n, block_k, warps, stages))
     return grid
 
 
@@ -318,11 +321,12 @@ def norm_candidates(sweep: Sweep, layer: Layer, plain: Layer) -> list[GemvConfig
 
 
 def stage_candidates(sweep: Sweep, layer: Layer) -> list[GemvConfig]:
-    """Stage 2: 1..4 stages for the 3 best geometries whose K loop has several chunks."""
+    """Stage 2: 3 and 4 stages (deeper cp.async pipelines) for the 3 best geometries whose K
+    loop has several chunks."""
     out = []
     for config in sweep.best(layer, 3):
         if layer.in_features > config.block_k:
-            for stages in STAGES:
+            for stages in (3, 4):
                 out.append(GemvConfig(config.block_n, config.block_k, config.num_warps, stages))
     return out
 

@@ -31,9 +31,12 @@ tile(s) (contiguous along K) and the x rows, and accumulates with tl.dot.
 One row (batch-1 decode, ``_gemv_row_kernel``, chosen on the host): no tl.dot (whose 16
 padded rows waste 15/16 of the math and force BLOCK_N >= 16). Each program owns BLOCK_N
 (1..16) output rows and walks K in BLOCK_K chunks, loading [BLOCK_N, BLOCK_K] weight tiles
-(contiguous along K: coalesced) times x[None, :] into a 2D fp32 accumulator that is reduced
-along K once at the end. A small BLOCK_N gives many programs (several per SM) to hide the
-memory latency without a split-K pass. Its in/out features are plain arguments (Triton
+(contiguous along K: coalesced) times x into a 2D fp32 accumulator that is reduced along K
+once at the end. x is loaded broadcast over the tile's rows, in the tile's layout (L1 hits;
+a [BLOCK_K] load would be converted through shared memory, with barriers, every chunk). A
+small BLOCK_N gives many programs (several per SM) to hide the memory latency without a
+split-K pass; NUM_STAGES > 1 pipelines the K loop's loads through shared memory (cp.async:
+Triton pipelines no other loads than a dot's by itself, so num_stages alone changes nothing). Its in/out features are plain arguments (Triton
 specializes them by divisibility by 16, which keeps the masked loads vectorised), so one
 compiled variant per configuration serves every layer shape. Tiles, warps and stages come
 from ``gemv_config``: the per-shape table of atom/kernels/gemv_configs.py (filled from
@@ -185,6 +188,7 @@ def _gemv_row_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,  # output rows per program, 1..16
     BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # > 1: the K loop's loads pipelined through shared memory
 ):
     """One row: out[n] = sum_k weight[n, k] * x[k] for the program's BLOCK_N rows n."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,18 +215,21 @@ def _gemv_row_kernel(
     up_rows = weight_ptr + (offs_n + out_features).to(tl.int64)[:, None] * stride_weight
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k_start in range(0, in_features, BLOCK_K):
+    for k_start in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < in_features
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+        # x broadcast over the tile's rows, loaded in the tile's layout (L1 hits)
+        x_offs = offs_k[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        x_mask = k_mask[None, :] & (x_offs >= 0)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
         if NORM:  # as rmsnorm.py: normalised in fp32, rounded, times the weight, rounded
             if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0)
+                residual = tl.load(residual_ptr + x_offs, mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
             normed = (x.to(tl.float32) * rstd).to(dtype)
-            norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
+            norm_weight = tl.load(norm_weight_ptr + x_offs, mask=x_mask, other=0.0)
             x = (norm_weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-        x = x.to(tl.float32)[None, :]
+        x = x.to(tl.float32)
         w_mask = n_mask[:, None] & k_mask[None, :]
         # the weight is read once: let it leave L2 first (x and the next layer's stay)
         gate = tl.load(
@@ -328,7 +335,7 @@ def compile_row_kernel(
     _gemv_row_kernel.warmup(
         dtype, dtype, dtype, dtype, dtype, dtype,
         in_features, out_features, 1e-5, in_features,
-        grid=(1,),
+        grid=(1,), NUM_STAGES=config.num_stages,
         **_flags(silu_mul, norm, has_residual, config),
     )  # fmt: skip
 
@@ -358,7 +365,7 @@ def _launch(
         _gemv_row_kernel[grid](
             x, weight, out, residual, norm_weight, residual_out,
             in_features, out_features, eps, weight.stride(0),
-            **flags,
+            NUM_STAGES=config.num_stages, **flags,
         )  # fmt: skip
         return
     _gemv_kernel[grid](
