@@ -333,7 +333,7 @@ def stage_candidates(sweep: Sweep, layer: Layer) -> list[GemvConfig]:
 
 def precompile(jobs: list[tuple[Layer, GemvConfig]]) -> None:
     """Compile the (layer, geometry) pairs in a thread pool through Triton's
-    AsyncCompileMode where this Triton has it (compiling dominates the sweep: ~150 variants);
+    AsyncCompileMode where this Triton has it (compiling dominates the sweep: ~300 variants);
     else they compile one by one at their first call. Errors surface at that call."""
     try:
         from triton.runtime._async_compile import AsyncCompileMode
