@@ -43,9 +43,16 @@ rotary + store, atom/attention/mha.py).
                                            the GEMVs after them: q/k/v, and gate/up with
                                            SiLU * up (atom/kernels/gemv.py gemv_rms_norm).
 
+The three GEMV switches run the small-row kernels of atom/kernels/gemv.py: one row
+(batch-1 decode, as in the decode graph of batch size 1) goes to its kernel without tl.dot,
+2..GEMV_MAX_ROWS rows to the dot kernel; each layer shape's tiles come from
+atom/kernels/gemv_configs.py (`python3 -m atom.benchmarks.gemv_sweep` on the H200 says
+which shapes beat cuBLAS, and gives the table).
+
 The residual add was already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
 PreNormDecoderLayer); `norm_gemv` goes one step further and folds the norm into the next
-linear layer.
+linear layer. So there is no switch for a residual epilogue in o_proj / down: the add
+lives in the next norm (or norm + GEMV) kernel already, moving it would remove no kernel.
 
 Every fusion changes the CUDA path only; on CPU the engine runs the torch references as
 before. The ModelRunner puts its config's Fusions into the forward context (layers read it

@@ -18,27 +18,52 @@ Shapes and dtypes:
              then up rows (ColumnParallelLinear's [gate | up]).
     out      [num_rows, out_features] (``gemv``) or [num_rows, intermediate], x's dtype.
 
-Numerics: fp32 accumulation (tensor-core dots, the rows padded to 16), rounded to x's dtype
-as F.linear's output; with SiLU the gate and up are rounded first, then silu in fp32 rounded,
+Numerics: fp32 accumulation (tensor-core dots with the rows padded to 16; one row: fp32
+products summed along K per lane, then across lanes), rounded to x's dtype as F.linear's
+output; with SiLU the gate and up are rounded first, then silu in fp32 rounded,
 then the product rounded (atom/kernels/activation.py's order). The summation order differs
 from cuBLAS, so a last bit may differ.
 
-Kernel design: one program per BLOCK_N output features; it walks in_features in BLOCK_K
-chunks, loading the [BLOCK_K, BLOCK_N] weight tile(s) (contiguous along K) and the x rows,
-and accumulates with tl.dot.
+Kernel design, 2..GEMV_MAX_ROWS rows (``_gemv_kernel``): one program per BLOCK_N output
+features; it walks in_features in BLOCK_K chunks, loading the [BLOCK_K, BLOCK_N] weight
+tile(s) (contiguous along K) and the x rows, and accumulates with tl.dot.
+
+One row (batch-1 decode, ``_gemv_row_kernel``, chosen on the host): no tl.dot (whose 16
+padded rows waste 15/16 of the math and force BLOCK_N >= 16). Each program owns BLOCK_N
+(1..16) output rows and walks K in BLOCK_K chunks, loading [BLOCK_N, BLOCK_K] weight tiles
+(contiguous along K: coalesced) times x into a 2D fp32 accumulator that is reduced along K
+once at the end. x is loaded broadcast over the tile's rows, in the tile's layout (L1 hits;
+a [BLOCK_K] load would be converted through shared memory, with barriers, every chunk). A
+small BLOCK_N gives many programs (several per SM) to hide the memory latency without a
+split-K pass; NUM_STAGES > 1 pipelines the K loop's loads through shared memory (cp.async:
+Triton pipelines no other loads than a dot's by itself, so num_stages alone changes nothing). Its in/out features are plain arguments (Triton
+specializes them by divisibility by 16, which keeps the masked loads vectorised), so one
+compiled variant per configuration serves every layer shape. Tiles, warps and stages come
+from ``gemv_config``: the per-shape table of atom/kernels/gemv_configs.py (filled from
+``python -m atom.benchmarks.gemv_sweep`` on the H200), else a heuristic.
 
 With the norm: x (+ residual) rounded to x's dtype, the sum of squares in fp32 (chunk by
 chunk: a different order than rms_norm's one reduction), normalised, rounded, times the norm
 weight, rounded: rms_norm's steps; program 0 writes x + residual.
 
-Runtime lengths (never constexpr, in do_not_specialize): num_rows. Geometry (constexpr):
-in/out features, tiles, whether the SiLU epilogue and the norm prologue run. Offsets are int64 (a 128K x 8K
-weight passes 2^31 elements).
+Runtime lengths (never constexpr, in do_not_specialize): num_rows (the one-row kernel has
+none). Geometry (constexpr): in/out features (plain arguments of the one-row kernel), tiles,
+whether the SiLU epilogue and the norm prologue run. Offsets are int64 (a 128K x 8K weight
+passes 2^31 elements).
+
+No residual epilogue (out = residual + W x): every residual add of a Llama layer already
+lives in the next RMSNorm kernel (rmsnorm.py) or, with ``norm_gemv``, in the next GEMV's
+prologue, so moving it into o_proj / down would remove no kernel. No split-K either: a
+small BLOCK_N gives enough programs (e.g. 2048 for the 1B shape's down projection at
+BLOCK_N 1) without a second pass or a zeroed output.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from atom.kernels import dot_precision, use_triton
+from atom.kernels.gemv_configs import GEMV_CONFIGS
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:
@@ -146,11 +171,130 @@ def _gemv_kernel(
         tl.store(out_ptrs, acc.to(dtype), mask=out_mask)
 
 
-def gemv_config(out_features: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): geometry only."""
+@triton.jit
+def _gemv_row_kernel(
+    x_ptr,  # [in_features], unit-stride
+    weight_ptr,
+    out_ptr,  # [out_features]
+    residual_ptr,  # NORM and HAS_RESIDUAL: added to x before the norm
+    norm_weight_ptr,  # NORM: the RMSNorm weight [in_features]
+    residual_out_ptr,  # NORM and HAS_RESIDUAL: x + residual, written by program 0
+    in_features,
+    out_features,  # of out: intermediate when SILU_MUL
+    eps,
+    stride_weight,
+    SILU_MUL: tl.constexpr,  # weight rows [gate | up]; out = silu(gate) * up
+    NORM: tl.constexpr,  # x := rms_norm(x (+ residual)) * norm_weight first
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # output rows per program, 1..16
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # > 1: the K loop's loads pipelined through shared memory
+):
+    """One row: out[n] = sum_k weight[n, k] * x[k] for the program's BLOCK_N rows n."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < out_features
+    dtype = x_ptr.dtype.element_ty
+    if NORM:
+        # Every program reads x whole (a few KB, from L2) for its RMS; the first one also
+        # writes x + residual, the residual stream of the next layer.
+        sum_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k_start in range(0, in_features, BLOCK_K):
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < in_features
+            h = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+            if HAS_RESIDUAL:
+                residual = tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0)
+                h = (h.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(residual_out_ptr + offs_k, h, mask=k_mask)
+            h = h.to(tl.float32)
+            sum_squares += h * h
+        rstd = tl.rsqrt(tl.sum(sum_squares, axis=0) / in_features + eps)
+    # [BLOCK_N, BLOCK_K] tiles: row n of the weight, contiguous along K (coalesced loads).
+    gate_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight
+    up_rows = weight_ptr + (offs_n + out_features).to(tl.int64)[:, None] * stride_weight
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k_start in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < in_features
+        # x broadcast over the tile's rows, loaded in the tile's layout (L1 hits)
+        x_offs = offs_k[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        x_mask = k_mask[None, :] & (x_offs >= 0)
+        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        if NORM:  # as rmsnorm.py: normalised in fp32, rounded, times the weight, rounded
+            if HAS_RESIDUAL:
+                residual = tl.load(residual_ptr + x_offs, mask=x_mask, other=0.0)
+                x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+            normed = (x.to(tl.float32) * rstd).to(dtype)
+            norm_weight = tl.load(norm_weight_ptr + x_offs, mask=x_mask, other=0.0)
+            x = (norm_weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        x = x.to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        # the weight is read once: let it leave L2 first (x and the next layer's stay)
+        gate = tl.load(
+            gate_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
+        )
+        acc += gate.to(tl.float32) * x
+        if SILU_MUL:
+            up = tl.load(
+                up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
+            )
+            acc_up += up.to(tl.float32) * x
+    out = tl.sum(acc, axis=1)
+    if SILU_MUL:
+        # rounded as F.linear's outputs, then as activation.py's silu and product
+        gate = out.to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        out = silu.to(tl.float32) * up
+    tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A GEMV kernel's launch geometry."""
+
+    block_n: int  # output features per program
+    block_k: int  # input features per chunk of the K loop
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K loop
+
+
+# the SMs of an H100 / H200: the heuristic aims at several programs per SM
+_NUM_SMS = 132
+
+
+def gemv_config(
+    in_features: int,
+    out_features: int,
+    silu_mul: bool,
+    norm: bool,
+    single_row: bool,
+    on_gpu: bool = True,
+) -> GemvConfig:
+    """The launch geometry for a weight [out_features, in_features] (out_features counts the
+    weight's rows: 2 * intermediate with ``silu_mul``). On the GPU: GEMV_CONFIGS's entry for
+    (in_features, out_features, silu_mul, norm, single_row) when there is one (the H200
+    sweep's best), else a heuristic. Geometry only: never a function of the row count
+    beyond one row or several."""
+    rows = out_features // 2 if silu_mul else out_features
     if not on_gpu:  # the interpreter pays per program: few, big ones
-        return min(128, max(16, triton.next_power_of_2(out_features))), 128, 4
-    return 16, 512, 4  # 16 KB of weight per tile and stage: enough bytes in flight
+        if single_row:
+            return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
+        return GemvConfig(min(128, max(16, triton.next_power_of_2(rows))), 128, 4, 3)
+    entry = GEMV_CONFIGS.get((in_features, out_features, silu_mul, norm, single_row))
+    if entry is not None:
+        return GemvConfig(*entry)
+    if not single_row:
+        return GemvConfig(16, 512, 4, 3)  # 16 KB of weight per tile and stage
+    # One row: the largest BLOCK_N that still gives ~8 programs per SM, and ~8 KB of
+    # weight per tile (32 elements per thread of 4 warps).
+    block_n = 16
+    while block_n > 1 and triton.cdiv(rows, block_n) < 8 * _NUM_SMS:
+        block_n //= 2
+    block_k = max(128, min(2048, 4096 // block_n, triton.next_power_of_2(in_features)))
+    return GemvConfig(block_n, block_k, 4, 2 if in_features > block_k else 1)
 
 
 def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -164,21 +308,67 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -> dict:
+    return dict(
+        SILU_MUL=silu_mul,
+        NORM=norm,
+        HAS_RESIDUAL=has_residual,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def compile_row_kernel(
+    in_features: int,
+    out_features: int,
+    silu_mul: bool,
+    norm: bool,
+    has_residual: bool,
+    config: GemvConfig,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """Compile the one-row kernel for this geometry without launching it (Triton's
+    ``warmup``; under its AsyncCompileMode the compile joins a pool: the sweep compiles its
+    grid ahead in parallel). Arguments as ``_launch`` gives them, pointers as dtypes."""
+    _gemv_row_kernel.warmup(
+        dtype, dtype, dtype, dtype, dtype, dtype,
+        in_features, out_features, 1e-5, in_features,
+        grid=(1,), NUM_STAGES=config.num_stages,
+        **_flags(silu_mul, norm, has_residual, config),
+    )  # fmt: skip
+
+
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
     out: torch.Tensor,
     silu_mul: bool,
     norm: tuple | None = None,  # (residual or None, norm weight, eps, residual_out or None)
+    config: GemvConfig | None = None,
 ) -> None:
     assert fits_gemv(x, weight), "x [rows <= GEMV_MAX_ROWS, K], weight [N, K], one dtype"
     assert weight.shape[1] == x.shape[1]
-    out_features = out.shape[1]
-    block_n, block_k, num_warps = gemv_config(out_features, x.is_cuda)
+    in_features, out_features = x.shape[1], out.shape[1]
+    single_row = x.shape[0] == 1
+    if config is None:
+        config = gemv_config(
+            in_features, weight.shape[0], silu_mul, norm is not None, single_row, x.is_cuda
+        )
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, None)
     if residual is None:  # never read
         residual = residual_out = x
-    _gemv_kernel[(triton.cdiv(out_features, block_n),)](
+    grid = (triton.cdiv(out_features, config.block_n),)
+    flags = _flags(silu_mul, norm is not None, norm is not None and norm[0] is not None, config)
+    if single_row:  # batch-1 decode: no tl.dot (see the module docstring)
+        _gemv_row_kernel[grid](
+            x, weight, out, residual, norm_weight, residual_out,
+            in_features, out_features, eps, weight.stride(0),
+            NUM_STAGES=config.num_stages, **flags,
+        )  # fmt: skip
+        return
+    _gemv_kernel[grid](
         x,
         weight,
         out,
@@ -192,41 +382,40 @@ def _launch(
         out.stride(0),
         residual.stride(0),
         residual_out.stride(0),
-        IN_FEATURES=x.shape[1],
+        IN_FEATURES=in_features,
         OUT_FEATURES=out_features,
-        SILU_MUL=silu_mul,
-        NORM=norm is not None,
-        HAS_RESIDUAL=norm is not None and norm[0] is not None,
         BLOCK_M=GEMV_MAX_ROWS,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
         INPUT_PRECISION=dot_precision(x.dtype),
-        num_warps=num_warps,
+        **flags,
     )
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ weight.T`` for at most GEMV_MAX_ROWS rows (no bias).
 
     Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    ``config`` overrides ``gemv_config`` (the sweep's candidates).
     """
     if not use_triton(x):
         return gemv_reference(x, weight)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, silu_mul=False)
+    _launch(x, weight, out, silu_mul=False, config=config)
     return out
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
+) -> torch.Tensor:
     """``silu(gate) * up`` of ``x @ weight.T = [gate | up]`` for at most GEMV_MAX_ROWS rows.
 
     Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
+    ``config`` overrides ``gemv_config``.
     """
     if not use_triton(x):
         return gemv_silu_and_mul_reference(x, weight)
     assert weight.shape[0] % 2 == 0, "weight holds gate | up rows"
     out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, silu_mul=True)
+    _launch(x, weight, out, silu_mul=True, config=config)
     return out
 
 
@@ -237,6 +426,7 @@ def gemv_rms_norm(
     eps: float,
     weight: torch.Tensor,
     silu_mul: bool = False,
+    config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm (with the residual add) and the linear layer after it, in one kernel.
 
@@ -244,7 +434,7 @@ def gemv_rms_norm(
     ``silu_mul``), h = ``rms_norm(x, norm_weight, eps, residual)``; without ``residual``
     the second item is ``x`` itself, as ``PreNormDecoderLayer`` carries it. ``norm_weight``
     [in_features] has x's dtype. Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1),
-    the reference otherwise.
+    the reference otherwise. ``config`` overrides ``gemv_config``.
     """
     if not use_triton(x):
         return gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul)
@@ -258,7 +448,7 @@ def gemv_rms_norm(
         residual_out = torch.empty_like(x)
     features = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(x.shape[0], features, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, silu_mul, (residual, norm_weight, eps, residual_out))
+    _launch(x, weight, out, silu_mul, (residual, norm_weight, eps, residual_out), config)
     return out, x if residual is None else residual_out
 
 

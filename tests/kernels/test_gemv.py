@@ -1,10 +1,16 @@
-"""gemv and gemv_silu_and_mul (small-batch Triton GEMVs) against F.linear (+ silu * up)."""
+"""gemv and gemv_silu_and_mul (small-batch Triton GEMVs) against F.linear (+ silu * up).
+
+One row runs the batch-1 kernel (no tl.dot), 2..GEMV_MAX_ROWS rows the dot kernel."""
+
+import json
 
 import pytest
 import torch
 
+from atom.kernels import gemv_configs
 from atom.kernels.gemv import (
     GEMV_MAX_ROWS,
+    GemvConfig,
     fits_gemv,
     gemv,
     gemv_reference,
@@ -13,6 +19,7 @@ from atom.kernels.gemv import (
     gemv_silu_and_mul,
     gemv_silu_and_mul_reference,
 )
+from atom.kernels.gemv import gemv_config as config_for
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [
@@ -61,6 +68,79 @@ def test_gemv_rms_norm_matches_norm_then_linear(
     assert torch.equal(new_residual, expected_residual)  # the same rounded sum, or x itself
 
 
+# batch-1 geometries: one output row per program (BLOCK_N 1), a partial last tile of rows
+# (130 % 16, SiLU's 65 % 16) and of K (136 % 64, 200 % 64), several K chunks per program
+ROW_CASES = [
+    (136, 10, GemvConfig(1, 64, 1, 1)),
+    (200, 130, GemvConfig(16, 64, 4, 3)),
+    (576, 96, GemvConfig(4, 128, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("dtype, device", DTYPES)
+@pytest.mark.parametrize("in_features, out_features, config", ROW_CASES)
+def test_one_row_gemv_matches_linear(in_features, out_features, config, dtype, device):
+    """Batch-1 kernel, every epilogue / prologue, against the torch references."""
+    generator = torch.Generator().manual_seed(in_features + config.block_n)
+    x = (2 * torch.randn(1, in_features, generator=generator)).to(device, dtype)
+    weight = (torch.randn(out_features, in_features, generator=generator) / 8).to(device, dtype)
+    residual = torch.randn(1, in_features, generator=generator).to(device, dtype)
+    norm_weight = (1 + torch.rand(in_features, generator=generator)).to(device, dtype)
+    tol = TOLERANCE[dtype]
+    got, expected = gemv(x, weight, config), gemv_reference(x, weight)
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    got = gemv_silu_and_mul(x, weight, config)
+    torch.testing.assert_close(got, gemv_silu_and_mul_reference(x, weight), atol=tol, rtol=tol)
+    for silu_mul in (False, True):
+        for res in (None, residual):
+            args = (x, res, norm_weight, 1e-5, weight, silu_mul)
+            out, new_residual = gemv_rms_norm(*args, config=config)
+            expected, expected_residual = gemv_rms_norm_reference(*args)
+            torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+            assert torch.equal(new_residual, expected_residual)
+
+
+def test_gemv_config_table_then_heuristic(monkeypatch):
+    """A shape in GEMV_CONFIGS gets its measured geometry, any other the heuristic's."""
+    key = (2048, 8192, True, False, True)
+    monkeypatch.setitem(gemv_configs.GEMV_CONFIGS, key, (2, 1024, 8, 4))
+    assert config_for(*key) == GemvConfig(2, 1024, 8, 4)
+    assert config_for(*key, on_gpu=False) != GemvConfig(2, 1024, 8, 4)  # the interpreter's
+    for in_features, out_features in [(576, 576), (8192, 2048), (2048, 128256), (64, 8)]:
+        config = config_for(in_features, out_features, False, False, True)
+        assert config.block_n in (1, 2, 4, 8, 16) and 128 <= config.block_k <= 2048
+        assert config.num_stages >= 1
+    # few rows -> small BLOCK_N (more programs); many rows -> 16
+    assert config_for(576, 576, False, False, True).block_n == 1
+    assert config_for(2048, 128256, False, False, True).block_n == 16
+    assert config_for(2048, 3072, False, False, False).block_n == 16  # the dot kernel's
+
+
+@pytest.mark.gpu
+def test_one_row_gemv_table_entries_on_gpu():
+    """Every measured entry of GEMV_CONFIGS (pasted from the sweep) computes its shape right."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    for (k, n, silu_mul, norm, single_row), entry in gemv_configs.GEMV_CONFIGS.items():
+        rows = 1 if single_row else 4
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+        weight /= k**0.5
+        config = GemvConfig(*entry)
+        if norm:
+            norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+            args = (x, torch.randn_like(x), norm_weight, 1e-5, weight, silu_mul)
+            got = gemv_rms_norm(*args, config=config)[0]
+            expected = gemv_rms_norm_reference(*args)[0]
+        elif silu_mul:
+            got, expected = (
+                gemv_silu_and_mul(x, weight, config),
+                gemv_silu_and_mul_reference(x, weight),
+            )
+        else:
+            got, expected = gemv(x, weight, config), gemv_reference(x, weight)
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=f"{k}x{n} {entry}")
+
+
 @pytest.mark.gpu
 def test_gemv_silu_and_mul_llama_1b_shapes():
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
@@ -69,6 +149,14 @@ def test_gemv_silu_and_mul_llama_1b_shapes():
     torch.testing.assert_close(got, gemv_silu_and_mul_reference(x, gate_up), atol=2e-2, rtol=2e-2)
     lm_head = torch.randn(128256, 2048, device="cuda", dtype=torch.bfloat16) / 45
     torch.testing.assert_close(gemv(x, lm_head), x @ lm_head.T, atol=2e-2, rtol=2e-2)
+    down = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16) / 90
+    h = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(gemv(h, down), h @ down.T, atol=2e-2, rtol=2e-2)
+    for rows in (1, 4):  # the batch-1 kernel and the dot kernel at a SmolLM2 shape
+        x = torch.randn(rows, 576, device="cuda", dtype=torch.bfloat16)
+        gate_up = torch.randn(2 * 1536, 576, device="cuda", dtype=torch.bfloat16) / 24
+        got, want = gemv_silu_and_mul(x, gate_up), gemv_silu_and_mul_reference(x, gate_up)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 def test_fits_gemv_refuses_what_it_cannot_take():
@@ -77,3 +165,68 @@ def test_fits_gemv_refuses_what_it_cannot_take():
     assert not fits_gemv(torch.zeros(0, 16), weight)
     assert not fits_gemv(torch.zeros(2, 16, dtype=torch.float16), weight)
     assert not fits_gemv(torch.zeros(16, 2).T, weight)  # columns not unit-stride
+
+
+def test_gemv_sweep_smoke(capsys):
+    """atom/benchmarks/gemv_sweep.py at a toy model on CPU (interpreted, two geometries):
+    every layer measured against its baseline, a summary each, a table ready to paste."""
+    from atom.benchmarks import gemv_sweep
+
+    toy = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, num_hidden_layers=2, vocab_size=160)  # fmt: skip
+    args = gemv_sweep.parse_args(["--calls", "2", "--rotation-bytes", "0"])
+    grid = [GemvConfig(16, 64, 4, 1), GemvConfig(64, 128, 4, 1)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        table = gemv_sweep.run_sweep(args, {"toy": toy}, "cpu", grid=grid)
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    layers = ["qkv", "qkv+norm", "o", "gate_up+silu", "gate_up+silu+norm", "down", "lm_head"]
+    summaries = [r for r in records if r["case"] == "summary"]
+    assert [r["layer"] for r in summaries] == layers
+    measured = [r for r in records if r["case"] == "measurement" and "matches" in r]
+    # the heuristic's geometry and the two of the grid, each checked against the baseline
+    assert len(measured) == 3 * len(layers) and all(r["matches"] for r in measured)
+    assert all(r["best_speedup"] is not None and r["best_us"] > 0 for r in summaries)
+    assert (64, 128, False, False, True) in table  # qkv: 2 * 32 + 2 * 1 * 32 rows
+    namespace = {}
+    exec(out[out.index("GEMV_CONFIGS:") :], namespace)  # the block to paste
+    assert namespace["GEMV_CONFIGS"] == table
+
+
+def test_gemv_sweep_search_finds_the_fastest(monkeypatch, capsys):
+    """The sweep's search (stage 1 grid, the norm layers' candidates, stage 2's stages) on a
+    toy model with made-up timings (no kernels run): each layer's summary names the geometry
+    the timings favour, found through the stages."""
+    from atom.benchmarks import gemv_sweep
+
+    def fake_seconds(run, weights, calls, replays):
+        config = getattr(run, "config", None)
+        if config is None:
+            return 1e-5  # the baseline and the heuristic
+        n, k, warps, stages = config.block_n, config.block_k, config.num_warps, config.num_stages
+        return 1e-6 * (1 + abs(n - 4) + abs(warps - 2) + abs(stages - 3) + (k != 128))
+
+    def fake_triton_call(layer, inputs, config):
+        baseline = gemv_sweep.baseline_call(layer, inputs)
+
+        def run(weight):
+            return baseline(weight)
+
+        run.config = config
+        return run
+
+    monkeypatch.setattr(gemv_sweep, "seconds_per_call", fake_seconds)
+    monkeypatch.setattr(gemv_sweep, "triton_call", fake_triton_call)
+    toy = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, num_hidden_layers=1, vocab_size=64)  # fmt: skip
+    args = gemv_sweep.parse_args(["--rotation-bytes", "0"])
+    table = gemv_sweep.run_sweep(args, {"toy": toy}, "cpu")
+    assert table[(256, 512, False, False, True)] == (4, 128, 2, 3)  # qkv, stage 2's 3 stages
+    assert table[(256, 512, False, True, True)] == (4, 128, 2, 3)  # qkv+norm
+    summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+                 if '"summary"' in line]  # fmt: skip
+    assert len(summaries) == 7 and all(r["best_speedup"] == 10.0 for r in summaries)

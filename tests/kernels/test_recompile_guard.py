@@ -102,6 +102,9 @@ KERNELS = {
             "stride_residual_out",
         ],
     ),
+    # The batch-1 GEMV (one row, chosen on the host): no runtime length at all; in/out
+    # features are geometry passed as plain arguments (one variant serves every shape).
+    (gemv, "_gemv_row_kernel"): ([], ["in_features", "out_features", "eps", "stride_weight"]),
     (kv_cache, "_store_kvcache_kernel"): (
         ["num_tokens"],
         ["stride_key_token", "stride_key_head", "stride_value_token", "stride_value_head"],
@@ -570,14 +573,31 @@ def test_gemv_one_variant(silu_mul):
     weight = torch.randn(16384, 2048, device=DEVICE, dtype=BF16)
     run = gemv.gemv_silu_and_mul if silu_mul else gemv.gemv
     lengths = [1, 2, 3, 7, gemv.GEMV_MAX_ROWS]  # every row count the GEMV takes
-    assert_one_variant(gemv, ["_gemv_kernel"], lambda n: run(x[:n], weight), lengths)
+    kernels = ["_gemv_kernel", "_gemv_row_kernel"]  # 2.. rows, and one row
+    assert_one_variant(gemv, kernels, lambda n: run(x[:n], weight), lengths)
     residual = torch.randn_like(x)
     norm_weight = torch.ones(2048, device=DEVICE, dtype=BF16)
 
     def with_norm(n):
         gemv.gemv_rms_norm(x[:n], residual[:n], norm_weight, 1e-5, weight, silu_mul)
 
-    assert_one_variant(gemv, ["_gemv_kernel"], with_norm, lengths)
+    assert_one_variant(gemv, kernels, with_norm, lengths)
+
+
+@pytest.mark.gpu
+def test_gemv_one_row_one_variant_over_shapes():
+    """The batch-1 kernel's in/out features are plain arguments: the layer shapes of both
+    models (multiples of 16) share one compiled variant per configuration."""
+    config = gemv.GemvConfig(4, 512, 4, 2)
+    shapes = [(2048, 3072), (2048, 2048), (8192, 2048), (576, 960), (576, 576), (1536, 576)]
+
+    def run(i):
+        in_features, out_features = shapes[i % len(shapes)]
+        x = torch.randn(1, in_features, device=DEVICE, dtype=BF16)
+        weight = torch.randn(out_features, in_features, device=DEVICE, dtype=BF16)
+        gemv.gemv(x, weight, config)
+
+    assert_one_variant(gemv, ["_gemv_row_kernel"], run, range(len(shapes)))
 
 
 @pytest.mark.gpu

@@ -11,9 +11,10 @@ from atom.fusions import Fusions
 from atom.models import llama
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])  # the batch-1 GEMV kernel, the dot kernel
 @pytest.mark.parametrize("first_layer", [True, False])
 @pytest.mark.parametrize("fusion", ["norm_gemv", "gemv_silu"])
-def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer):
+def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer, num_tokens):
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # use_triton: the interpreter on CPU
@@ -26,10 +27,10 @@ def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer):
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0.0, 0.2)
-    hidden = torch.randn(3, 64)
-    residual = None if first_layer else torch.randn(3, 64)
-    positions = torch.arange(3)
-    dense = AttentionMetadata(None, None, None, None, 3, False)  # no cache: SDPA
+    hidden = torch.randn(num_tokens, 64)
+    residual = None if first_layer else torch.randn(num_tokens, 64)
+    positions = torch.arange(num_tokens)
+    dense = AttentionMetadata(None, None, None, None, num_tokens, False)  # no cache: SDPA
     with torch.no_grad(), forward_context(dense, Fusions.none()):
         expected = layer(positions, hidden, residual)
     calls = []
