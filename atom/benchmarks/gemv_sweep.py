@@ -410,7 +410,7 @@ def run_phase(sweep: Sweep, plan: list[tuple[Layer, list[GemvConfig]]], fallback
 
 
 def summarize(sweep: Sweep, layers: list[Layer], models: dict[str, dict]) -> dict:
-    table, notes = {}, {}
+    table, notes, slower = {}, {}, set()
     step = {model: dict(baseline_us=0.0, best_triton_us=0.0) for model in models}
     for layer in layers:
         record = sweep.results.get((layer.model, layer.name))
@@ -429,6 +429,8 @@ def summarize(sweep: Sweep, layers: list[Layer], models: dict[str, dict]) -> dic
         if label != "heuristic":
             table[layer.key] = tuple(label)
             notes[layer.key] = f"{layer.model} {layer.name}: {figures['speedup']}x unfused"
+            if figures["speedup"] < 1:  # the engine keeps the unfused path for this shape
+                slower.add(layer.key)
         # a step runs qkv and gate_up either with or without the norm: count the norm ones
         if layer.name not in ("qkv", "gate_up+silu"):
             step[layer.model]["baseline_us"] += layer.per_token * record["baseline_us"]
@@ -441,11 +443,11 @@ def summarize(sweep: Sweep, layers: list[Layer], models: dict[str, dict]) -> dic
                       best_triton_us_per_token=round(totals["best_triton_us"], 1),
                       speedup=round(totals["baseline_us"] / totals["best_triton_us"], 3)))  # fmt: skip
     emit(dict(case="config_table", GEMV_CONFIGS={str(k): list(v) for k, v in table.items()}))
-    print(paste_block(table, notes), flush=True)
+    print(paste_block(table, notes, slower), flush=True)
     return table
 
 
-def paste_block(table: dict, notes: dict) -> str:
+def paste_block(table: dict, notes: dict, slower: set = frozenset()) -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [
         f"# paste over GEMV_CONFIGS in atom/kernels/gemv_configs.py (gemv_sweep, {gpu}, "
@@ -454,6 +456,10 @@ def paste_block(table: dict, notes: dict) -> str:
     ]
     for key, value in table.items():
         lines.append(f"    {key}: {value},  # {notes[key]}")
+    lines.append("}")
+    lines.append("# the shapes whose best Triton GEMV lost to the unfused cuBLAS path")
+    lines.append("GEMV_SLOWER: set[tuple[int, int, bool, bool, bool]] = {")
+    lines.extend(f"    {key},  # {notes[key]}" for key in sorted(slower))
     lines.append("}")
     return "\n".join(lines)
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 
 from atom.kernels import dot_precision, use_triton
-from atom.kernels.gemv_configs import GEMV_CONFIGS
+from atom.kernels.gemv_configs import GEMV_CONFIGS, GEMV_SLOWER
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:
@@ -306,6 +306,15 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(1) == 1
         and weight.stride(1) == 1
     )
+
+
+def gemv_wins(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False) -> bool:  # fmt: skip
+    """``fits_gemv``, and the shape is not one the H200 sweep measured slower than the
+    unfused cuBLAS path (GEMV_SLOWER): where a fusion switch should use the GEMV."""
+    if not fits_gemv(x, weight):
+        return False
+    key = (weight.shape[1], weight.shape[0], silu_mul, norm, x.shape[0] == 1)
+    return key not in GEMV_SLOWER
 
 
 def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -> dict:

@@ -8,14 +8,41 @@ shape that is missing.
 
 Filled from the H200 sweep: run ``python3 -m atom.benchmarks.gemv_sweep`` and paste the
 ``GEMV_CONFIGS = {...}`` block it prints last (its `config_table` line holds the same dict)
-over the one below. Only entries whose best Triton config beat the unfused cuBLAS baseline
-matter for the engine (the sweep's `summary` lines say which), but a faster geometry never
-hurts, so the sweep prints every measured shape.
+over the two below. GEMV_SLOWER lists the shapes whose best Triton geometry still lost to
+the unfused cuBLAS path: there the engine keeps cuBLAS even with the fusion switch on
+(`gemv_wins` in atom/kernels/gemv.py).
 """
 
 # (in_features, out_features, silu_mul, norm, single_row) -> (BLOCK_N, BLOCK_K, warps, stages)
+# paste over GEMV_CONFIGS in atom/kernels/gemv_configs.py (gemv_sweep, NVIDIA H200, 2026-12-01)
 GEMV_CONFIGS: dict[tuple[int, int, bool, bool, bool], tuple[int, int, int, int]] = {
-    # PLACEHOLDER: Llama-3.2-1B shape, batch 1 (qkv, qkv+norm, o, gate_up+silu,
-    # gate_up+silu+norm, down, lm_head), from the H200 sweep.
-    # PLACEHOLDER: SmolLM2-135M shape, batch 1 (the same seven), from the H200 sweep.
+    (2048, 3072, False, False, True): (1, 1024, 2, 1),  # llama-3.2-1b qkv: 1.218x unfused
+    (2048, 3072, False, True, True): (2, 1024, 4, 1),  # llama-3.2-1b qkv+norm: 1.122x unfused
+    (2048, 2048, False, False, True): (1, 1024, 2, 1),  # llama-3.2-1b o: 1.494x unfused
+    (2048, 16384, True, False, True): (1, 1024, 1, 1),  # llama-3.2-1b gate_up+silu: 1.161x unfused
+    (2048, 16384, True, True, True): (
+        1,
+        1024,
+        1,
+        1,
+    ),  # llama-3.2-1b gate_up+silu+norm: 0.887x unfused
+    (8192, 2048, False, False, True): (1, 1024, 4, 1),  # llama-3.2-1b down: 1.267x unfused
+    (2048, 128256, False, False, True): (1, 1024, 2, 1),  # llama-3.2-1b lm_head: 1.08x unfused
+    (576, 960, False, False, True): (2, 1024, 8, 1),  # smollm2-135m qkv: 1.786x unfused
+    (576, 960, False, True, True): (2, 1024, 8, 1),  # smollm2-135m qkv+norm: 1.945x unfused
+    (576, 576, False, False, True): (2, 1024, 8, 1),  # smollm2-135m o: 1.726x unfused
+    (576, 3072, True, False, True): (1, 1024, 1, 1),  # smollm2-135m gate_up+silu: 1.767x unfused
+    (576, 3072, True, True, True): (
+        2,
+        1024,
+        1,
+        1,
+    ),  # smollm2-135m gate_up+silu+norm: 1.784x unfused
+    (1536, 576, False, False, True): (1, 2048, 4, 1),  # smollm2-135m down: 2.017x unfused
+    (576, 49152, False, False, True): (4, 128, 2, 1),  # smollm2-135m lm_head: 0.974x unfused
+}
+# the shapes whose best Triton GEMV lost to the unfused cuBLAS path (the engine keeps that)
+GEMV_SLOWER: set[tuple[int, int, bool, bool, bool]] = {
+    (2048, 16384, True, True, True),  # llama-3.2-1b gate_up+silu+norm: 0.887x unfused
+    (576, 49152, False, False, True),  # smollm2-135m lm_head: 0.974x unfused
 }

@@ -18,7 +18,7 @@ from torch import nn
 from atom.attention.mha import MHAAttention
 from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
 from atom.forward_context import current_fusions
-from atom.kernels.gemv import fits_gemv, gemv_rms_norm, gemv_silu_and_mul
+from atom.kernels.gemv import gemv_rms_norm, gemv_silu_and_mul, gemv_wins
 from atom.models.layers import (
     DecoderStack,
     MissingLayer,
@@ -94,7 +94,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_proj.weight
-        if _fused_kernels_on(x) and current_fusions().gemv_silu and fits_gemv(x, weight):
+        if _fused_kernels_on(x) and current_fusions().gemv_silu and gemv_wins(x, weight, True):
             return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
@@ -114,15 +114,19 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
             and attention.qkv_proj.bias is None
-            and fits_gemv(hidden, qkv_weight)
+            and gemv_wins(hidden, qkv_weight, norm=True)
             and norm.weight.dtype == hidden.dtype
         ):
             return super().forward(positions, hidden, residual)
-        # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it.
+        # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it,
+        # where that GEMV wins (gemv_wins); else the norm kernel and the MLP as without it.
         qkv, residual = gemv_rms_norm(hidden, residual, norm.weight, norm.eps, qkv_weight)
         hidden = attention.attend(positions, qkv)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
+        if not gemv_wins(hidden, gate_up, silu_mul=True, norm=True):
+            hidden, residual = norm(hidden, residual)
+            return mlp(hidden), residual
         hidden, residual = gemv_rms_norm(
             hidden, residual, norm.weight, norm.eps, gate_up, silu_mul=True
         )

@@ -19,13 +19,13 @@ from torch import nn
 
 from atom.distributed import TensorParallelGroup, shard_range
 from atom.forward_context import current_fusions
-from atom.kernels.gemv import fits_gemv, gemv
+from atom.kernels.gemv import gemv, gemv_wins
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear; on CUDA with `Fusions.gemv_linear` and at most GEMV_MAX_ROWS rows (batch-1
     decode), the Triton GEMV of atom/kernels/gemv.py instead."""
-    if bias is None and x.is_cuda and current_fusions().gemv_linear and fits_gemv(x, weight):
+    if bias is None and x.is_cuda and current_fusions().gemv_linear and gemv_wins(x, weight):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
 

@@ -102,8 +102,11 @@ def test_one_row_gemv_matches_linear(in_features, out_features, config, dtype, d
 
 def test_gemv_config_table_then_heuristic(monkeypatch):
     """A shape in GEMV_CONFIGS gets its measured geometry, any other the heuristic's."""
+    from atom.kernels import gemv as gemv_module
+
     key = (2048, 8192, True, False, True)
-    monkeypatch.setitem(gemv_configs.GEMV_CONFIGS, key, (2, 1024, 8, 4))
+    # the heuristic's shapes below are measured in the real table: a table of one entry
+    monkeypatch.setattr(gemv_module, "GEMV_CONFIGS", {key: (2, 1024, 8, 4)})
     assert config_for(*key) == GemvConfig(2, 1024, 8, 4)
     assert config_for(*key, on_gpu=False) != GemvConfig(2, 1024, 8, 4)  # the interpreter's
     for in_features, out_features in [(576, 576), (8192, 2048), (2048, 128256), (64, 8)]:
@@ -230,3 +233,16 @@ def test_gemv_sweep_search_finds_the_fastest(monkeypatch, capsys):
     summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                  if '"summary"' in line]  # fmt: skip
     assert len(summaries) == 7 and all(r["best_speedup"] == 10.0 for r in summaries)
+
+
+def test_gemv_wins_skips_the_shapes_the_sweep_measured_slower(monkeypatch):
+    """A shape in GEMV_SLOWER keeps the cuBLAS path even with a fusion on; other shapes, and
+    the same shape with another epilogue or row count, take the GEMV."""
+    from atom.kernels import gemv as gemv_module
+
+    x, weight = torch.randn(1, 64), torch.randn(96, 64)
+    monkeypatch.setattr(gemv_module, "GEMV_SLOWER", {(64, 96, True, True, True)})
+    assert not gemv_module.gemv_wins(x, weight, silu_mul=True, norm=True)
+    assert gemv_module.gemv_wins(x, weight, silu_mul=True)
+    assert gemv_module.gemv_wins(torch.randn(2, 64), weight, silu_mul=True, norm=True)
+    assert not gemv_module.gemv_wins(torch.randn(1, 64).half(), weight)  # dtypes differ
