@@ -215,6 +215,16 @@ def measure(llm, shape: str, fusions: Fusions, args, bandwidth: dict) -> dict:
     )
 
 
+# Candidate default sets beside `all`: the kernel fusions without the attention variants,
+# then with each of them (the attention kernels won or lost on their own in the sweeps).
+KERNEL_SET = ("rope_kv_write", "greedy_argmax", "gemv_silu", "gemv_linear", "norm_gemv")
+CANDIDATE_SETS = {
+    "gemv_set": KERNEL_SET,
+    "gemv_set+short": (*KERNEL_SET, "decode_short"),
+    "gemv_set+merge": (*KERNEL_SET, "decode_merge"),
+}
+
+
 def configurations(ablate: bool) -> list[tuple[str, Fusions]]:
     default = Fusions.from_env()
     if not ablate:
@@ -222,6 +232,7 @@ def configurations(ablate: bool) -> list[tuple[str, Fusions]]:
     configs = [("baseline", Fusions.none())]
     configs += [(name, Fusions.only(name)) for name in names()]
     configs.append(("all", Fusions.only(*names())))
+    configs += [(label, Fusions.only(*members)) for label, members in CANDIDATE_SETS.items()]
     if default not in {fusions for _, fusions in configs}:
         configs.append(("default", default))
     # the baseline once more at the end: how much the machine drifted during the run

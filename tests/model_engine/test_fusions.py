@@ -28,6 +28,11 @@ def test_ablation_configurations():
     assert Fusions.only(*names()).enabled() == names()
     with pytest.raises(FusionSettingError, match="unknown fusions"):
         Fusions.only("fused_everything")
+    from atom.benchmarks import decode_profile
+
+    labels = [label for label, _ in decode_profile.configurations(ablate=True)]
+    assert labels[0] == "baseline" and labels[-1] == "baseline_end"
+    assert {*names(), "all", *decode_profile.CANDIDATE_SETS} <= set(labels)
 
 
 def test_profile_kernels_table_without_a_baseline(capsys):
