@@ -4,11 +4,14 @@ One switch per fusion, each an environment variable (``1`` on, ``0`` off) read o
 ``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
 default of each: a fusion should be on by default only where the H200 ablation
 (``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
-wins; flip a default there. H200 ablation of 2026-12-01 (docs/benchmarks.md): only
-rope_kv_write won on both shapes (1.007x, 1.043x); decode_merge lost on both (0.986x,
-0.965x), greedy_argmax won on the 1B shape (1.027x) and lost on SmolLM2 (0.968x), every
-GEMV fusion lost (0.66x-0.98x). So rope_kv_write alone is on (bf16 caches; fp8 caches keep
-rotary + store, atom/attention/mha.py).
+wins; flip a default there. Second H200 ablation of 2026-12-01 (docs/benchmarks.md), with
+the one-row GEMV and its measured tiles: the kernel set rope_kv_write + greedy_argmax +
+gemv_silu + gemv_linear + norm_gemv ("gemv_set") runs the Llama-3.2-1B shape at 1.25x and
+SmolLM2-135M at 1.47x the all-off baseline (GPU time per step 1100 -> 903 us, 925 -> 626
+us); these five are on. The attention variants are off: decode_merge lost on both shapes
+(0.97x alone), decode_short added GPU time in the set on both (contexts past its 256-token
+split pay its in-kernel merge). rope_kv_write serves bf16 caches; fp8 caches keep rotary
++ store (atom/attention/mha.py).
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output
@@ -43,9 +46,9 @@ rotary + store, atom/attention/mha.py).
                                            the GEMVs after them: q/k/v, and gate/up with
                                            SiLU * up (atom/kernels/gemv.py gemv_rms_norm).
 
-The three GEMV switches run the small-row kernels of atom/kernels/gemv.py: one row
-(batch-1 decode, as in the decode graph of batch size 1) goes to its kernel without tl.dot,
-2..GEMV_MAX_ROWS rows to the dot kernel; each layer shape's tiles come from
+The three GEMV switches run the one-row kernel of atom/kernels/gemv.py (batch-1 decode, as
+in the decode graph of batch size 1; `gemv_wins`), except for the shapes the sweep measured
+slower than cuBLAS; more rows keep cuBLAS. Each layer shape's tiles come from
 atom/kernels/gemv_configs.py (`python3 -m atom.benchmarks.gemv_sweep` on the H200 says
 which shapes beat cuBLAS, and gives the table).
 
@@ -71,10 +74,10 @@ DEFAULTS = {
     "rope_kv_write": ("ATOM_FUSE_ROPE_KV", True),
     "decode_merge": ("ATOM_FUSE_DECODE_MERGE", False),
     "decode_short": ("ATOM_FUSE_DECODE_SHORT", False),
-    "greedy_argmax": ("ATOM_FUSE_ARGMAX", False),
-    "gemv_silu": ("ATOM_FUSE_GEMV_SILU", False),
-    "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", False),
-    "norm_gemv": ("ATOM_FUSE_NORM_GEMV", False),
+    "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
+    "gemv_silu": ("ATOM_FUSE_GEMV_SILU", True),
+    "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
+    "norm_gemv": ("ATOM_FUSE_NORM_GEMV", True),
 }
 
 

@@ -309,12 +309,13 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv_wins(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False) -> bool:  # fmt: skip
-    """``fits_gemv``, and the shape is not one the H200 sweep measured slower than the
-    unfused cuBLAS path (GEMV_SLOWER): where a fusion switch should use the GEMV."""
-    if not fits_gemv(x, weight):
+    """Where a fusion switch should use the GEMV: ``fits_gemv``, one row (the one-row kernel
+    the H200 sweep measured; the dot kernel for 2..GEMV_MAX_ROWS rows lost to cuBLAS in the
+    ablation), and not a shape the sweep measured slower than the unfused cuBLAS path
+    (GEMV_SLOWER)."""
+    if not fits_gemv(x, weight) or x.shape[0] != 1:
         return False
-    key = (weight.shape[1], weight.shape[0], silu_mul, norm, x.shape[0] == 1)
-    return key not in GEMV_SLOWER
+    return (weight.shape[1], weight.shape[0], silu_mul, norm, True) not in GEMV_SLOWER
 
 
 def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -> dict:
