@@ -32,14 +32,25 @@ class SamplingTensors:
     generators: list[torch.Generator | None] | None = None
 
 
+# The most rows the two-stage argmax takes: it was measured to win at batch 1 (the H200
+# ablation); a large batch already fills the GPU with torch's one row per program.
+ARGMAX_MAX_ROWS = 16
+
+
 class Sampler:
     def __init__(self, greedy_argmax: bool = False):
         # Fusions.greedy_argmax: greedy rows through the two-stage Triton argmax on CUDA
-        # (atom/kernels/argmax.py; the same tokens, ties to the lowest index).
+        # (atom/kernels/argmax.py; the same tokens, ties to the lowest index), for up to
+        # ARGMAX_MAX_ROWS rows.
         self.greedy_argmax = greedy_argmax
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.greedy_argmax and logits.is_cuda and logits.stride(-1) == 1:
+        if (
+            self.greedy_argmax
+            and logits.is_cuda
+            and logits.stride(-1) == 1
+            and logits.shape[0] <= ARGMAX_MAX_ROWS
+        ):
             return greedy_argmax(logits)
         return logits.argmax(dim=-1)
 
