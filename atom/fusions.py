@@ -45,6 +45,11 @@ split pay its in-kernel merge). rope_kv_write serves bf16 caches; fp8 caches kee
                                            RMSNorms (with their residual adds) folded into
                                            the GEMVs after them: q/k/v, and gate/up with
                                            SiLU * up (atom/kernels/gemv.py gemv_rms_norm).
+    gemv_rope_kv    ATOM_FUSE_GEMV_ROPE_KV with norm_gemv, at one token (batch-1 decode,
+                                           bf16/fp32 caches): the RoPE of q and k and the
+                                           KV-cache write in the qkv GEMV's epilogue
+                                           (atom/kernels/gemv_rope_kv.py) instead of the
+                                           rope_kv_write kernel after it.
 
 The three GEMV switches run the one-row kernel of atom/kernels/gemv.py (batch-1 decode, as
 in the decode graph of batch size 1; `gemv_wins`), except for the shapes the sweep measured
@@ -78,6 +83,7 @@ DEFAULTS = {
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", True),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
     "norm_gemv": ("ATOM_FUSE_NORM_GEMV", True),
+    "gemv_rope_kv": ("ATOM_FUSE_GEMV_ROPE_KV", False),
 }
 
 
@@ -94,6 +100,7 @@ class Fusions:
     gemv_silu: bool = DEFAULTS["gemv_silu"][1]
     gemv_linear: bool = DEFAULTS["gemv_linear"][1]
     norm_gemv: bool = DEFAULTS["norm_gemv"][1]
+    gemv_rope_kv: bool = DEFAULTS["gemv_rope_kv"][1]
 
     @classmethod
     def from_env(cls) -> Fusions:

@@ -79,6 +79,32 @@ class MHAAttention(nn.Module):
         )  # fmt: skip
         return self._attend(q, meta, context.fusions)
 
+    def rope_kv(self, positions, rotary, num_heads: int):
+        """The RopeKV of this step for the qkv GEMV's epilogue (Fusions.gemv_rope_kv), or None
+        where it does not apply: no paged cache, an fp8 cache, more than one token (the
+        caller runs it on CUDA only, tests under the interpreter)."""
+        from atom.kernels.gemv_rope_kv import RopeKV
+
+        context = get_forward_context()
+        meta = context.attention
+        if not (
+            context.fusions.gemv_rope_kv
+            and positions.numel() == 1
+            and meta.block_tables is not None
+            and self.k_scale is None
+        ):
+            return None
+        return RopeKV(
+            positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache, meta.slot_mapping,
+            num_heads, self.num_kv_heads, self.head_dim,
+        )  # fmt: skip
+
+    def forward_cached(self, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the rotated q [T, Hq, D] over the cache, this step's K/V already
+        written (by the qkv GEMV's epilogue): [T, Hq * D]."""
+        context = get_forward_context()
+        return self._attend(q, context.attention, context.fusions)
+
     def _attend(self, q, meta, fusions) -> torch.Tensor:
         """Attention of q over the cache (this step's K/V already written): [T, Hq * D]."""
         on_gpu = q.is_cuda

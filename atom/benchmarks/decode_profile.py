@@ -222,6 +222,7 @@ CANDIDATE_SETS = {
     "gemv_set": KERNEL_SET,
     "gemv_set+short": (*KERNEL_SET, "decode_short"),
     "gemv_set+merge": (*KERNEL_SET, "decode_merge"),
+    "gemv_set+rope_kv": (*KERNEL_SET, "gemv_rope_kv"),
 }
 
 
@@ -288,6 +289,8 @@ def run(args) -> int:
         )
     )
     configs = configurations(args.ablate)
+    if args.ablate and args.configs:  # a subset of the ablation, in its order
+        configs = [(label, fusions) for label, fusions in configs if label in args.configs]
     suggested = {}
     for shape, params in shapes().items():
         if args.shapes and shape.split("-shape")[0] not in args.shapes:

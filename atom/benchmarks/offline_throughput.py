@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     kernels.add_argument(
         "--shapes", nargs="*", default=None, help="llama-3.2-1b and/or smollm2-135m (default both)"
     )
+    kernels.add_argument(
+        "--configs",
+        nargs="*",
+        default=None,
+        help="with --ablate: only these labels (e.g. baseline gemv_set)",
+    )
     kernels.add_argument("--profile-steps", type=int, default=30)
     kernels.add_argument("--window-steps", type=int, default=64)
     kernels.add_argument("--top-kernels", type=int, default=12)

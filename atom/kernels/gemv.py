@@ -64,6 +64,7 @@ import torch
 
 from atom.kernels import dot_precision, use_triton
 from atom.kernels.gemv_configs import GEMV_CONFIGS, GEMV_SLOWER
+from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:
@@ -180,20 +181,41 @@ def _gemv_row_kernel(
     norm_weight_ptr,  # NORM: the RMSNorm weight [in_features]
     residual_out_ptr,  # NORM and HAS_RESIDUAL: x + residual, written by program 0
     in_features,
-    out_features,  # of out: intermediate when SILU_MUL
+    out_features,  # of out: intermediate when SILU_MUL; ROPE_KV: the weight's rows
     eps,
     stride_weight,
+    positions_ptr,  # ROPE_KV: [1] the token's position
+    cos_ptr,  # ROPE_KV: [max_position, HEAD_DIM] (both halves, as RotaryEmbedding's)
+    sin_ptr,
+    stride_cos,
+    k_cache_ptr,  # ROPE_KV: [slots, num_kv_heads, HEAD_DIM] contiguous, x's dtype
+    v_cache_ptr,
+    slot_mapping_ptr,  # ROPE_KV: [1] the token's cache slot (-1: padding, nothing written)
+    num_q_heads,
+    num_kv_heads,
     SILU_MUL: tl.constexpr,  # weight rows [gate | up]; out = silu(gate) * up
     NORM: tl.constexpr,  # x := rms_norm(x (+ residual)) * norm_weight first
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # output rows per program, 1..16
+    ROPE_KV: tl.constexpr,  # weight rows [q | k | v heads]: RoPE of q and k, k and v cached
+    HEAD_DIM: tl.constexpr,  # ROPE_KV only
+    BLOCK_N: tl.constexpr,  # output rows per program, 1..16 (ROPE_KV: row pairs)
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # > 1: the K loop's loads pipelined through shared memory
 ):
-    """One row: out[n] = sum_k weight[n, k] * x[k] for the program's BLOCK_N rows n."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < out_features
+    """One row: out[n] = sum_k weight[n, k] * x[k] for the program's BLOCK_N rows n. With
+    ROPE_KV the program's rows are BLOCK_N rotary pairs (d, d + HEAD_DIM / 2) of a head."""
     dtype = x_ptr.dtype.element_ty
+    if ROPE_KV:
+        pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = pairs < out_features // 2
+        head = pairs // (HEAD_DIM // 2)
+        dim = pairs % (HEAD_DIM // 2)
+        offs_n = head * HEAD_DIM + dim  # the first half's rows; the second's + HEAD_DIM / 2
+        second_rows = offs_n + HEAD_DIM // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < out_features
+        second_rows = offs_n + out_features  # SILU_MUL: the up rows
     if NORM:
         # Every program reads x whole (a few KB, from L2) for its RMS; the first one also
         # writes x + residual, the residual stream of the next layer.
@@ -212,7 +234,7 @@ def _gemv_row_kernel(
         rstd = tl.rsqrt(tl.sum(sum_squares, axis=0) / in_features + eps)
     # [BLOCK_N, BLOCK_K] tiles: row n of the weight, contiguous along K (coalesced loads).
     gate_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight
-    up_rows = weight_ptr + (offs_n + out_features).to(tl.int64)[:, None] * stride_weight
+    up_rows = weight_ptr + second_rows.to(tl.int64)[:, None] * stride_weight
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k_start in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
@@ -236,12 +258,19 @@ def _gemv_row_kernel(
             gate_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
         )
         acc += gate.to(tl.float32) * x
-        if SILU_MUL:
+        if SILU_MUL or ROPE_KV:
             up = tl.load(
                 up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
             )
             acc_up += up.to(tl.float32) * x
     out = tl.sum(acc, axis=1)
+    if ROPE_KV:
+        _rope_kv_epilogue(
+            out, tl.sum(acc_up, axis=1), head, dim, n_mask, out_ptr, positions_ptr, cos_ptr,
+            sin_ptr, stride_cos, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_q_heads,
+            num_kv_heads, HEAD_DIM,
+        )  # fmt: skip
+        return
     if SILU_MUL:
         # rounded as F.linear's outputs, then as activation.py's silu and product
         gate = out.to(dtype).to(tl.float32)
@@ -323,6 +352,8 @@ def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -
         SILU_MUL=silu_mul,
         NORM=norm,
         HAS_RESIDUAL=has_residual,
+        ROPE_KV=False,
+        HEAD_DIM=1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
@@ -344,8 +375,8 @@ def compile_row_kernel(
     grid ahead in parallel). Arguments as ``_launch`` gives them, pointers as dtypes."""
     _gemv_row_kernel.warmup(
         dtype, dtype, dtype, dtype, dtype, dtype,
-        in_features, out_features, 1e-5, in_features,
-        grid=(1,), NUM_STAGES=config.num_stages,
+        in_features, out_features, 1e-5, in_features, *(dtype,) * 3, 16, *(dtype,) * 3, 1,
+        1, grid=(1,), NUM_STAGES=config.num_stages,
         **_flags(silu_mul, norm, has_residual, config),
     )  # fmt: skip
 
@@ -357,6 +388,7 @@ def _launch(
     silu_mul: bool,
     norm: tuple | None = None,  # (residual or None, norm weight, eps, residual_out or None)
     config: GemvConfig | None = None,
+    rope: RopeKV | None = None,  # one row: out is q, the k and v heads go to the caches
 ) -> None:
     assert fits_gemv(x, weight), "x [rows <= GEMV_MAX_ROWS, K], weight [N, K], one dtype"
     assert weight.shape[1] == x.shape[1]
@@ -371,10 +403,18 @@ def _launch(
         residual = residual_out = x
     grid = (triton.cdiv(out_features, config.block_n),)
     flags = _flags(silu_mul, norm is not None, norm is not None and norm[0] is not None, config)
+    rope_args = (*(x,) * 3, 16, *(x,) * 3, 1, 1)  # never read without ROPE_KV
+    if rope is not None:  # the program's rows: BLOCK_N // 2 rotary pairs (the same bytes)
+        assert single_row, "the RoPE + KV epilogue takes one row"
+        pairs = max(1, config.block_n // 2)
+        grid = (triton.cdiv(weight.shape[0] // 2, pairs),)
+        out_features = weight.shape[0]
+        flags.update(ROPE_KV=True, HEAD_DIM=rope.head_dim, BLOCK_N=pairs)
+        rope_args = rope.arguments()
     if single_row:  # batch-1 decode: no tl.dot (see the module docstring)
         _gemv_row_kernel[grid](
             x, weight, out, residual, norm_weight, residual_out,
-            in_features, out_features, eps, weight.stride(0),
+            in_features, out_features, eps, weight.stride(0), *rope_args,
             NUM_STAGES=config.num_stages, **flags,
         )  # fmt: skip
         return

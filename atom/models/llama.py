@@ -19,6 +19,7 @@ from atom.attention.mha import MHAAttention
 from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
 from atom.forward_context import current_fusions
 from atom.kernels.gemv import gemv_rms_norm, gemv_silu_and_mul, gemv_wins
+from atom.kernels.gemv_rope_kv import gemv_rope_kv
 from atom.models.layers import (
     DecoderStack,
     MissingLayer,
@@ -83,6 +84,11 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn.forward_rotary(positions, q, k, v, self.rotary))
 
+    def attend_cached(self, q: torch.Tensor) -> torch.Tensor:
+        """Attention and o_proj from the rotated q [T, Hq * D], this step's K/V cached."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        return self.o_proj(self.attn.forward_cached(q))
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, tp: TensorParallelGroup):
@@ -120,8 +126,14 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             return super().forward(positions, hidden, residual)
         # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it,
         # where that GEMV wins (gemv_wins); else the norm kernel and the MLP as without it.
-        qkv, residual = gemv_rms_norm(hidden, residual, norm.weight, norm.eps, qkv_weight)
-        hidden = attention.attend(positions, qkv)
+        rope = attention.attn.rope_kv(positions, attention.rotary, attention.num_heads)
+        if rope is not None and rope.fits(hidden, qkv_weight):  # Fusions.gemv_rope_kv
+            norm_args = (residual, norm.weight, norm.eps)
+            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args)
+            hidden = attention.attend_cached(q)
+        else:
+            qkv, residual = gemv_rms_norm(hidden, residual, norm.weight, norm.eps, qkv_weight)
+            hidden = attention.attend(positions, qkv)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
         if not gemv_wins(hidden, gate_up, silu_mul=True, norm=True):

@@ -23,6 +23,7 @@ from atom.kernels import (
     gdn_conv,
     gdn_delta_rule,
     gemv,
+    gemv_rope_kv,
     kv_cache,
     logprob_topk,
     mla,
@@ -104,7 +105,18 @@ KERNELS = {
     ),
     # The batch-1 GEMV (one row, chosen on the host): no runtime length at all; in/out
     # features are geometry passed as plain arguments (one variant serves every shape).
-    (gemv, "_gemv_row_kernel"): ([], ["in_features", "out_features", "eps", "stride_weight"]),
+    (gemv, "_gemv_row_kernel"): (
+        [],
+        [
+            "in_features",
+            "out_features",
+            "eps",
+            "stride_weight",
+            "stride_cos",
+            "num_q_heads",
+            "num_kv_heads",
+        ],
+    ),  # fmt: skip
     (kv_cache, "_store_kvcache_kernel"): (
         ["num_tokens"],
         ["stride_key_token", "stride_key_head", "stride_value_token", "stride_value_head"],
@@ -295,6 +307,7 @@ DEVICE_FUNCTIONS = {
     (decode_attention, "_decode_split"),
     (decode_attention_short, "_merge_partials"),
     (gemv, "_norm_input"),
+    (gemv_rope_kv, "_rope_kv_epilogue"),
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),

@@ -40,3 +40,49 @@ def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer, num_token
     assert calls, "the fused path did not run"
     torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("first_layer", [True, False])
+def test_rope_kv_epilogue_layer_matches_norm_gemv(monkeypatch, first_layer):
+    """A batch-1 decode step over a paged cache: the qkv GEMV with RoPE + KV write in its
+    epilogue (gemv_rope_kv) gives the outputs and the cache of norm_gemv's GEMV followed by
+    the separate rotary and store (fp32, the interpreter on CPU)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    layer = llama.LlamaDecoderLayer(config, 64, TensorParallelGroup.single())
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.2)
+    attn = layer.self_attn.attn
+    history = torch.randn(2, 16, 2, 16)  # 2 blocks of 16 tokens, 2 kv heads, head_dim 16
+    hidden, positions = torch.randn(1, 64), torch.tensor([20])
+    residual = None if first_layer else torch.randn(1, 64)
+    meta = AttentionMetadata(
+        torch.tensor([20]), torch.tensor([21], dtype=torch.int32),
+        torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1,
+        True,
+    )  # fmt: skip
+    monkeypatch.setattr(llama, "_fused_kernels_on", lambda x: True)
+    results = {}
+    for name, fusions in (
+        ("separate", Fusions.only("norm_gemv")),
+        ("epilogue", Fusions.only("norm_gemv", "gemv_rope_kv")),
+    ):
+        attn.k_cache, attn.v_cache = history.clone(), history.clone()
+        with torch.no_grad(), forward_context(meta, fusions):
+            results[name] = (*layer(positions, hidden, residual), attn.k_cache, attn.v_cache)
+    calls = []
+    real = llama.gemv_rope_kv
+    monkeypatch.setattr(llama, "gemv_rope_kv", lambda *a: calls.append(a) or real(*a))
+    with torch.no_grad(), forward_context(meta, Fusions.only("norm_gemv", "gemv_rope_kv")):
+        layer(positions, hidden, residual)
+    assert calls, "the epilogue path did not run"
+    for got, want in zip(results["epilogue"], results["separate"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(results["epilogue"][2][1, 4], history[1, 4])  # slot 20 written
