@@ -6,12 +6,13 @@ default of each: a fusion should be on by default only where the H200 ablation
 (``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
 wins; flip a default there. Second H200 ablation of 2026-12-01 (docs/benchmarks.md), with
 the one-row GEMV and its measured tiles: the kernel set rope_kv_write + greedy_argmax +
-gemv_silu + gemv_linear + norm_gemv ("gemv_set") runs the Llama-3.2-1B shape at 1.25x and
+gemv_silu + gemv_linear + norm_gemv ("gemv_set") ran the Llama-3.2-1B shape at 1.25x and
 SmolLM2-135M at 1.47x the all-off baseline (GPU time per step 1100 -> 903 us, 925 -> 626
-us); these five are on. The attention variants are off: decode_merge lost on both shapes
-(0.97x alone), decode_short added GPU time in the set on both (contexts past its 256-token
-split pay its in-kernel merge). rope_kv_write serves bf16 caches; fp8 caches keep rotary
-+ store (atom/attention/mha.py).
+us); with gemv_rope_kv too, 1.33x and 1.58x (866 and 573 us). These six are on. The
+attention variants are off: decode_merge lost on both shapes (0.97x alone), decode_short
+added GPU time in the set on both (contexts past its 256-token split pay its in-kernel
+merge). rope_kv_write and gemv_rope_kv serve bf16/fp32 caches; fp8 caches keep rotary +
+store (atom/attention/mha.py).
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output
@@ -83,7 +84,7 @@ DEFAULTS = {
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", True),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
     "norm_gemv": ("ATOM_FUSE_NORM_GEMV", True),
-    "gemv_rope_kv": ("ATOM_FUSE_GEMV_ROPE_KV", False),
+    "gemv_rope_kv": ("ATOM_FUSE_GEMV_ROPE_KV", True),
 }
 
 
