@@ -247,8 +247,8 @@ class SamplingState:
         self.stop_ids.index_put_((stop[:, 0], stop[:, 1]), stop[:, 2].int())
 
     def count_sampled(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count each row's sampled token (device tensors [S]; the null row is skipped:
-        their options are neutral)."""
+        """Count each row's sampled token (device tensors [S]; the null row, whose options
+        are neutral, is skipped)."""
         kernels.count_sampled(self.counts, self.row_ints, state_rows, tokens)
 
     def tables(self):
