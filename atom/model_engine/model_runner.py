@@ -196,7 +196,8 @@ class ModelRunner:
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
-            num_blocks = self._blocks_from_free_memory(block_bytes, reserved=state_bytes)
+            reserved = state_bytes + self.sampling_state.device_bytes()
+            num_blocks = self._blocks_from_free_memory(block_bytes, reserved=reserved)
         else:
             num_blocks = (self.config.kv_cache_memory_bytes - state_bytes) // block_bytes
         # Every rank (of every pipeline stage) must hold the same blocks.

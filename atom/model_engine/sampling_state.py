@@ -121,6 +121,18 @@ class SamplingState:
                 "current batch; the batch holds more sequences than max_num_seqs"
             )
 
+    def device_bytes(self) -> int:
+        """What the state's tensors take once allocated (at the first request that needs
+        them), and the sampling pass's largest per-step buffers at max_num_seqs rows (the
+        processed logits of a sampling step, fp32, and the logit statistics): reserved
+        before the KV cache is sized from free memory, so that the first request with
+        penalties cannot run the device out of memory."""
+        rows, vocab = self.num_rows, self.vocab_size
+        num_blocks = -(-vocab // kernels.BLOCK)
+        persistent = rows * vocab * 4 + rows * (num_blocks + 1) * 4 + rows * (3 + 4 + 3) * 4
+        per_step = (rows - 1) * vocab * 4 + (rows - 1) * (-(-vocab // 32) + 2 * num_blocks) * 4
+        return persistent + per_step
+
     def _allocate(self) -> None:
         rows, device = self.num_rows, self.device
         self.counts = torch.zeros(rows, self.vocab_size, dtype=torch.int32, device=device)

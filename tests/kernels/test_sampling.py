@@ -169,3 +169,24 @@ def test_sampling_kernels_on_cuda_bf16():
     _check_options(_batch(33, vocab, generator), vocab, "cuda", torch.bfloat16, generator)
     logits = (torch.randn(64, vocab, generator=generator) * 4).to("cuda", torch.bfloat16)
     _check_logprobs(logits, torch.arange(64, device="cuda"), 20)
+
+
+def test_device_bytes_cover_the_state_and_a_sampling_step():
+    """What the KV sizing reserves for the SamplingState: its tables once allocated, plus
+    the processed logits and statistics of a step at max_num_seqs rows."""
+    from atom.kernels import logprob_topk
+
+    seqs, vocab = 6, 5000
+    state = SamplingState(seqs, vocab, torch.device("cpu"))
+    reserved = state.device_bytes()
+    state._allocate()
+    tables = sum(t.numel() * t.element_size() for t in state.tables())
+    logits = torch.randn(seqs, vocab)
+    processed = seqs * vocab * 4  # apply_sampling_options' fp32 output
+    stats = logprob_topk.LogitStats(
+        torch.empty(seqs, -(-vocab // sampling.BLOCK)), torch.empty(seqs, -(-vocab // sampling.BLOCK)),
+        torch.empty(seqs, -(-vocab // logprob_topk.SUB)),
+    )  # fmt: skip
+    step = processed + sum(t.numel() * 4 for t in vars(stats).values())
+    assert sampling.apply_sampling_options_reference(logits, torch.zeros(seqs, dtype=torch.int32), *state.tables()).numel() * 4 == processed  # fmt: skip
+    assert tables + step <= reserved <= 1.01 * (tables + step)
