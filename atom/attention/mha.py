@@ -31,6 +31,7 @@ from atom.kernels import (
     store_kvcache_reference,
 )
 from atom.kernels.decode_attention_short import MAX_BATCH, paged_decode_attention_short
+from atom.kernels.gemv_rope_kv import RopeKV
 from atom.kernels.rotary_kv import rotary_kv_write
 
 
@@ -83,8 +84,6 @@ class MHAAttention(nn.Module):
         """The RopeKV of this step for the qkv GEMV's epilogue (Fusions.gemv_rope_kv), or None
         where it does not apply: no paged cache, an fp8 cache, more than one token (the
         caller runs it on CUDA only, tests under the interpreter)."""
-        from atom.kernels.gemv_rope_kv import RopeKV
-
         context = get_forward_context()
         meta = context.attention
         if not (
