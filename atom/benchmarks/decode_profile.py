@@ -94,6 +94,29 @@ def _device_time_us(event) -> float:
     return event.time_range.elapsed_us()
 
 
+def gpu_gaps(ranges, steps: int, idle_us: float = 20.0) -> dict:
+    """The device timeline's idle time per step: gaps shorter than `idle_us` between
+    kernels (inside a graph: launch latency) and longer ones (the device waiting for the
+    host), from the profiler's [start, end] of each device event."""
+    spans = sorted((r.start, r.end) for r in ranges)
+    if not spans:
+        return {}
+    short = long = 0.0
+    busy_end = spans[0][1]
+    for start, end in spans[1:]:
+        gap = start - busy_end
+        if gap > 0:
+            if gap < idle_us:
+                short += gap
+            else:
+                long += gap
+        busy_end = max(busy_end, end)
+    return dict(
+        launch_gaps_us_per_step=round(short / steps, 1),
+        host_wait_us_per_step=round(long / steps, 1),
+    )
+
+
 def kernel_profile(engine, steps: int, top: int) -> dict:
     """Kernels, copies and device time per decode step over `steps` engine steps."""
     from torch.autograd import DeviceType
@@ -104,6 +127,10 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    timeline = gpu_gaps(
+        [event.time_range for event in prof.events() if event.device_type == DeviceType.CUDA],
+        steps,
+    )
     kernels = copies = 0
     total_us = 0.0
     by_name: dict[str, list[float]] = {}
@@ -132,6 +159,7 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
         kernels_per_step=round(kernels / steps, 1),
         copies_per_step=round(copies / steps, 1),
         gpu_us_per_step=round(total_us / steps, 1),
+        **timeline,
         top_kernels=[
             [name[:90], round(count / steps, 1), round(us / steps, 1)]
             for name, (count, us) in ranked

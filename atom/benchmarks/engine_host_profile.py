@@ -3,6 +3,7 @@
     python -m atom.benchmarks.engine_host_profile                 # CPU: tiny model
     python -m atom.benchmarks.engine_host_profile --model llama-1b   # H200: 1B shape
     python -m atom.benchmarks.engine_host_profile --cprofile 30   # and the top functions
+    python -m atom.benchmarks.engine_host_profile --model smollm2 --batch 1 --only plain
 
 One engine (random weights, `load_format="dummy"`, no tokenizer) generates --batch
 prompts of --prompt-len tokens, --decode-len tokens each, twice: plain greedy, then the
@@ -265,10 +266,12 @@ def _to_pageable_host(name: str, args, kwargs) -> bool:
 def build_llm(args):
     import transformers
 
+    from atom.benchmarks.decode_profile import SMOLLM2_135M
     from atom.benchmarks.offline_throughput import LLAMA_32_1B
     from atom.model_engine.llm_engine import LLM
 
-    shape = dict(LLAMA_32_1B) if args.model == "llama-1b" else dict(TINY)
+    shapes = {"llama-1b": LLAMA_32_1B, "smollm2": SMOLLM2_135M, "tiny": TINY}
+    shape = dict(shapes[args.model])
     if args.vocab:
         shape["vocab_size"] = args.vocab
     elif args.model == "tiny":
@@ -421,7 +424,7 @@ def report(case: str, clock: PhaseClock, ops: PhaseClock | None, seconds: float)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", choices=("tiny", "llama-1b"), default=None)
+    parser.add_argument("--model", choices=("tiny", "llama-1b", "smollm2"), default=None)
     parser.add_argument("--vocab", type=int, default=None, help="tiny default 32768")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=None, help="CPU 32, CUDA 512")
@@ -456,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     for case, params in cases.items():
         if args.only and case != args.only:
             continue
-        profile = cProfile.Profile() if args.cprofile and case == "with_options" else None
+        profile = (
+            cProfile.Profile() if args.cprofile and case == (args.only or "with_options") else None
+        )
         clock, seconds = measure(llm, prompts, params, args, False, profile)
         ops = None
         if not args.no_count_ops:
@@ -466,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         if profile is not None:
             stats = pstats.Stats(profile)
             stats.sort_stats("tottime").print_stats(args.cprofile)
+            stats.sort_stats("cumulative").print_stats("atom/", args.cprofile)
     if len(records) == 2:
         plain, with_options = records["plain"], records["with_options"]
         extra = {

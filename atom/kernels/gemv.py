@@ -6,7 +6,7 @@ is a kernel of its own; these kernels read the weight in one pass and write the 
 (``gemv``), or read the gate and up rows of the fused gate/up weight together and write
 ``silu(gate) * up`` directly (``gemv_silu_and_mul``): one launch instead of two or three.
 ``gemv_rms_norm`` also folds the RMSNorm before the layer (and its residual add) into the
-GEMV's prologue: each program normalises the few input rows itself, so a decoder layer's
+GEMV: each program normalises the few input rows itself, so a decoder layer's
 two norms launch nothing of their own. Used only with their Fusions switches
 (atom/fusions.py) and at most GEMV_MAX_ROWS rows.
 
@@ -42,9 +42,14 @@ compiled variant per configuration serves every layer shape. Tiles, warps and st
 from ``gemv_config``: the per-shape table of atom/kernels/gemv_configs.py (filled from
 ``python -m atom.benchmarks.gemv_sweep`` on the H200), else a heuristic.
 
-With the norm: x (+ residual) rounded to x's dtype, the sum of squares in fp32 (chunk by
-chunk: a different order than rms_norm's one reduction), normalised, rounded, times the norm
-weight, rounded: rms_norm's steps; program 0 writes x + residual.
+With the norm, 2..GEMV_MAX_ROWS rows: x (+ residual) rounded to x's dtype, the sum of
+squares in fp32 (chunk by chunk: a different order than rms_norm's one reduction),
+normalised, rounded, times the norm weight, rounded: rms_norm's steps; program 0 writes
+x + residual. One row: no prologue pass. The K loop that reads x for the products also sums
+its squares, multiplies x by the norm weight (fp32, unrounded) and the program scales its
+sums by 1 / RMS at the end: W (w * x) / rms = W rms_norm(x). So the normalised row is never
+rounded to x's dtype, a rounding the unfused path has (bf16: within its tolerance; each
+program still reads x once, from L1/L2, as without the norm).
 
 Runtime lengths (never constexpr, in do_not_specialize): num_rows (the one-row kernel has
 none). Geometry (constexpr): in/out features (plain arguments of the one-row kernel), tiles,
@@ -216,27 +221,13 @@ def _gemv_row_kernel(
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < out_features
         second_rows = offs_n + out_features  # SILU_MUL: the up rows
-    if NORM:
-        # Every program reads x whole (a few KB, from L2) for its RMS; the first one also
-        # writes x + residual, the residual stream of the next layer.
-        sum_squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k_start in range(0, in_features, BLOCK_K):
-            offs_k = k_start + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < in_features
-            h = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offs_k, mask=k_mask, other=0.0)
-                h = (h.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                if tl.program_id(0) == 0:
-                    tl.store(residual_out_ptr + offs_k, h, mask=k_mask)
-            h = h.to(tl.float32)
-            sum_squares += h * h
-        rstd = tl.rsqrt(tl.sum(sum_squares, axis=0) / in_features + eps)
     # [BLOCK_N, BLOCK_K] tiles: row n of the weight, contiguous along K (coalesced loads).
     gate_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight
     up_rows = weight_ptr + second_rows.to(tl.int64)[:, None] * stride_weight
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sum_squares = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # NORM: of x's row
+    first_row = (tl.arange(0, BLOCK_N) == 0)[:, None]
     for k_start in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < in_features
@@ -244,13 +235,18 @@ def _gemv_row_kernel(
         x_offs = offs_k[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
         x_mask = k_mask[None, :] & (x_offs >= 0)
         x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        if NORM:  # as rmsnorm.py: normalised in fp32, rounded, times the weight, rounded
+        if NORM:
+            # The RMS comes from the same chunks (no prologue pass over x): the norm
+            # weight is applied here and 1 / RMS to the sums at the end.
             if HAS_RESIDUAL:
                 residual = tl.load(residual_ptr + x_offs, mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-            normed = (x.to(tl.float32) * rstd).to(dtype)
+                if tl.program_id(0) == 0:  # x + residual: the next layer's residual stream
+                    tl.store(residual_out_ptr + x_offs, x, mask=x_mask & first_row)
+            h = x.to(tl.float32)
+            sum_squares += h * h
             norm_weight = tl.load(norm_weight_ptr + x_offs, mask=x_mask, other=0.0)
-            x = (norm_weight.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+            x = norm_weight.to(tl.float32) * h
         x = x.to(tl.float32)
         w_mask = n_mask[:, None] & k_mask[None, :]
         # the weight is read once: let it leave L2 first (x and the next layer's stay)
@@ -264,9 +260,16 @@ def _gemv_row_kernel(
             )
             acc_up += up.to(tl.float32) * x
     out = tl.sum(acc, axis=1)
+    second = out  # never read without SILU_MUL / ROPE_KV
+    if SILU_MUL or ROPE_KV:
+        second = tl.sum(acc_up, axis=1)
+    if NORM:  # every row of sum_squares holds x's whole sum
+        rstd = tl.rsqrt(tl.sum(sum_squares, axis=1) / in_features + eps)
+        out = out * rstd
+        second = second * rstd
     if ROPE_KV:
         _rope_kv_epilogue(
-            out, tl.sum(acc_up, axis=1), head, dim, n_mask, out_ptr, positions_ptr, cos_ptr,
+            out, second, head, dim, n_mask, out_ptr, positions_ptr, cos_ptr,
             sin_ptr, stride_cos, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_q_heads,
             num_kv_heads, HEAD_DIM,
         )  # fmt: skip
@@ -274,7 +277,7 @@ def _gemv_row_kernel(
     if SILU_MUL:
         # rounded as F.linear's outputs, then as activation.py's silu and product
         gate = out.to(dtype).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        up = second.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         out = silu.to(tl.float32) * up
     tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
