@@ -51,6 +51,10 @@ store (atom/attention/mha.py).
                                            KV-cache write in the qkv GEMV's epilogue
                                            (atom/kernels/gemv_rope_kv.py) instead of the
                                            rope_kv_write kernel after it.
+    pdl             ATOM_FUSE_PDL          programmatic dependent launch of the Triton
+                                           kernels of a decode step (one-row GEMV, paged
+                                           decode and its merge, RMSNorm): each may start
+                                           while the one before it ends (atom/kernels/pdl.py).
 
 The three GEMV switches run the one-row kernel of atom/kernels/gemv.py (batch-1 decode, as
 in the decode graph of batch size 1; `gemv_wins`), except for the shapes the sweep measured
@@ -85,6 +89,7 @@ DEFAULTS = {
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
     "norm_gemv": ("ATOM_FUSE_NORM_GEMV", True),
     "gemv_rope_kv": ("ATOM_FUSE_GEMV_ROPE_KV", True),
+    "pdl": ("ATOM_FUSE_PDL", False),
 }
 
 
@@ -102,6 +107,7 @@ class Fusions:
     gemv_linear: bool = DEFAULTS["gemv_linear"][1]
     norm_gemv: bool = DEFAULTS["norm_gemv"][1]
     gemv_rope_kv: bool = DEFAULTS["gemv_rope_kv"][1]
+    pdl: bool = DEFAULTS["pdl"][1]
 
     @classmethod
     def from_env(cls) -> Fusions:

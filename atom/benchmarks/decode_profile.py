@@ -251,6 +251,7 @@ CANDIDATE_SETS = {
     "gemv_set+short": (*KERNEL_SET, "decode_short"),
     "gemv_set+merge": (*KERNEL_SET, "decode_merge"),
     "gemv_set+rope_kv": (*KERNEL_SET, "gemv_rope_kv"),
+    "gemv_set+rope_kv+pdl": (*KERNEL_SET, "gemv_rope_kv", "pdl"),
 }
 
 

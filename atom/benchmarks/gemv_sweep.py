@@ -69,7 +69,7 @@ from atom.kernels.gemv import (
 from atom.kernels.rmsnorm import rms_norm
 
 BLOCK_NS = (1, 2, 4, 8, 16)
-BLOCK_KS = (128, 256, 512, 1024, 2048)
+BLOCK_KS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the wide ones: K > 2048 only
 WARPS = (1, 2, 4, 8)
 L2_BYTES = 50 << 20
 ROTATION_BYTES = 3 * L2_BYTES  # the weight copies one graph rotates over

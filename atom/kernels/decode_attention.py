@@ -38,6 +38,7 @@ import torch
 
 from atom.kernels import dot_precision, use_triton
 from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
+from atom.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 try:
     import triton
@@ -85,11 +86,13 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
     MERGE_IN_KERNEL: tl.constexpr,  # splits used from the context length, merged in-kernel
     SPLIT_TOKENS: tl.constexpr,  # MERGE_IN_KERNEL: context tokens per split, at least
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    pdl_wait_and_release(PDL)
 
     context_len = tl.load(context_lens_ptr + batch_idx)
     if MERGE_IN_KERNEL:
@@ -242,8 +245,10 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # MAX_SPLITS >= num_splits, fixed: never depends on the length
+    PDL: tl.constexpr = 0,
 ):
     # One program per (sequence, query head): weight each split by exp2(lse - max lse).
+    pdl_wait_and_release(PDL)
     batch_idx = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -329,7 +334,9 @@ def paged_decode_attention(
 
     ``num_splits`` (context splits per sequence, at most MAX_SPLITS) is picked from the
     shapes when None: enough programs for twice the SM count, no more than the widest
-    context (the block table's width) has ``split_tokens`` tokens for. An fp8 cache needs
+    context (the block table's width) has ``split_tokens`` tokens for (default one tile:
+    at batch 1 each program then loads one tile of its share, the least latency; the
+    H200 A/B in docs/benchmarks.md). An fp8 cache needs
     ``k_scale`` and ``v_scale``. Runs the Triton kernel on CUDA (or under
     TRITON_INTERPRET=1), the reference otherwise.
 
@@ -364,8 +371,8 @@ def paged_decode_attention(
     group_size = num_q_heads // num_kv_heads
     # Big tiles in the interpreter (cost per program), 64 tokens on a GPU.
     block_n = 64 if q.is_cuda else 256
-    if split_tokens is None:  # at least ~4 tiles per split; 2 when merged in-kernel
-        split_tokens = (2 if merge_in_kernel else 4) * block_n
+    if split_tokens is None:  # one tile per split (2 when merged in-kernel), room allowing
+        split_tokens = (2 if merge_in_kernel else 1) * block_n
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         num_splits = _pick_num_splits(q, num_kv_heads, max_context, split_tokens)
@@ -381,6 +388,7 @@ def paged_decode_attention(
         partial_lse = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
         partial_out = q.new_empty((*partial_lse.shape, head_dim), dtype=torch.float32)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    pdl, launch = pdl_launch(q)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -414,6 +422,8 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         MERGE_IN_KERNEL=merge_in_kernel and split,
         SPLIT_TOKENS=split_tokens,
+        PDL=pdl,
+        **launch,
     )
     if split and not merge_in_kernel:
         _merge_splits_kernel[(batch, num_q_heads)](
@@ -426,6 +436,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=MAX_SPLITS,
+            PDL=pdl,
+            **launch,
         )
     return out
 

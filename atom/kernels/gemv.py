@@ -70,6 +70,7 @@ import torch
 from atom.kernels import dot_precision, use_triton
 from atom.kernels.gemv_configs import GEMV_CONFIGS, GEMV_SLOWER
 from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
+from atom.kernels.pdl import pdl_launch, pdl_release, pdl_wait_and_release
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:
@@ -206,6 +207,7 @@ def _gemv_row_kernel(
     BLOCK_N: tl.constexpr,  # output rows per program, 1..16 (ROPE_KV: row pairs)
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # > 1: the K loop's loads pipelined through shared memory
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
     """One row: out[n] = sum_k weight[n, k] * x[k] for the program's BLOCK_N rows n. With
     ROPE_KV the program's rows are BLOCK_N rotary pairs (d, d + HEAD_DIM / 2) of a head."""
@@ -221,6 +223,7 @@ def _gemv_row_kernel(
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < out_features
         second_rows = offs_n + out_features  # SILU_MUL: the up rows
+    pdl_wait_and_release(PDL)
     # [BLOCK_N, BLOCK_K] tiles: row n of the weight, contiguous along K (coalesced loads).
     gate_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight
     up_rows = weight_ptr + second_rows.to(tl.int64)[:, None] * stride_weight
@@ -259,6 +262,7 @@ def _gemv_row_kernel(
                 up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
             )
             acc_up += up.to(tl.float32) * x
+    pdl_release(PDL)
     out = tl.sum(acc, axis=1)
     second = out  # never read without SILU_MUL / ROPE_KV
     if SILU_MUL or ROPE_KV:
@@ -415,12 +419,14 @@ def _launch(
         flags.update(ROPE_KV=True, HEAD_DIM=rope.head_dim, BLOCK_N=pairs)
         rope_args = rope.arguments()
     if single_row:  # batch-1 decode: no tl.dot (see the module docstring)
+        pdl, launch = pdl_launch(x, small=False)
         _gemv_row_kernel[grid](
             x, weight, out, residual, norm_weight, residual_out,
             in_features, out_features, eps, weight.stride(0), *rope_args,
-            NUM_STAGES=config.num_stages, **flags,
+            NUM_STAGES=config.num_stages, PDL=pdl, **flags, **launch,
         )  # fmt: skip
         return
+    del flags["ROPE_KV"], flags["HEAD_DIM"]  # the one-row kernel's alone
     _gemv_kernel[grid](
         x,
         weight,

@@ -37,5 +37,8 @@ GEMV_CONFIGS: dict[tuple[int, int, bool, bool, bool], tuple[int, int, int, int]]
 }
 # the shapes whose best Triton GEMV lost to the unfused cuBLAS path (the engine keeps that)
 GEMV_SLOWER: set[tuple[int, int, bool, bool, bool]] = {
+    # faster than the unfused path in the sweep (1.018x), slower in the engine: the 1B decode
+    # step took 929 against 878 us of GPU with it (in-process A/B, docs/benchmarks.md)
+    (2048, 16384, True, True, True),  # llama-3.2-1b gate_up+silu+norm
     (576, 49152, False, False, True),  # smollm2-135m lm_head: 0.974x unfused
 }

@@ -19,6 +19,7 @@ Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): hidden, til
 import torch
 
 from atom.kernels import use_triton
+from atom.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 try:
     import triton
@@ -48,8 +49,10 @@ def _rms_norm_kernel(
     OFFSET: tl.constexpr,  # scale by (1 + weight) in fp32, round once (Qwen3-Next)
     BLOCK_T: tl.constexpr,  # rows per program
     BLOCK_H: tl.constexpr,  # next_power_of_2(HIDDEN)
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
     # Each program normalises BLOCK_T whole rows: the row sum needs every element at once.
+    pdl_wait_and_release(PDL)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, BLOCK_H)
@@ -109,6 +112,7 @@ def rms_norm(
         block_h = triton.next_power_of_2(hidden)
         # About 4K elements per program: one or two rows of a real model, more for toy ones.
         block_t = max(1, min(16, 4096 // block_h))
+        pdl, launch = pdl_launch(x)
         _rms_norm_kernel[(triton.cdiv(num_tokens, block_t),)](
             x_rows,
             residual_rows,
@@ -127,6 +131,8 @@ def rms_norm(
             BLOCK_T=block_t,
             BLOCK_H=block_h,
             num_warps=8 if block_t * block_h >= 4096 else 4,
+            PDL=pdl,
+            **launch,
         )
     out = out.view(*x.shape[:-1], hidden)
     if residual is None:

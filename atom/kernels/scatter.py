@@ -1,4 +1,5 @@
-"""Scatter packed segments from one device arena into fixed destinations (packed H2D).
+"""Scatter packed segments from one device arena into fixed destinations (packed H2D), and
+the placeholder fill of the next step's input ids (``fill_placeholders``).
 
 The packed publisher sends every small metadata buffer of a step with one host-to-device
 copy into `src`; this kernel then writes each segment to its fixed place in `dst` (the
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from atom.kernels import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -28,6 +31,7 @@ except ImportError:  # pragma: no cover - references still work without Triton
 HEADER_WORDS = 1  # int64 words before the descriptor rows
 BLOCK_WORDS = 512
 CHUNK_PROGRAMS = 4
+FILL_BLOCK = 256  # placeholders per program of fill_placeholders
 
 
 if triton is not None:
@@ -49,6 +53,36 @@ if triton is not None:
             offsets = start + tl.arange(0, BLOCK).to(tl.int64)
             mask = offsets < num_words
             tl.store(dst_words + offsets, tl.load(src_words + offsets, mask=mask), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num"])
+    def _fill_placeholders_kernel(ids_ptr, dst_ptr, src_ptr, tokens_ptr, num, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < num
+        dst = tl.load(dst_ptr + offsets, mask=mask, other=0).to(tl.int64)
+        src = tl.load(src_ptr + offsets, mask=mask, other=0).to(tl.int64)
+        tokens = tl.load(tokens_ptr + src, mask=mask, other=0)
+        tl.store(ids_ptr + dst, tokens.to(ids_ptr.dtype.element_ty), mask=mask)
+
+
+def fill_placeholders(
+    input_ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor
+) -> None:
+    """``input_ids[dst] = tokens[src]`` (the tokens a step sampled into the placeholders of
+    the next one, on the device): one launch instead of a gather and an index_put."""
+    num = dst.numel()
+    if not use_triton(input_ids):
+        fill_placeholders_reference(input_ids, dst, src, tokens)
+        return
+    if num:  # one fixed tile: the count is a runtime length, never a new variant
+        grid = (triton.cdiv(num, FILL_BLOCK),)
+        _fill_placeholders_kernel[grid](input_ids, dst, src, tokens, num, BLOCK=FILL_BLOCK)
+
+
+def fill_placeholders_reference(input_ids, dst, src, tokens) -> None:
+    input_ids[dst] = tokens[src].to(input_ids.dtype)
 
 
 def scatter_segments(src: torch.Tensor, dst: torch.Tensor, max_segments: int) -> None:

@@ -31,6 +31,7 @@ from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.fusions import Fusions
+from atom.kernels.scatter import fill_placeholders
 from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
@@ -376,7 +377,10 @@ class ModelRunner:
         with profiling.stage("forward"):
             if placeholders is not None and (self.pp is None or self.pp.is_first):
                 dst, src = placeholders
-                input_ids[dst] = previous[src]
+                if input_ids.is_cuda:  # one kernel: input_ids[dst] = previous[src]
+                    fill_placeholders(input_ids, dst, src, previous)
+                else:
+                    input_ids[dst] = previous[src]
             if batch.device_drafts is not None:
                 fill_device_drafts(input_ids, drafts, batch.device_drafts, step.num_seqs)
             if graph_size is not None:

@@ -29,6 +29,7 @@ from atom.kernels import (
     mla,
     moe,
     page_table,
+    pdl,
     prefill_attention,
     rmsnorm,
     rotary,
@@ -176,6 +177,7 @@ KERNELS = {
     ),
     # Every length is read from the arena's header on the device: nothing to specialize.
     (scatter, "_scatter_segments_kernel"): ([], []),
+    (scatter, "_fill_placeholders_kernel"): (["num"], []),
     # Page-table maintenance: counts live in device memory; the row stride is the
     # page-table width (max context), so it is runtime like the attention kernels'.
     (page_table, "_apply_row_deltas_kernel"): (["row_stride"], []),
@@ -308,6 +310,8 @@ DEVICE_FUNCTIONS = {
     (decode_attention_short, "_merge_partials"),
     (gemv, "_norm_input"),
     (gemv_rope_kv, "_rope_kv_epilogue"),
+    (pdl, "pdl_wait_and_release"),
+    (pdl, "pdl_release"),
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
@@ -671,6 +675,18 @@ def test_scatter_one_variant():
         scatter.scatter_segments(src, dst, max_segments)
 
     assert_one_variant(scatter, ["_scatter_segments_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_fill_placeholders_one_variant():
+    ids = torch.zeros(max(SWEEP), dtype=torch.int64, device=DEVICE)
+    rows = torch.arange(max(SWEEP), dtype=torch.int32, device=DEVICE)
+    tokens = torch.arange(max(SWEEP), dtype=torch.int64, device=DEVICE)
+
+    def run(n):
+        scatter.fill_placeholders(ids, rows[:n], rows[:n], tokens)
+
+    assert_one_variant(scatter, ["_fill_placeholders_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from atom.kernels.scatter import HEADER_WORDS, scatter_segments, scatter_segments_reference
+from atom.kernels.scatter import (
+    HEADER_WORDS,
+    fill_placeholders,
+    scatter_segments,
+    scatter_segments_reference,
+)
 
 
 def _case(device, num_segments: int, max_segments: int):
@@ -36,3 +41,23 @@ def test_scatter_matches_reference(device, num_segments):
     scatter_segments(src, got, max_segments=8)
     assert torch.equal(got, expected)
     assert (expected.count_nonzero() > 0) == (num_segments > 0)
+
+
+@pytest.mark.parametrize("num", [1, 5, 300])  # 300: two programs of FILL_BLOCK
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fill_placeholders_writes_each_sampled_token_to_its_row(monkeypatch, device, num):
+    """input_ids[dst] = tokens[src], rows permuted and sparse, against a hand-built loop;
+    on CPU through the Triton interpreter."""
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    generator = torch.Generator().manual_seed(num)
+    ids = torch.full((2 * num + 3,), -7, dtype=torch.int64)
+    dst = torch.randperm(2 * num + 3, generator=generator)[:num].to(torch.int32)
+    src = torch.randint(0, num, (num,), generator=generator).to(torch.int32)
+    tokens = torch.randint(0, 50_000, (num,), generator=generator)
+    expected = ids.clone()
+    for d, s in zip(dst.tolist(), src.tolist(), strict=True):
+        expected[d] = tokens[s]
+    ids = ids.to(device)
+    fill_placeholders(ids, dst.to(device), src.to(device), tokens.to(device))
+    assert torch.equal(ids.cpu(), expected)

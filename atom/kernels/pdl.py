@@ -1,0 +1,74 @@
+"""Programmatic dependent launch (PDL) for the decode graph's Triton kernels (``Fusions.pdl``).
+
+A kernel launched with PDL may start while the kernel before it on the stream still runs:
+its programs are scheduled, run their prologue and wait in ``gdc_wait`` until the previous
+grid has finished and its memory is visible. What that hides is the launch and ramp-up of
+each kernel, about a microsecond: worth it where a decode step is a chain of short kernels
+(the SmolLM2-135M shape at batch 1), a loss where a memory-bound kernel needs every SM slot
+that the waiting programs of the next one hold (the pdl_chain benchmark, docs/benchmarks.md).
+
+Each participating kernel takes a ``PDL`` constexpr and calls ``pdl_wait_and_release(PDL)``
+before its first load of anything an earlier kernel wrote: it lets the next kernel launch,
+then waits for the previous one. Every PDL kernel waits before it reads or writes, so the
+chain stays ordered transitively, whatever kernels without PDL sit between them (they wait
+for their predecessor to finish, as always). The host side, ``pdl_launch(tensor)``, gives
+the constexpr and the launch option: on when the forward context's fusions say so and the
+tensor is on a CUDA device (never under the interpreter). A CUDA graph keeps the launch
+attributes it was captured with.
+
+Triton: ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` are used only when the switch is on
+(Hopper or newer, a Triton with PDL support); off, the kernels compile as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from atom.forward_context import current_fusions
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: keep the module importable
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+_OFF: tuple[int, dict] = (0, {})
+
+
+def pdl_launch(tensor: torch.Tensor, small: bool = True) -> tuple[int, dict]:
+    """(the PDL constexpr, extra launch options) for a kernel launched on ``tensor``'s
+    device in the current forward context. ``small``: a kernel of few programs (attention,
+    merge, norm), not a GEMV that fills the GPU. Measurement knobs (A/B, docs):
+    ATOM_PDL_RELEASE=start|end (when the next kernel may launch), ATOM_PDL_KERNELS=all|small."""
+    if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return _OFF
+    if not current_fusions().pdl:
+        return _OFF
+    if not small and os.environ.get("ATOM_PDL_KERNELS", "all") == "small":
+        return _OFF
+    # a small kernel lets the next one launch at once (its programs leave room); a GEMV
+    # at its start (mode 1) or after its K loop (mode 2)
+    late = not small and os.environ.get("ATOM_PDL_RELEASE", "start") == "end"
+    return 2 if late else 1, {"launch_pdl": True}
+
+
+@triton.jit
+def pdl_wait_and_release(PDL: tl.constexpr):
+    """With PDL: let the next kernel launch (mode 1; mode 2 at ``pdl_release``), then
+    wait for the previous one to finish."""
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL > 0:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Mode 2: let the next kernel launch once this program's main work is done."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
