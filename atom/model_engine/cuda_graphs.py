@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
@@ -20,15 +21,33 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps of one RunnerSlot: replay with `run(batch_size)`."""
+    """Captured decode steps of one RunnerSlot: replay with `run(batch_size)`.
 
-    def __init__(self, model, slot, batch_sizes: list[int], fusions: Fusions | None = None):
+    With `greedy` (the Sampler's argmax) the graphs of up to `greedy_max_rows` rows also
+    hold the greedy tokens of their logits: an all-greedy step then launches nothing after
+    the replay (`greedy_tokens`). The tokens live in the graph's memory: valid until its
+    next replay, which is always queued after whatever the step queued with them (the
+    device-to-host copy, the next step's placeholder fill).
+    """
+
+    def __init__(
+        self,
+        model,
+        slot,
+        batch_sizes: list[int],
+        fusions: Fusions | None = None,
+        greedy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        greedy_max_rows: int = 0,
+    ):
         self.model = model
         self.slot = slot
         self.fusions = fusions or Fusions()  # captured into the graphs
         self.batch_sizes = sorted(set(batch_sizes))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.greedy = greedy
+        self.greedy_max_rows = greedy_max_rows
+        self.tokens: dict[int, torch.Tensor] = {}  # the greedy tokens of the smaller graphs
         self.replays = 0
         self.padded_replays = 0  # replays at a size larger than the batch (padded rows)
 
@@ -52,19 +71,34 @@ class DecodeGraphs:
             with forward_context(self._metadata(size), self.fusions):
                 self._forward(size, input_ids, positions)  # warm-up
                 torch.cuda.synchronize()
-                graph, logits = capture_graph(
-                    lambda size=size, ids=input_ids, pos=positions: self._forward(size, ids, pos),
+                graph, (logits, tokens) = capture_graph(
+                    lambda size=size, ids=input_ids, pos=positions: self._forward_and_greedy(
+                        size, ids, pos
+                    ),
                     pool=pool,
                 )
             pool = graph.pool()
             self.graphs[size] = graph
             self.logits[size] = logits
+            if tokens is not None:
+                self.tokens[size] = tokens
         torch.cuda.synchronize()
 
     def _forward(self, size: int, input_ids, positions) -> torch.Tensor:
         # the backend's views (slot mapping) are derived inside the graph
         self.slot.backend.derive_views(self.slot, size, size, is_decode=True)
         return self.model.compute_logits(self.model(input_ids, positions))
+
+    def _forward_and_greedy(self, size: int, input_ids, positions):
+        logits = self._forward(size, input_ids, positions)
+        if self.greedy is None or logits is None or size > self.greedy_max_rows:
+            return logits, None
+        return logits, self.greedy(logits)
+
+    def greedy_tokens(self, padded_size: int, batch_size: int) -> torch.Tensor | None:
+        """The greedy tokens of the last replay at `padded_size`, or None (not captured)."""
+        tokens = self.tokens.get(padded_size)
+        return None if tokens is None else tokens[:batch_size]
 
     def run(self, padded_size: int, batch_size: int) -> torch.Tensor:
         self.graphs[padded_size].replay()

@@ -37,7 +37,7 @@ from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
 from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
-from atom.model_engine.sampler import Sampler
+from atom.model_engine.sampler import ARGMAX_MAX_ROWS, Sampler
 from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
@@ -115,9 +115,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
             sizes = [s for s in sizes if s <= config.max_num_seqs]
-            self.graphs = [
-                DecodeGraphs(self.model, slot, sizes, config.fusions) for slot in self.slots
-            ]
+            self.graphs = [self._decode_graphs(slot, sizes) for slot in self.slots]
             for graphs in self.graphs:
                 graphs.capture()
         self.verify_graphs: list[VerifyGraphs] | None = None
@@ -141,9 +139,16 @@ class ModelRunner:
             sizes = self.graphs[0].batch_sizes
             self.graphs = None  # the old graphs and their memory pool go first
             torch.cuda.synchronize()
-            self.graphs = [DecodeGraphs(self.model, slot, sizes, fusions) for slot in self.slots]
+            self.graphs = [self._decode_graphs(slot, sizes) for slot in self.slots]
             for graphs in self.graphs:
                 graphs.capture()
+
+    def _decode_graphs(self, slot: RunnerSlot, sizes: list[int]) -> DecodeGraphs:
+        """A slot's decode graphs; those of <= ARGMAX_MAX_ROWS rows hold the greedy tokens
+        too (the sampler's argmax captured after the LM head)."""
+        return DecodeGraphs(
+            self.model, slot, sizes, self.config.fusions, self.sampler.argmax, ARGMAX_MAX_ROWS
+        )
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""
@@ -383,9 +388,11 @@ class ModelRunner:
                     input_ids[dst] = previous[src]
             if batch.device_drafts is not None:
                 fill_device_drafts(input_ids, drafts, batch.device_drafts, step.num_seqs)
+            greedy_tokens = None
             if graph_size is not None:
                 assert plan is None or not plan.has_prompt_logprobs, "prompt logprobs in a graph"
                 logits = graphs.run(graph_size, step.num_seqs)
+                greedy_tokens = graphs.greedy_tokens(graph_size, step.num_seqs)
             elif verify_size is not None:
                 logits = self.verify_graphs[index].run(
                     verify_size, step.num_seqs, step.num_tokens, logits_indices
@@ -414,6 +421,8 @@ class ModelRunner:
                     verified = torch.cat((verified, drafts.unsqueeze(0)))
                 return verified, None
             if plan is None:
+                if greedy_tokens is not None and sampling.all_greedy:
+                    return greedy_tokens, None  # the graph's own argmax
                 return self.sampler(logits, sampling), None
             return plan.sample(self.sampler, logits, sampling, prompt)
 
