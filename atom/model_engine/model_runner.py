@@ -109,6 +109,12 @@ class ModelRunner:
             )
             for index in range(2 if alternate_slots else config.num_micro_batches)
         ]
+        # The decode graphs may hold their greedy tokens (_decode_graphs) only where no step's
+        # tokens are read after the next replay of its graph: not with speculation, whose
+        # draft launches keep their device tokens until the verify step.
+        self.graph_greedy = (
+            config.speculative_method is None and catch_up_rows is None and not alternate_slots
+        )
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
         self.graphs: list[DecodeGraphs] | None = None
@@ -144,8 +150,10 @@ class ModelRunner:
                 graphs.capture()
 
     def _decode_graphs(self, slot: RunnerSlot, sizes: list[int]) -> DecodeGraphs:
-        """A slot's decode graphs; those of <= ARGMAX_MAX_ROWS rows hold the greedy tokens
-        too (the sampler's argmax captured after the LM head)."""
+        """A slot's decode graphs; with `graph_greedy` those of <= ARGMAX_MAX_ROWS rows hold
+        the greedy tokens too (the sampler's argmax captured after the LM head)."""
+        if not self.graph_greedy:
+            return DecodeGraphs(self.model, slot, sizes, self.config.fusions)
         return DecodeGraphs(
             self.model, slot, sizes, self.config.fusions, self.sampler.argmax, ARGMAX_MAX_ROWS
         )
