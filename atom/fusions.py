@@ -12,7 +12,9 @@ us); with gemv_rope_kv too, 1.33x and 1.58x (866 and 573 us). These six are on. 
 attention variants are off: decode_merge lost on both shapes (0.97x alone), decode_short
 added GPU time in the set on both (contexts past its 256-token split pay its in-kernel
 merge). rope_kv_write and gemv_rope_kv serve bf16/fp32 caches; fp8 caches keep rotary +
-store (atom/attention/mha.py).
+store (atom/attention/mha.py). pdl (programmatic dependent launch) is off: it shortened the
+batch-1 graph (1B -1%, SmolLM2 -4% with the GEMVs left out) without a steady gain in the
+engine's step (third pass in docs/benchmarks.md).
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output

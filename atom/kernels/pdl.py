@@ -16,6 +16,12 @@ the constexpr and the launch option: on when the forward context's fusions say s
 tensor is on a CUDA device (never under the interpreter). A CUDA graph keeps the launch
 attributes it was captured with.
 
+Two knobs for measurement (`python -m atom.benchmarks.decode_ab`): ATOM_PDL_KERNELS=small
+leaves the GEMVs out (they fill the GPU; the waiting programs of the next kernel would take
+their SM slots), ATOM_PDL_RELEASE=end has a GEMV let the next kernel launch only after its
+K loop. H200 (docs/benchmarks.md): "small" shortened the batch-1 graph on both shapes
+(1B -1%, SmolLM2 -4%) but the engine's step moved either way, so the switch is off.
+
 Triton: ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` are used only when the switch is on
 (Hopper or newer, a Triton with PDL support); off, the kernels compile as before.
 """

@@ -72,6 +72,7 @@ def fill_placeholders(
 ) -> None:
     """``input_ids[dst] = tokens[src]`` (the tokens a step sampled into the placeholders of
     the next one, on the device): one launch instead of a gather and an index_put."""
+    assert tokens.dim() == 1 and tokens.stride(0) == 1, "one token per sampled row"
     num = dst.numel()
     if not use_triton(input_ids):
         fill_placeholders_reference(input_ids, dst, src, tokens)

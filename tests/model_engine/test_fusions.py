@@ -1,5 +1,7 @@
 """The fused-kernel switches (atom/fusions.py): environment variables, Config, errors."""
 
+import os
+
 import pytest
 
 from atom.config import Config
@@ -49,3 +51,31 @@ def test_profile_kernels_table_without_a_baseline(capsys):
     faster = dict(record, decode_ms_per_step=0.55)
     decode_profile.print_table("shape", [("baseline", record), ("all", faster)])
     assert capsys.readouterr().err.splitlines()[-1].split()[3] == "2.000"
+
+
+def test_decode_ab_variants_apply_and_restore(monkeypatch):
+    """Each A/B variant changes its one choice inside its block and leaves the module
+    tables, the split policy and the PDL knobs as they were after it."""
+    import torch
+
+    from atom.benchmarks import decode_ab
+    from atom.kernels import decode_attention, gemv_configs
+
+    monkeypatch.setenv("ATOM_PDL_KERNELS", "all")
+    configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
+    pick = decode_attention._pick_num_splits
+    q = torch.empty(1, 32, 64)  # CPU: the policy itself answers 1, splits8 answers 8
+    with decode_ab.variant("mlp_norm_fused"):
+        assert decode_ab.MLP_NORM_1B not in gemv_configs.GEMV_SLOWER
+        assert gemv_configs.GEMV_CONFIGS[decode_ab.MLP_NORM_1B] == (8, 128, 1, 1)
+    with decode_ab.variant("splits8"):
+        assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
+    with decode_ab.variant("pdl_small"):
+        assert os.environ["ATOM_PDL_KERNELS"] == "small"
+    assert gemv_configs.GEMV_CONFIGS == configs and gemv_configs.GEMV_SLOWER == slower
+    assert decode_attention._pick_num_splits is pick
+    assert os.environ["ATOM_PDL_KERNELS"] == "all"
+    assert decode_ab.fusions_of("pdl").pdl and decode_ab.fusions_of("decode_merge").decode_merge
+    with pytest.raises(SystemExit, match="unknown variant"):
+        with decode_ab.variant("nope"):
+            pass

@@ -1,0 +1,155 @@
+"""Batch-1 decode variants against the engine's defaults, in one process (issue 17).
+
+    python -m atom.benchmarks.decode_ab --shape llama-3.2-1b --variants default pdl_small default
+    python -m atom.benchmarks.decode_ab --shape smollm2-135m --variants default split_4_tiles
+
+One engine per run (the shape of atom/benchmarks/decode_profile.py: random bf16 weights,
+CUDA graphs of batch 1, a 128-token prompt, a block table 784 tokens wide as the
+--ablate run's). Each variant changes one choice of the kernels (a tile table entry, the
+decode split policy, a fusion switch), captures the decode graph again and is measured as
+``decode_profile.measure`` does (wall ms per step, torch.profiler kernels and GPU us per
+step), plus ``graph_replay_us``: one replay of the captured batch-1 graph, timed by CUDA
+events over 200 back-to-back replays (the device time of the graph alone, gaps between its
+kernels included, none of the host's work). Speed-ups are against the mean of the variants
+named ``default`` in the run (list it first and last: the drift of the machine).
+
+Variants:
+    default               the engine as configured (atom/fusions.py, gemv_configs.py)
+    mlp_norm_fused        1B: the MLP's RMSNorm in the gate/up GEMV (off GEMV_SLOWER),
+                          tiles (8, 128, 1, 1) from the sweep; mlp_norm_fused_bn1: (1, 1024, 1, 1)
+    qkv_norm_prev_tiles   1B: the qkv+norm GEMV with its earlier tiles (2, 1024, 4, 1)
+    split_4_tiles         decode attention splits of >= 4 tiles (the earlier policy)
+    splits<N>             N context splits at batch 1 (N in 1, 2, 4, 8, 13, 16, 32)
+    decode_merge          Fusions.decode_merge on (the in-kernel split merge)
+    pdl, pdl_small,       Fusions.pdl on: every participating kernel / the small ones only
+    pdl_late              (no GEMV) / GEMVs releasing the next kernel after their K loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import types
+from contextlib import contextmanager
+
+import torch
+
+from atom.benchmarks import decode_profile
+from atom.fusions import Fusions
+from atom.kernels import decode_attention, gemv_configs
+
+MLP_NORM_1B = (2048, 16384, True, True, True)
+QKV_NORM_1B = (2048, 3072, False, True, True)
+PDL_KNOBS = ("ATOM_PDL_RELEASE", "ATOM_PDL_KERNELS")
+
+
+@contextmanager
+def variant(name: str):
+    """Apply variant `name` (module tables, the split policy, PDL knobs) for its block."""
+    configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
+    pick = decode_attention._pick_num_splits
+    knobs = {k: os.environ.pop(k) for k in PDL_KNOBS if k in os.environ}
+    try:
+        if name.startswith("mlp_norm_fused"):
+            gemv_configs.GEMV_SLOWER.discard(MLP_NORM_1B)
+            tiles = (1, 1024, 1, 1) if name.endswith("_bn1") else (8, 128, 1, 1)
+            gemv_configs.GEMV_CONFIGS[MLP_NORM_1B] = tiles
+        elif name == "qkv_norm_prev_tiles":
+            gemv_configs.GEMV_CONFIGS[QKV_NORM_1B] = (2, 1024, 4, 1)
+        elif name == "split_4_tiles":
+            decode_attention._pick_num_splits = lambda q, kv, ctx, _: pick(q, kv, ctx, 4 * 64)
+        elif name.startswith("splits"):
+            n = int(name.removeprefix("splits"))
+            decode_attention._pick_num_splits = lambda q, kv, ctx, tokens: (
+                n if q.shape[0] == 1 else pick(q, kv, ctx, tokens)
+            )
+        elif name == "pdl_small":
+            os.environ["ATOM_PDL_KERNELS"] = "small"
+        elif name == "pdl_late":
+            os.environ["ATOM_PDL_RELEASE"] = "end"
+        elif name not in ("default", "decode_merge", "pdl"):
+            raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
+        yield
+    finally:
+        gemv_configs.GEMV_CONFIGS.clear()
+        gemv_configs.GEMV_CONFIGS.update(configs)
+        gemv_configs.GEMV_SLOWER.clear()
+        gemv_configs.GEMV_SLOWER.update(slower)
+        decode_attention._pick_num_splits = pick
+        for k in PDL_KNOBS:
+            os.environ.pop(k, None)
+        os.environ.update(knobs)
+
+
+def fusions_of(name: str) -> Fusions:
+    default = Fusions.from_env()
+    if name == "decode_merge":
+        return dataclasses.replace(default, decode_merge=True)
+    if name.startswith("pdl"):
+        return dataclasses.replace(default, pdl=True)
+    return default
+
+
+def graph_replay_us(llm, replays: int = 200) -> float:
+    """Device us of one replay of the batch-1 decode graph (back to back, CUDA events)."""
+    graph = llm.engine.model_runner.graphs[0].graphs[1]
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("llama-3.2-1b", "smollm2-135m"), required=True)
+    parser.add_argument("--variants", nargs="+", default=["default", "default"])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    import transformers
+
+    shape = f"{args.shape}-shape"
+    run = types.SimpleNamespace(input_len=512, output_len=256, batch1_input_len=128,
+                                batch1_output_len=256, window_steps=64, profile_steps=30,
+                                top_kernels=6)  # fmt: skip
+    bandwidth = decode_profile.streaming_bandwidth()
+    torch.cuda.empty_cache()
+    params = decode_profile.shapes()[shape]
+    rows = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        config = transformers.LlamaConfig(**params, architectures=["LlamaForCausalLM"])
+        config.save_pretrained(model_dir)
+        llm = decode_profile.build_engine(model_dir, run, Fusions.from_env())
+        for name in args.variants:
+            with variant(name):
+                record = decode_profile.measure(llm, shape, fusions_of(name), run, bandwidth)
+                record["graph_replay_us"] = round(graph_replay_us(llm), 1)
+            record["variant"] = name
+            rows.append(record)
+            print(json.dumps(record), flush=True)
+        llm.engine.shutdown()
+    defaults = [r["decode_ms_per_step"] for r in rows if r["variant"] == "default"]
+    base = sum(defaults) / len(defaults) if defaults else None
+    print(f"\n{shape}, batch 1: tok/s (wall), ms/step, speed-up, GPU us (kernel sum), "
+          "graph replay us, kernels/step", file=sys.stderr)  # fmt: skip
+    for r in rows:
+        speedup = f"{base / r['decode_ms_per_step']:7.3f}" if base else "      -"
+        print(f"{r['variant']:<20}{r['decode_tok_s']:>8.0f}{r['decode_ms_per_step']:>8.3f}"
+              f"{speedup}{r['gpu_us_per_step']:>8.1f}{r['graph_replay_us']:>8.1f}"
+              f"{r['kernels_per_step']:>7.1f}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
