@@ -69,7 +69,7 @@ class DecodeGraphs:
             input_ids = slot.input_ids.device[:size]
             positions = slot.positions.device[:size]
             with forward_context(self._metadata(size), self.fusions):
-                self._forward(size, input_ids, positions)  # warm-up
+                self._forward_and_greedy(size, input_ids, positions)  # warm-up: compiled
                 torch.cuda.synchronize()
                 graph, (logits, tokens) = capture_graph(
                     lambda size=size, ids=input_ids, pos=positions: self._forward_and_greedy(
