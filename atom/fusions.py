@@ -35,16 +35,16 @@ engine's step (third pass in docs/benchmarks.md).
     greedy_argmax   ATOM_FUSE_ARGMAX       greedy sampling through a two-stage Triton argmax
                                            over the vocabulary (atom/kernels/argmax.py)
                                            instead of torch's argmax.
-    gemv_silu       ATOM_FUSE_GEMV_SILU    at <= GEMV_MAX_ROWS tokens, the MLP's gate/up
+    gemv_silu       ATOM_FUSE_GEMV_SILU    at one token (batch-1 decode), the MLP's gate/up
                                            projection as a Triton GEMV with SiLU * up in its
                                            epilogue (atom/kernels/gemv.py) instead of cuBLAS
                                            plus the SiLU kernel.
-    gemv_linear     ATOM_FUSE_GEMV_LINEAR  at <= GEMV_MAX_ROWS tokens, the other linear
+    gemv_linear     ATOM_FUSE_GEMV_LINEAR  at one token, the other linear
                                            layers without bias (q/k/v, o, down, the LM
                                            head; every model's parallel_layers) as the
                                            same Triton GEMV instead of cuBLAS (no split-K
                                            reduce kernels).
-    norm_gemv       ATOM_FUSE_NORM_GEMV    at <= GEMV_MAX_ROWS tokens, a Llama layer's two
+    norm_gemv       ATOM_FUSE_NORM_GEMV    at one token, a Llama layer's two
                                            RMSNorms (with their residual adds) folded into
                                            the GEMVs after them: q/k/v, and gate/up with
                                            SiLU * up (atom/kernels/gemv.py gemv_rms_norm).

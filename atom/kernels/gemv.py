@@ -1,4 +1,4 @@
-"""Small-batch linear layers as Triton GEMVs, optionally with SiLU * up in the epilogue.
+"""Batch-1 linear layers as a Triton GEMV, optionally with SiLU * up in the epilogue.
 
 At batch 1 a decoder step's linear layers are matrix-vector products bound by reading the
 weight once. cuBLAS adds a split-K reduce kernel to some of them, and the MLP's SiLU-and-mul
@@ -6,59 +6,53 @@ is a kernel of its own; these kernels read the weight in one pass and write the 
 (``gemv``), or read the gate and up rows of the fused gate/up weight together and write
 ``silu(gate) * up`` directly (``gemv_silu_and_mul``): one launch instead of two or three.
 ``gemv_rms_norm`` also folds the RMSNorm before the layer (and its residual add) into the
-GEMV: each program normalises the few input rows itself, so a decoder layer's
-two norms launch nothing of their own. Used only with their Fusions switches
-(atom/fusions.py) and at most GEMV_MAX_ROWS rows.
+GEMV: each program normalises the input row itself, so a decoder layer's two norms launch
+nothing of their own. Used only with their Fusions switches (atom/fusions.py), at one row
+(batch-1 decode): more rows run the torch references (F.linear: cuBLAS, which a tl.dot
+GEMV for 2..16 rows lost to in the H200 ablation; that kernel is gone).
 
 Shapes and dtypes:
-    x        [num_rows, in_features], fp32/bf16/fp16, rows may be strided, unit-stride
-             columns; num_rows <= GEMV_MAX_ROWS.
+    x        [num_rows, in_features], fp32/bf16/fp16, unit-stride columns; the kernel
+             takes num_rows == 1.
     weight   [out_features, in_features] (nn.Linear's layout), x's dtype, unit-stride
              columns. For ``gemv_silu_and_mul`` out_features = 2 * intermediate: gate rows
              then up rows (ColumnParallelLinear's [gate | up]).
     out      [num_rows, out_features] (``gemv``) or [num_rows, intermediate], x's dtype.
 
-Numerics: fp32 accumulation (tensor-core dots with the rows padded to 16; one row: fp32
-products summed along K per lane, then across lanes), rounded to x's dtype as F.linear's
-output; with SiLU the gate and up are rounded first, then silu in fp32 rounded,
-then the product rounded (atom/kernels/activation.py's order). The summation order differs
-from cuBLAS, so a last bit may differ.
+Numerics: fp32 accumulation (fp32 products summed along K per lane, then across lanes),
+rounded to x's dtype as F.linear's output; with SiLU the gate and up are rounded first, then
+silu in fp32 rounded, then the product rounded (atom/kernels/activation.py's order). The
+summation order differs from cuBLAS, so a last bit may differ.
 
-Kernel design, 2..GEMV_MAX_ROWS rows (``_gemv_kernel``): one program per BLOCK_N output
-features; it walks in_features in BLOCK_K chunks, loading the [BLOCK_K, BLOCK_N] weight
-tile(s) (contiguous along K) and the x rows, and accumulates with tl.dot.
-
-One row (batch-1 decode, ``_gemv_row_kernel``, chosen on the host): no tl.dot (whose 16
-padded rows waste 15/16 of the math and force BLOCK_N >= 16). Each program owns BLOCK_N
-(1..16) output rows and walks K in BLOCK_K chunks, loading [BLOCK_N, BLOCK_K] weight tiles
-(contiguous along K: coalesced) times x into a 2D fp32 accumulator that is reduced along K
-once at the end. x is loaded broadcast over the tile's rows, in the tile's layout (L1 hits;
-a [BLOCK_K] load would be converted through shared memory, with barriers, every chunk). A
-small BLOCK_N gives many programs (several per SM) to hide the memory latency without a
-split-K pass; NUM_STAGES > 1 pipelines the K loop's loads through shared memory (cp.async:
-Triton pipelines no other loads than a dot's by itself, so num_stages alone changes nothing). Its in/out features are plain arguments (Triton
-specializes them by divisibility by 16, which keeps the masked loads vectorised), so one
-compiled variant per configuration serves every layer shape. Tiles, warps and stages come
-from ``gemv_config``: the per-shape table of atom/kernels/gemv_configs.py (filled from
+Kernel design (``_gemv_row_kernel``): no tl.dot (whose 16 padded rows would waste 15/16 of
+the math and force BLOCK_N >= 16). Each program owns BLOCK_N (1..16) output rows and walks
+K in BLOCK_K chunks, loading [BLOCK_N, BLOCK_K] weight tiles (contiguous along K: coalesced)
+times x into a 2D fp32 accumulator that is reduced along K once at the end. x is loaded
+broadcast over the tile's rows, in the tile's layout (L1 hits; a [BLOCK_K] load would be
+converted through shared memory, with barriers, every chunk). A small BLOCK_N gives many
+programs (several per SM) to hide the memory latency without a split-K pass; NUM_STAGES > 1
+pipelines the K loop's loads through shared memory (cp.async: Triton pipelines no other
+loads than a dot's by itself, so num_stages alone changes nothing). Tiles, warps and stages
+come from ``gemv_config``: the per-shape table of atom/kernels/gemv_configs.py (filled from
 ``python -m atom.benchmarks.gemv_sweep`` on the H200), else a heuristic.
 
-With the norm, 2..GEMV_MAX_ROWS rows: x (+ residual) rounded to x's dtype, the sum of
-squares in fp32 (chunk by chunk: a different order than rms_norm's one reduction),
-normalised, rounded, times the norm weight, rounded: rms_norm's steps; program 0 writes
-x + residual. One row: no prologue pass. The K loop that reads x for the products also sums
-its squares, multiplies x by the norm weight (fp32, unrounded) and the program scales its
-sums by 1 / RMS at the end: W (w * x) / rms = W rms_norm(x). So the normalised row is never
-rounded to x's dtype, a rounding the unfused path has (bf16: within its tolerance; each
-program still reads x once, from L1/L2, as without the norm).
+With the norm: x (+ residual) rounded to x's dtype as rms_norm does (program 0 writes
+x + residual, the next layer's residual stream); no prologue pass: the K loop that reads x
+for the products also sums its squares and multiplies x by the norm weight (fp32,
+unrounded), and the program scales its sums by 1 / RMS at the end:
+W (w * x) / rms = W rms_norm(x). So the normalised row is never rounded to x's dtype, a
+rounding the unfused path has (bf16: within its tolerance); each program still reads x
+once, from L1/L2, as without the norm.
 
-Runtime lengths (never constexpr, in do_not_specialize): num_rows (the one-row kernel has
-none). Geometry (constexpr): in/out features (plain arguments of the one-row kernel), tiles,
-whether the SiLU epilogue and the norm prologue run. Offsets are int64 (a 128K x 8K weight
-passes 2^31 elements).
+Runtime lengths: none (one row). Geometry: in/out features (plain arguments: Triton
+specializes them by divisibility by 16 only, which keeps the masked loads vectorised, so
+one compiled variant per configuration serves every layer shape), and as constexprs the
+tiles and whether the SiLU epilogue, the norm and the RoPE + KV epilogue run. Offsets are
+int64 (a 128K x 8K weight passes 2^31 elements).
 
 No residual epilogue (out = residual + W x): every residual add of a Llama layer already
-lives in the next RMSNorm kernel (rmsnorm.py) or, with ``norm_gemv``, in the next GEMV's
-prologue, so moving it into o_proj / down would remove no kernel. No split-K either: a
+lives in the next RMSNorm kernel (rmsnorm.py) or, with ``norm_gemv``, in the next GEMV,
+so moving it into o_proj / down would remove no kernel. No split-K either: a
 small BLOCK_N gives enough programs (e.g. 2048 for the 1B shape's down projection at
 BLOCK_N 1) without a second pass or a zeroed output.
 """
@@ -67,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels import dot_precision, use_triton
+from atom.kernels import use_triton
 from atom.kernels.gemv_configs import GEMV_CONFIGS, GEMV_SLOWER
 from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
 from atom.kernels.pdl import pdl_launch, pdl_release, pdl_wait_and_release
@@ -81,101 +75,6 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
     tl = SimpleNamespace(constexpr=None)
-
-GEMV_MAX_ROWS = 16  # the padded rows of one tl.dot: more rows would be a GEMM
-
-
-@triton.jit
-def _norm_input(
-    x_rows, residual_rows, offs_k, mask, dtype: tl.constexpr, HAS_RESIDUAL: tl.constexpr
-):
-    """A [BLOCK_M, BLOCK_K] chunk of x, plus the residual rounded to x's dtype (rmsnorm.py)."""
-    x = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_rows + offs_k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-    return x
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _gemv_kernel(
-    x_ptr,
-    weight_ptr,
-    out_ptr,
-    residual_ptr,  # NORM and HAS_RESIDUAL: added to x before the norm
-    norm_weight_ptr,  # NORM: the RMSNorm weight [IN_FEATURES]
-    residual_out_ptr,  # NORM and HAS_RESIDUAL: x + residual, written by program 0
-    num_rows,
-    eps,
-    stride_x,
-    stride_weight,
-    stride_out,
-    stride_residual,
-    stride_residual_out,
-    IN_FEATURES: tl.constexpr,
-    OUT_FEATURES: tl.constexpr,  # of out: intermediate when SILU_MUL
-    SILU_MUL: tl.constexpr,  # weight rows [gate | up]; out = silu(gate) * up
-    NORM: tl.constexpr,  # x := rms_norm(x (+ residual)) * norm_weight first
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # GEMV_MAX_ROWS
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,  # of fp32 dots: "ieee" (no tf32 rounding)
-):
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < num_rows
-    n_mask = offs_n < OUT_FEATURES
-    dtype = x_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    residual_rows = residual_ptr + offs_m.to(tl.int64)[:, None] * stride_residual
-    if NORM:
-        # Every program reads the few x rows whole (a few KB, from L2) for their RMS; the
-        # first one also writes x + residual, the residual stream of the next layer.
-        sum_squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k_start in range(0, IN_FEATURES, BLOCK_K):
-            offs_k = k_start + tl.arange(0, BLOCK_K)
-            mask = m_mask[:, None] & (offs_k < IN_FEATURES)[None, :]
-            h = _norm_input(x_rows, residual_rows, offs_k, mask, dtype, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if tl.program_id(0) == 0:
-                    out_rows = residual_out_ptr + offs_m.to(tl.int64)[:, None] * stride_residual_out
-                    tl.store(out_rows + offs_k[None, :], h, mask=mask)
-            h = h.to(tl.float32)
-            sum_squares += tl.sum(h * h, axis=1)
-        rstd = tl.rsqrt(sum_squares / IN_FEATURES + eps)
-    # [BLOCK_K, BLOCK_N] tiles of weight^T: column n is weight row n, contiguous along K.
-    gate_cols = weight_ptr + offs_n.to(tl.int64)[None, :] * stride_weight
-    up_cols = weight_ptr + (offs_n + OUT_FEATURES).to(tl.int64)[None, :] * stride_weight
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, IN_FEATURES, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < IN_FEATURES
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        if NORM:  # as rmsnorm.py: normalised in fp32, rounded, times the weight, rounded
-            h = _norm_input(x_rows, residual_rows, offs_k, x_mask, dtype, HAS_RESIDUAL)
-            normed = (h.to(tl.float32) * rstd[:, None]).to(dtype)
-            norm_weight = tl.load(norm_weight_ptr + offs_k, mask=k_mask, other=0.0)
-            x = (norm_weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(dtype)
-        else:
-            x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        gate = tl.load(gate_cols + offs_k[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(x, gate, acc, input_precision=INPUT_PRECISION)
-        if SILU_MUL:
-            up = tl.load(up_cols + offs_k[:, None], mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, up, acc_up, input_precision=INPUT_PRECISION)
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if SILU_MUL:
-        # rounded as F.linear's outputs, then as activation.py's silu and product
-        gate = acc.to(dtype).to(tl.float32)
-        up = acc_up.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        tl.store(out_ptrs, (silu.to(tl.float32) * up).to(dtype), mask=out_mask)
-    else:
-        tl.store(out_ptrs, acc.to(dtype), mask=out_mask)
 
 
 @triton.jit
@@ -302,29 +201,19 @@ _NUM_SMS = 132
 
 
 def gemv_config(
-    in_features: int,
-    out_features: int,
-    silu_mul: bool,
-    norm: bool,
-    single_row: bool,
-    on_gpu: bool = True,
+    in_features: int, out_features: int, silu_mul: bool, norm: bool, on_gpu: bool = True
 ) -> GemvConfig:
     """The launch geometry for a weight [out_features, in_features] (out_features counts the
     weight's rows: 2 * intermediate with ``silu_mul``). On the GPU: GEMV_CONFIGS's entry for
-    (in_features, out_features, silu_mul, norm, single_row) when there is one (the H200
-    sweep's best), else a heuristic. Geometry only: never a function of the row count
-    beyond one row or several."""
+    (in_features, out_features, silu_mul, norm, True) when there is one (the H200 sweep's
+    best), else a heuristic."""
     rows = out_features // 2 if silu_mul else out_features
     if not on_gpu:  # the interpreter pays per program: few, big ones
-        if single_row:
-            return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
-        return GemvConfig(min(128, max(16, triton.next_power_of_2(rows))), 128, 4, 3)
-    entry = GEMV_CONFIGS.get((in_features, out_features, silu_mul, norm, single_row))
+        return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
+    entry = GEMV_CONFIGS.get((in_features, out_features, silu_mul, norm, True))
     if entry is not None:
         return GemvConfig(*entry)
-    if not single_row:
-        return GemvConfig(16, 512, 4, 3)  # 16 KB of weight per tile and stage
-    # One row: the largest BLOCK_N that still gives ~8 programs per SM, and ~8 KB of
+    # The largest BLOCK_N that still gives ~8 programs per SM, and ~8 KB of
     # weight per tile (32 elements per thread of 4 warps).
     block_n = 16
     while block_n > 1 and triton.cdiv(rows, block_n) < 8 * _NUM_SMS:
@@ -334,10 +223,10 @@ def gemv_config(
 
 
 def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` / ``gemv_silu_and_mul`` take these inputs (rows, dtypes, strides)."""
+    """Whether the kernel takes these inputs: one row, one dtype, unit-stride columns."""
     return (
         x.dim() == 2
-        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and x.shape[0] == 1
         and x.dtype == weight.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
@@ -345,11 +234,9 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv_wins(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False) -> bool:  # fmt: skip
-    """Where a fusion switch should use the GEMV: ``fits_gemv``, one row (the one-row kernel
-    the H200 sweep measured; the dot kernel for 2..GEMV_MAX_ROWS rows lost to cuBLAS in the
-    ablation), and not a shape the sweep measured slower than the unfused cuBLAS path
-    (GEMV_SLOWER)."""
-    if not fits_gemv(x, weight) or x.shape[0] != 1:
+    """Where a fusion switch should use the GEMV: ``fits_gemv`` (one row), and not a shape
+    the H200 sweep measured slower than the unfused cuBLAS path (GEMV_SLOWER)."""
+    if not fits_gemv(x, weight):
         return False
     return (weight.shape[1], weight.shape[0], silu_mul, norm, True) not in GEMV_SLOWER
 
@@ -397,14 +284,11 @@ def _launch(
     config: GemvConfig | None = None,
     rope: RopeKV | None = None,  # one row: out is q, the k and v heads go to the caches
 ) -> None:
-    assert fits_gemv(x, weight), "x [rows <= GEMV_MAX_ROWS, K], weight [N, K], one dtype"
+    assert fits_gemv(x, weight), "x [1, K], weight [N, K], one dtype"
     assert weight.shape[1] == x.shape[1]
     in_features, out_features = x.shape[1], out.shape[1]
-    single_row = x.shape[0] == 1
     if config is None:
-        config = gemv_config(
-            in_features, weight.shape[0], silu_mul, norm is not None, single_row, x.is_cuda
-        )
+        config = gemv_config(in_features, weight.shape[0], silu_mul, norm is not None, x.is_cuda)
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, None)
     if residual is None:  # never read
         residual = residual_out = x
@@ -412,50 +296,26 @@ def _launch(
     flags = _flags(silu_mul, norm is not None, norm is not None and norm[0] is not None, config)
     rope_args = (*(x,) * 3, 16, *(x,) * 3, 1, 1)  # never read without ROPE_KV
     if rope is not None:  # the program's rows: BLOCK_N // 2 rotary pairs (the same bytes)
-        assert single_row, "the RoPE + KV epilogue takes one row"
         pairs = max(1, config.block_n // 2)
         grid = (triton.cdiv(weight.shape[0] // 2, pairs),)
         out_features = weight.shape[0]
         flags.update(ROPE_KV=True, HEAD_DIM=rope.head_dim, BLOCK_N=pairs)
         rope_args = rope.arguments()
-    if single_row:  # batch-1 decode: no tl.dot (see the module docstring)
-        pdl, launch = pdl_launch(x, small=False)
-        _gemv_row_kernel[grid](
-            x, weight, out, residual, norm_weight, residual_out,
-            in_features, out_features, eps, weight.stride(0), *rope_args,
-            NUM_STAGES=config.num_stages, PDL=pdl, **flags, **launch,
-        )  # fmt: skip
-        return
-    del flags["ROPE_KV"], flags["HEAD_DIM"]  # the one-row kernel's alone
-    _gemv_kernel[grid](
-        x,
-        weight,
-        out,
-        residual,
-        norm_weight,
-        residual_out,
-        x.shape[0],
-        eps,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        residual.stride(0),
-        residual_out.stride(0),
-        IN_FEATURES=in_features,
-        OUT_FEATURES=out_features,
-        BLOCK_M=GEMV_MAX_ROWS,
-        INPUT_PRECISION=dot_precision(x.dtype),
-        **flags,
-    )
+    pdl, launch = pdl_launch(x, small=False)
+    _gemv_row_kernel[grid](
+        x, weight, out, residual, norm_weight, residual_out,
+        in_features, out_features, eps, weight.stride(0), *rope_args,
+        NUM_STAGES=config.num_stages, PDL=pdl, **flags, **launch,
+    )  # fmt: skip
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for at most GEMV_MAX_ROWS rows (no bias).
+    """``x @ weight.T`` (no bias).
 
-    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
-    ``config`` overrides ``gemv_config`` (the sweep's candidates).
+    One row runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1); more rows, or no
+    Triton, the reference. ``config`` overrides ``gemv_config`` (the sweep's candidates).
     """
-    if not use_triton(x):
+    if not use_triton(x) or x.shape[0] != 1:
         return gemv_reference(x, weight)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, weight, out, silu_mul=False, config=config)
@@ -465,12 +325,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
 def gemv_silu_and_mul(
     x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """``silu(gate) * up`` of ``x @ weight.T = [gate | up]`` for at most GEMV_MAX_ROWS rows.
+    """``silu(gate) * up`` of ``x @ weight.T = [gate | up]``.
 
-    Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1), the reference otherwise.
-    ``config`` overrides ``gemv_config``.
+    One row runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1); more rows, or no
+    Triton, the reference. ``config`` overrides ``gemv_config``.
     """
-    if not use_triton(x):
+    if not use_triton(x) or x.shape[0] != 1:
         return gemv_silu_and_mul_reference(x, weight)
     assert weight.shape[0] % 2 == 0, "weight holds gate | up rows"
     out = torch.empty(x.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
@@ -492,10 +352,11 @@ def gemv_rms_norm(
     Returns ``(gemv(h, weight), x + residual)`` (or ``gemv_silu_and_mul`` with
     ``silu_mul``), h = ``rms_norm(x, norm_weight, eps, residual)``; without ``residual``
     the second item is ``x`` itself, as ``PreNormDecoderLayer`` carries it. ``norm_weight``
-    [in_features] has x's dtype. Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1),
-    the reference otherwise. ``config`` overrides ``gemv_config``.
+    [in_features] has x's dtype. One row runs the Triton kernel on CUDA (or under
+    TRITON_INTERPRET=1); more rows, or no Triton, the reference. ``config`` overrides
+    ``gemv_config``.
     """
-    if not use_triton(x):
+    if not use_triton(x) or x.shape[0] != 1:
         return gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul)
     hidden = x.shape[1]
     assert norm_weight.shape == (hidden,) and norm_weight.dtype == x.dtype

@@ -1,8 +1,9 @@
-"""Measured launch geometries of the GEMV kernels (atom/kernels/gemv.py), per layer shape.
+"""Measured launch geometries of the one-row GEMV (atom/kernels/gemv.py), per layer shape.
 
 Key: (in_features, out_features, silu_mul, norm, single_row), out_features counting the
-weight's rows (2 * intermediate for the SiLU * up epilogue; norm: the RMSNorm prologue,
-with or without the residual add). Value: (BLOCK_N, BLOCK_K, num_warps, num_stages).
+weight's rows (2 * intermediate for the SiLU * up epilogue; norm: the RMSNorm folded in,
+with or without the residual add; single_row: True, the only kernel there is now, kept in
+the key as the sweep writes it). Value: (BLOCK_N, BLOCK_K, num_warps, num_stages).
 ``gemv_config`` looks a shape up here on the GPU and falls back to its heuristic for any
 shape that is missing.
 

@@ -23,8 +23,8 @@ from atom.kernels.gemv import gemv, gemv_wins
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear; on CUDA with `Fusions.gemv_linear` and at most GEMV_MAX_ROWS rows (batch-1
-    decode), the Triton GEMV of atom/kernels/gemv.py instead."""
+    """F.linear; on CUDA with `Fusions.gemv_linear` and one row (batch-1 decode), the
+    Triton GEMV of atom/kernels/gemv.py instead where it wins (`gemv_wins`)."""
     if bias is None and x.is_cuda and current_fusions().gemv_linear and gemv_wins(x, weight):
         return gemv(x, weight)
     return F.linear(x, weight, bias)

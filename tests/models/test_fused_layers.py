@@ -11,7 +11,7 @@ from atom.fusions import Fusions
 from atom.models import llama
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3])  # the batch-1 GEMV kernel, the dot kernel
+@pytest.mark.parametrize("num_tokens", [1, 3])  # the batch-1 GEMV; 3 rows: the unfused path
 @pytest.mark.parametrize("first_layer", [True, False])
 @pytest.mark.parametrize("fusion", ["norm_gemv", "gemv_silu"])
 def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer, num_tokens):
