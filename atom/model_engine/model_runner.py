@@ -35,13 +35,14 @@ from atom.kernels.scatter import fill_placeholders
 from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
-from atom.model_engine.logprobs import StepLogprobs, merge_step_logprobs
+from atom.model_engine.logprobs import merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import ARGMAX_MAX_ROWS, Sampler
 from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
+from atom.model_engine.step_handle import StepHandle
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -477,45 +478,6 @@ def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
             )
         )
     return result
-
-
-class StepHandle:
-    """Sampled tokens of a launched step, copied to the host without blocking."""
-
-    def __init__(
-        self,
-        host_tokens: torch.Tensor | None,
-        done: torch.cuda.Event | None,
-        logprobs: StepLogprobs | None = None,
-        device_tokens: torch.Tensor | None = None,
-    ):
-        self._tokens = host_tokens
-        self._done = done
-        self._logprobs = logprobs
-        # the sampled tokens where the step left them (a draft chain feeds them on)
-        self.device_tokens = device_tokens
-
-    @classmethod
-    def of(cls, tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> StepHandle:
-        if not tokens.is_cuda:
-            return cls(tokens, None, logprobs, tokens)
-        host = tokens.to("cpu", non_blocking=True)
-        if logprobs is not None:
-            logprobs = logprobs.to_host()
-        done = torch.cuda.Event()
-        done.record()
-        return cls(host, done, logprobs, tokens)
-
-    def result(self) -> list[int]:
-        if self._done is not None:
-            self._done.synchronize()
-        return [] if self._tokens is None else self._tokens.tolist()
-
-    def logprobs(self) -> StepLogprobs | None:
-        """The step's log-probabilities on the host (after `result`), or None."""
-        if self._logprobs is not None and self._tokens is None:  # prompt-only step
-            return self._logprobs.to_host(non_blocking=False)
-        return self._logprobs
 
 
 def _random_init(model: torch.nn.Module) -> None:
