@@ -368,43 +368,57 @@ class DeepseekV4ForCausalLM(nn.Module):
         `hf_name`). Every parameter and routing buffer must be set; MTP layers are skipped."""
         targets = dict(self.named_parameters(remove_duplicate=False))
         targets.update(self.named_buffers())
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        inter = self.config.moe_intermediate_size
-        loaded = set()
-        for source, tensor in weights:
+
+        def name_of(source: str) -> str | None:
             if source.startswith("mtp.") or ".mtp." in source or "rotary_emb" in source:
-                continue
-            name = source if source in targets else hf_name(source)
-            if name == "lm_head.weight" and tied:
-                continue
-            expert = _EXPERT.match(name)
-            if expert is not None:
-                prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
-                target = f"{prefix}.down_proj" if part == "w2" else f"{prefix}.gate_up_proj"
-                if target not in targets or index >= targets[target].shape[0]:
-                    raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
-                dest = targets[target].data[index]
-                if part != "w2":
-                    dest = dest.narrow(0, 0 if part == "w1" else inter, inter)
-                _copy(dest, tensor, source)
-                loaded.add(f"{target}#{index}.{part}")
-                continue
-            if name not in targets:
+                return None
+            return source if source in targets else hf_name(source)
+
+        load_checkpoint(self.config, targets, weights, name_of, _EXPERT)
+
+
+def load_checkpoint(config, targets: dict, weights, name_of, expert_pattern) -> None:
+    """Copy `weights` ((source name, tensor) pairs) into `targets` (module name -> tensor),
+    DeepSeek V4 / V4.1 style: `name_of(source)` is the module name (None: skip the tensor);
+    names matching `expert_pattern` ((prefix).N.(w1|w2|w3).weight) go into row N of the
+    stacked `prefix.gate_up_proj` (w1, w3: its two halves) or `prefix.down_proj`. Raises
+    ValueError for a tensor with no place, a shape that differs, or any target left unset
+    (a stacked expert tensor counts per expert and part, unless it came whole)."""
+    tied = getattr(config, "tie_word_embeddings", False)
+    inter = config.moe_intermediate_size
+    loaded = set()
+    for source, tensor in weights:
+        name = name_of(source)
+        if name is None or (name == "lm_head.weight" and tied):
+            continue
+        expert = expert_pattern.match(name)
+        if expert is not None:
+            prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
+            target = f"{prefix}.down_proj" if part == "w2" else f"{prefix}.gate_up_proj"
+            if target not in targets or index >= targets[target].shape[0]:
                 raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
-            _copy(targets[name].data, tensor, source)
-            loaded.add(name)
-        expected = set()
-        for name, target in targets.items():
-            if tied and name == "lm_head.weight":
-                continue
-            parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in loaded:
-                expected |= {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
-            else:
-                expected.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
+            dest = targets[target].data[index]
+            if part != "w2":
+                dest = dest.narrow(0, 0 if part == "w1" else inter, inter)
+            _copy(dest, tensor, source)
+            loaded.add(f"{target}#{index}.{part}")
+            continue
+        if name not in targets:
+            raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
+        _copy(targets[name].data, tensor, source)
+        loaded.add(name)
+    expected = set()
+    for name, target in targets.items():
+        if tied and name == "lm_head.weight":
+            continue
+        parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in loaded:
+            expected |= {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
 
 def _copy(dest: torch.Tensor, tensor: torch.Tensor, source: str) -> None:

@@ -49,10 +49,10 @@ from atom.models.deepseek_v4 import (
     FP32RMSNorm,
     HyperConnection,
     SwiGLUMLP,
-    _copy,
     _inv_freq,
     collapse,
     expand,
+    load_checkpoint,
 )
 from atom.models.moe import routed_experts
 
@@ -421,49 +421,21 @@ class DeepseekV41ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint-native tensors in (see `module_name`); every parameter must be
         set. DSpark (`mtp.*`) and vision tensors are skipped with one log line."""
-        targets = dict(self.named_parameters(remove_duplicate=False))
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        inter = self.config.moe_intermediate_size
-        loaded, skipped = set(), 0
-        for source, tensor in weights:
+        skipped = 0
+
+        def name_of(source: str) -> str | None:
+            nonlocal skipped
             if _SKIPPED.match(source):
                 skipped += 1
-                continue
+                return None
             if source.endswith(("gate.bias_vl", "embed.scale")):
-                continue  # image tokens only / fp8 tables only
-            name = module_name(source)
-            if name == "lm_head.weight" and tied:
-                continue
-            expert = _EXPERT.match(name)
-            if expert is not None:
-                prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
-                target = f"{prefix}.down_proj" if part == "w2" else f"{prefix}.gate_up_proj"
-                if target not in targets or index >= targets[target].shape[0]:
-                    raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
-                dest = targets[target].data[index]
-                if part != "w2":
-                    dest = dest.narrow(0, 0 if part == "w1" else inter, inter)
-                _copy(dest, tensor, source)
-                loaded.add(f"{target}#{index}.{part}")
-                continue
-            if name not in targets:
-                raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
-            _copy(targets[name].data, tensor, source)
-            loaded.add(name)
+                return None  # image tokens only / fp8 tables only
+            return module_name(source)
+
+        targets = dict(self.named_parameters(remove_duplicate=False))
+        load_checkpoint(self.config, targets, weights, name_of, _EXPERT)
         if skipped:
             logger.info("deepseek_v41: skipped %d DSpark / vision tensors (not supported)", skipped)
-        expected = set()
-        for name, target in targets.items():
-            if tied and name == "lm_head.weight":
-                continue
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
-                expected |= {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
-            else:
-                expected.add(name)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
 
 def _engram_token_map(config) -> list[int]:

@@ -1,0 +1,57 @@
+"""load_checkpoint (atom/models/deepseek_v4.py), the V4 / V4.1 weight loader: per-expert
+checkpoint tensors stacked into the fused expert weights, and the errors a bad checkpoint
+gets (no place, wrong shape, anything left unset)."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from atom.models.deepseek_v4 import load_checkpoint
+
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+CONFIG = SimpleNamespace(moe_intermediate_size=3, tie_word_embeddings=False)
+
+
+def targets():
+    return {
+        "norm.weight": torch.zeros(4),
+        "mlp.experts.gate_up_proj": torch.zeros(2, 6, 4),  # 2 experts, [w1 | w3] rows
+        "mlp.experts.down_proj": torch.zeros(2, 4, 3),
+    }
+
+
+def checkpoint():
+    weights = [("norm.weight", torch.arange(4.0))]
+    for e in range(2):
+        weights += [
+            (f"mlp.experts.{e}.w1.weight", torch.full((3, 4), 10.0 * e + 1)),
+            (f"mlp.experts.{e}.w3.weight", torch.full((3, 4), 10.0 * e + 3)),
+            (f"mlp.experts.{e}.w2.weight", torch.full((4, 3), 10.0 * e + 2)),
+        ]
+    return weights
+
+
+def test_experts_are_stacked_and_skipped_tensors_ignored():
+    t = targets()
+    weights = [*checkpoint(), ("mtp.0.anything", torch.zeros(1))]
+    load_checkpoint(CONFIG, t, weights, lambda s: None if s.startswith("mtp.") else s, EXPERT)
+    assert torch.equal(t["norm.weight"], torch.arange(4.0))
+    gate_up, down = t["mlp.experts.gate_up_proj"], t["mlp.experts.down_proj"]
+    for e in range(2):
+        assert torch.all(gate_up[e, :3] == 10 * e + 1) and torch.all(gate_up[e, 3:] == 10 * e + 3)
+        assert torch.all(down[e] == 10 * e + 2)
+
+
+def test_bad_checkpoints_are_refused_by_name():
+    with pytest.raises(ValueError, match="'stray.weight' has no place"):
+        load_checkpoint(CONFIG, targets(), [("stray.weight", torch.zeros(1))], str, EXPERT)
+    with pytest.raises(ValueError, match="'mlp.experts.2.w1.weight' has no place"):
+        weights = [*checkpoint(), ("mlp.experts.2.w1.weight", torch.zeros(3, 4))]
+        load_checkpoint(CONFIG, targets(), weights, str, EXPERT)
+    with pytest.raises(ValueError, match=r"'norm.weight' has shape \(5,\)"):
+        load_checkpoint(CONFIG, targets(), [("norm.weight", torch.zeros(5))], str, EXPERT)
+    missing = [w for w in checkpoint() if w[0] != "mlp.experts.1.w3.weight"]
+    with pytest.raises(ValueError, match=r"missing weights: mlp.experts.gate_up_proj#1.w3"):
+        load_checkpoint(CONFIG, targets(), missing, str, EXPERT)
