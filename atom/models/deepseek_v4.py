@@ -332,7 +332,28 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekCausalLM(nn.Module):
+    """What V4 and V4.1 share around their model: one process (no tensor parallelism yet),
+    the forward and the LM head. A subclass sets `model`, `lm_head` and `model_type`."""
+
+    model_type = "deepseek_v4"
+
+    @classmethod
+    def validate_tensor_parallel(cls, config, world_size: int) -> None:
+        if world_size > 1:
+            raise ShardingError(
+                f"{cls.model_type}: tensor parallelism is not supported yet; run with "
+                "--tensor-parallel-size 1"
+            )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class DeepseekV4ForCausalLM(DeepseekCausalLM):
     attention_backend = "v4"  # the ModelRunner gives its slots a V4Backend
 
     def __init__(self, config, max_position: int | None = None, tp=None):
@@ -343,20 +364,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @staticmethod
-    def validate_tensor_parallel(config, world_size: int) -> None:
-        if world_size > 1:
-            raise ShardingError(
-                "deepseek_v4: tensor parallelism is not supported yet; run with "
-                "--tensor-parallel-size 1"
-            )
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     @property
     def attention_layers(self) -> list[V4Attention]:

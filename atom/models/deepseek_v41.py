@@ -30,7 +30,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from atom.attention.v41 import IndexerInputs, SharedChoice, SourceInputs, V41Attention
-from atom.distributed.tensor_parallel import ShardingError
 from atom.forward_context import get_forward_context
 from atom.kernels import v41_quant
 from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
@@ -46,6 +45,7 @@ from atom.kernels.v41_engram import (
     engram_reference,
 )
 from atom.models.deepseek_v4 import (
+    DeepseekCausalLM,
     FP32RMSNorm,
     HyperConnection,
     SwiGLUMLP,
@@ -385,8 +385,9 @@ def _link_sources(config, layers: list[V41Attention]) -> None:
             raise ValueError(f"deepseek_v41 index layer {i} has no KV source with indexer keys")
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(DeepseekCausalLM):
     attention_backend = "v41"  # the ModelRunner gives its slots a V41Backend
+    model_type = "deepseek_v41"
 
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()
@@ -399,20 +400,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed.weight
-
-    @staticmethod
-    def validate_tensor_parallel(config, world_size: int) -> None:
-        if world_size > 1:
-            raise ShardingError(
-                "deepseek_v41: tensor parallelism is not supported yet; run with "
-                "--tensor-parallel-size 1"
-            )
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
 
     @property
     def attention_layers(self) -> list[V41Attention]:

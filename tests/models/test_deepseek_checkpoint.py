@@ -55,3 +55,17 @@ def test_bad_checkpoints_are_refused_by_name():
     missing = [w for w in checkpoint() if w[0] != "mlp.experts.1.w3.weight"]
     with pytest.raises(ValueError, match=r"missing weights: mlp.experts.gate_up_proj#1.w3"):
         load_checkpoint(CONFIG, targets(), missing, str, EXPERT)
+
+
+def test_tensor_parallelism_is_refused_with_the_model_name():
+    from atom.distributed.tensor_parallel import ShardingError
+    from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from atom.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    for cls, name in [
+        (DeepseekV4ForCausalLM, "deepseek_v4"),
+        (DeepseekV41ForCausalLM, "deepseek_v41"),
+    ]:
+        cls.validate_tensor_parallel(CONFIG, 1)  # one process: fine
+        with pytest.raises(ShardingError, match=f"^{name}: tensor parallelism is not supported"):
+            cls.validate_tensor_parallel(CONFIG, 2)
