@@ -145,10 +145,16 @@ class DeepseekV4Attention(nn.Module):
                 )
         out = self.attn(q, kv, positions, self.sinks, compressor, indexer)
         out = rope(out, cos, -sin)
-        grouped = out.reshape(-1, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
-        weight = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])
-        grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
-        return self.o_b_proj(grouped.flatten(1))
+        return grouped_output(out, self.o_groups, self.o_a_proj.weight, self.o_b_proj)
+
+
+def grouped_output(out: torch.Tensor, groups: int, a_weight: torch.Tensor, b_proj) -> torch.Tensor:
+    """V4's grouped low-rank output projection: the heads' outputs [T, H, D] in `groups`
+    groups, each through its own slice of `a_weight` (one batched matmul), then `b_proj`."""
+    grouped = out.reshape(-1, groups, a_weight.shape[-1])  # a_weight: [groups * rank, width]
+    weight = a_weight.view(groups, -1, grouped.shape[-1])
+    grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+    return b_proj(grouped.flatten(1))
 
 
 class HyperConnection(nn.Module):

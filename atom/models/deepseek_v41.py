@@ -52,6 +52,7 @@ from atom.models.deepseek_v4 import (
     _inv_freq,
     collapse,
     expand,
+    grouped_output,
     load_checkpoint,
 )
 from atom.models.moe import routed_experts
@@ -168,10 +169,7 @@ class DeepseekV41Attention(nn.Module):
             indexer = self.indexer.inputs(hidden, q_residual, c_cos, c_sin)
         out = self.attn(q, kv, positions, self.attn_sink, source, indexer, shared)
         out = rope(out, cos, -sin)
-        grouped = out.reshape(-1, self.o_groups, self.num_heads * self.head_dim // self.o_groups)
-        weight = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
-        grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
-        return self.wo_b(grouped.flatten(1))
+        return grouped_output(out, self.o_groups, self.wo_a.weight, self.wo_b)
 
 
 class DeepseekV41MoE(nn.Module):
