@@ -11,6 +11,20 @@ from atom.fusions import Fusions
 from atom.models import llama
 
 
+def _random_layer(seed: int) -> llama.LlamaDecoderLayer:
+    """A small Llama decoder layer (hidden 64, 4 / 2 heads) with N(0, 0.2) weights."""
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    layer = llama.LlamaDecoderLayer(config, 64, TensorParallelGroup.single())
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0.0, 0.2)
+    return layer
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3])  # the batch-1 GEMV; 3 rows: the unfused path
 @pytest.mark.parametrize("first_layer", [True, False])
 @pytest.mark.parametrize("fusion", ["norm_gemv", "gemv_silu"])
@@ -18,15 +32,7 @@ def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer, num_token
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # use_triton: the interpreter on CPU
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    layer = llama.LlamaDecoderLayer(config, 64, TensorParallelGroup.single())
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0.0, 0.2)
+    layer = _random_layer(seed=0)
     hidden = torch.randn(num_tokens, 64)
     residual = None if first_layer else torch.randn(num_tokens, 64)
     positions = torch.arange(num_tokens)
@@ -50,15 +56,7 @@ def test_rope_kv_epilogue_layer_matches_norm_gemv(monkeypatch, first_layer):
     pytest.importorskip("triton")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    layer = llama.LlamaDecoderLayer(config, 64, TensorParallelGroup.single())
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0.0, 0.2)
+    layer = _random_layer(seed=1)
     attn = layer.self_attn.attn
     history = torch.randn(2, 16, 2, 16)  # 2 blocks of 16 tokens, 2 kv heads, head_dim 16
     hidden, positions = torch.randn(1, 64), torch.tensor([20])
