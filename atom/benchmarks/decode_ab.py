@@ -20,9 +20,12 @@ Variants:
     qkv_norm_prev_tiles   1B: the qkv+norm GEMV with its earlier tiles (2, 1024, 4, 1)
     split_4_tiles         decode attention splits of >= 4 tiles (the earlier policy)
     splits<N>             N context splits at batch 1 (N in 1, 2, 4, 8, 13, 16, 32)
-    decode_merge          Fusions.decode_merge on (the in-kernel split merge)
-    pdl, pdl_small,       Fusions.pdl on: every participating kernel / the small ones only
-    pdl_late              (no GEMV) / GEMVs releasing the next kernel after their K loop
+    decode_merge          Fusions.decode_merge on (the in-kernel split merge);
+                          decode_merge1: with one tile per split (default 2)
+    a+b                   both (e.g. pdl+decode_merge1)
+    pdl                   Fusions.pdl on: the small kernels and the latency-bound GEMVs
+                          (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
+                          GEMV; pdl_late: GEMVs release the next kernel after their K loop
 """
 
 from __future__ import annotations
@@ -47,32 +50,43 @@ QKV_NORM_1B = (2048, 3072, False, True, True)
 PDL_KNOBS = ("ATOM_PDL_RELEASE", "ATOM_PDL_KERNELS")
 
 
+def _apply(name: str, pick) -> None:
+    """One variant's change (see the module docstring); `pick`: the split policy's own."""
+    if name.startswith("mlp_norm_fused"):
+        gemv_configs.GEMV_SLOWER.discard(MLP_NORM_1B)
+        tiles = (1, 1024, 1, 1) if name.endswith("_bn1") else (8, 128, 1, 1)
+        gemv_configs.GEMV_CONFIGS[MLP_NORM_1B] = tiles
+    elif name == "qkv_norm_prev_tiles":
+        gemv_configs.GEMV_CONFIGS[QKV_NORM_1B] = (2, 1024, 4, 1)
+    elif name == "split_4_tiles":
+        decode_attention._pick_num_splits = lambda q, kv, ctx, _: pick(q, kv, ctx, 4 * 64)
+    elif name.startswith("splits"):
+        n = int(name.removeprefix("splits"))
+        decode_attention._pick_num_splits = lambda q, kv, ctx, tokens: (
+            n if q.shape[0] == 1 else pick(q, kv, ctx, tokens)
+        )
+    elif name == "pdl_small":
+        os.environ["ATOM_PDL_KERNELS"] = "small"
+    elif name == "pdl_all":
+        os.environ["ATOM_PDL_KERNELS"] = "all"
+    elif name == "pdl_late":
+        os.environ["ATOM_PDL_RELEASE"] = "end"
+    elif name == "decode_merge1":
+        decode_attention.MERGED_SPLIT_TILES = 1
+    elif name not in ("default", "decode_merge", "pdl"):
+        raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
+
+
 @contextmanager
 def variant(name: str):
-    """Apply variant `name` (module tables, the split policy, PDL knobs) for its block."""
+    """Apply variant `name` (module tables, the split policy, PDL knobs) for its block;
+    `a+b` applies both."""
     configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
-    pick = decode_attention._pick_num_splits
+    pick, merged_tiles = decode_attention._pick_num_splits, decode_attention.MERGED_SPLIT_TILES
     knobs = {k: os.environ.pop(k) for k in PDL_KNOBS if k in os.environ}
     try:
-        if name.startswith("mlp_norm_fused"):
-            gemv_configs.GEMV_SLOWER.discard(MLP_NORM_1B)
-            tiles = (1, 1024, 1, 1) if name.endswith("_bn1") else (8, 128, 1, 1)
-            gemv_configs.GEMV_CONFIGS[MLP_NORM_1B] = tiles
-        elif name == "qkv_norm_prev_tiles":
-            gemv_configs.GEMV_CONFIGS[QKV_NORM_1B] = (2, 1024, 4, 1)
-        elif name == "split_4_tiles":
-            decode_attention._pick_num_splits = lambda q, kv, ctx, _: pick(q, kv, ctx, 4 * 64)
-        elif name.startswith("splits"):
-            n = int(name.removeprefix("splits"))
-            decode_attention._pick_num_splits = lambda q, kv, ctx, tokens: (
-                n if q.shape[0] == 1 else pick(q, kv, ctx, tokens)
-            )
-        elif name == "pdl_small":
-            os.environ["ATOM_PDL_KERNELS"] = "small"
-        elif name == "pdl_late":
-            os.environ["ATOM_PDL_RELEASE"] = "end"
-        elif name not in ("default", "decode_merge", "pdl"):
-            raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
+        for part in name.split("+"):
+            _apply(part, pick)
         yield
     finally:
         gemv_configs.GEMV_CONFIGS.clear()
@@ -80,18 +94,20 @@ def variant(name: str):
         gemv_configs.GEMV_SLOWER.clear()
         gemv_configs.GEMV_SLOWER.update(slower)
         decode_attention._pick_num_splits = pick
+        decode_attention.MERGED_SPLIT_TILES = merged_tiles
         for k in PDL_KNOBS:
             os.environ.pop(k, None)
         os.environ.update(knobs)
 
 
 def fusions_of(name: str) -> Fusions:
-    default = Fusions.from_env()
-    if name == "decode_merge":
-        return dataclasses.replace(default, decode_merge=True)
-    if name.startswith("pdl"):
-        return dataclasses.replace(default, pdl=True)
-    return default
+    fusions = Fusions.from_env()
+    for part in name.split("+"):
+        if part.startswith("decode_merge"):
+            fusions = dataclasses.replace(fusions, decode_merge=True)
+        if part.startswith("pdl"):
+            fusions = dataclasses.replace(fusions, pdl=True)
+    return fusions
 
 
 def graph_replay_us(llm, replays: int = 200) -> float:

@@ -50,6 +50,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     tl = SimpleNamespace(constexpr=None)
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
+MERGED_SPLIT_TILES = 2  # Fusions.decode_merge: tiles per split by default
 
 
 @triton.jit(do_not_specialize=["stride_block_tables_row"])
@@ -92,8 +93,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    pdl_wait_and_release(PDL)
-
+    # The step's lengths and block table are written before the forward's first kernel:
+    # under PDL they are read (with the first tile's block ids) before the wait.
     context_len = tl.load(context_lens_ptr + batch_idx)
     if MERGE_IN_KERNEL:
         # The grid holds the most splits any row may use; this row uses one per
@@ -107,7 +108,7 @@ def _paged_decode_kernel(
                 stride_cache_head, stride_scale_block, stride_scale_offset,
                 stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
                 split, num_splits, used_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True,
+                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True, PDL,
             )  # fmt: skip
     else:
         _decode_split(
@@ -117,7 +118,7 @@ def _paged_decode_kernel(
             stride_cache_head, stride_scale_block, stride_scale_offset,
             stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
             split, num_splits, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False,
+            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False, PDL,
         )  # fmt: skip
 
 
@@ -132,6 +133,7 @@ def _decode_split(
     GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Split `split` of `used_splits`: its share of the context, in whole tiles; empty when
     # context_len == 0. Partial results are laid out by the grid's num_splits.
@@ -146,6 +148,13 @@ def _decode_split(
     g_mask = offs_g < GROUP_SIZE
     d_mask = offs_d < HEAD_DIM
 
+    # The first tile's block ids (token -> block id from the table; int64 past 2^31),
+    # before the PDL wait: what the previous kernel writes (q, this token's K / V) after.
+    block_table_row = block_tables_ptr + batch_idx * stride_block_tables_row
+    first = start + offs_n
+    block_id = tl.load(block_table_row + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+    pdl_wait_and_release(PDL)
+
     q_ptrs = q_ptr + batch_idx * stride_q_batch + q_head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     dtype = q_ptr.dtype.element_ty  # of the dots: an fp8 cache is widened to it exactly
@@ -156,12 +165,9 @@ def _decode_split(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634  # softmax via exp2
 
-    block_table_row = block_tables_ptr + batch_idx * stride_block_tables_row
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + offs_n
         n_mask = pos < end
-        # token -> (block id from the table, offset inside the block); int64 past 2^31.
-        block_id = tl.load(block_table_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         token_offs = (
             block_id * stride_cache_block
             + (pos % BLOCK_SIZE) * stride_cache_offset
@@ -170,6 +176,10 @@ def _decode_split(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        next_pos = pos + BLOCK_N  # the next tile's block ids, one tile ahead
+        next_block_id = tl.load(
+            block_table_row + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0
+        ).to(tl.int64)
 
         qk = tl.dot(q, tl.trans(k.to(dtype)), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         if KV_FP8:
@@ -186,6 +196,7 @@ def _decode_split(
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v.to(dtype), input_precision=DOT_PRECISION)
         m_i = m_new
+        block_id = next_block_id
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no tokens: acc is 0, output zeros
@@ -372,7 +383,7 @@ def paged_decode_attention(
     # Big tiles in the interpreter (cost per program), 64 tokens on a GPU.
     block_n = 64 if q.is_cuda else 256
     if split_tokens is None:  # one tile per split (2 when merged in-kernel), room allowing
-        split_tokens = (2 if merge_in_kernel else 1) * block_n
+        split_tokens = (MERGED_SPLIT_TILES if merge_in_kernel else 1) * block_n
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         num_splits = _pick_num_splits(q, num_kv_heads, max_context, split_tokens)

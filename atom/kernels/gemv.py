@@ -78,6 +78,48 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 
 @triton.jit
+def _x_chunk(
+    x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, k_start, in_features,
+    sum_squares, first_row, dtype: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """x's chunk at k_start, fp32, broadcast over the tile's rows (in the tile's layout: L1
+    hits); with NORM (+ residual) x's squares are summed into ``sum_squares`` and x is
+    multiplied by the norm weight (1 / RMS comes at the end)."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_offs = offs_k[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    x_mask = (offs_k < in_features)[None, :] & (x_offs >= 0)
+    x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + x_offs, mask=x_mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+            if tl.program_id(0) == 0:  # x + residual: the next layer's residual stream
+                tl.store(residual_out_ptr + x_offs, x, mask=x_mask & first_row)
+        h = x.to(tl.float32)
+        sum_squares += h * h
+        norm_weight = tl.load(norm_weight_ptr + x_offs, mask=x_mask, other=0.0)
+        x = norm_weight.to(tl.float32) * h
+    return x.to(tl.float32), sum_squares
+
+
+@triton.jit
+def _weight_chunk(
+    gate_rows, up_rows, k_start, in_features, n_mask, TWO_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_N, BLOCK_K] weight tile(s) at k_start (the up / second-half rows too with
+    TWO_ROWS). The weight is read once: it may leave L2 first (x and the next layer's stay)."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_mask = n_mask[:, None] & (offs_k < in_features)[None, :]
+    gate = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    up = gate
+    if TWO_ROWS:
+        up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    return gate, up
+
+
+@triton.jit
 def _gemv_row_kernel(
     x_ptr,  # [in_features], unit-stride
     weight_ptr,
@@ -122,7 +164,6 @@ def _gemv_row_kernel(
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < out_features
         second_rows = offs_n + out_features  # SILU_MUL: the up rows
-    pdl_wait_and_release(PDL)
     # [BLOCK_N, BLOCK_K] tiles: row n of the weight, contiguous along K (coalesced loads).
     gate_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight
     up_rows = weight_ptr + second_rows.to(tl.int64)[:, None] * stride_weight
@@ -130,36 +171,30 @@ def _gemv_row_kernel(
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_squares = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # NORM: of x's row
     first_row = (tl.arange(0, BLOCK_N) == 0)[:, None]
-    for k_start in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < in_features
-        # x broadcast over the tile's rows, loaded in the tile's layout (L1 hits)
-        x_offs = offs_k[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-        x_mask = k_mask[None, :] & (x_offs >= 0)
-        x = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        if NORM:
-            # The RMS comes from the same chunks (no prologue pass over x): the norm
-            # weight is applied here and 1 / RMS to the sums at the end.
-            if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + x_offs, mask=x_mask, other=0.0)
-                x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-                if tl.program_id(0) == 0:  # x + residual: the next layer's residual stream
-                    tl.store(residual_out_ptr + x_offs, x, mask=x_mask & first_row)
-            h = x.to(tl.float32)
-            sum_squares += h * h
-            norm_weight = tl.load(norm_weight_ptr + x_offs, mask=x_mask, other=0.0)
-            x = norm_weight.to(tl.float32) * h
-        x = x.to(tl.float32)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        # the weight is read once: let it leave L2 first (x and the next layer's stay)
-        gate = tl.load(
-            gate_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
+    k_first = 0
+    if PDL > 0:
+        # No kernel writes the weight: its first chunk is loaded while the previous
+        # kernel still runs, then the program waits, and x's first chunk completes it.
+        gate, up = _weight_chunk(gate_rows, up_rows, 0, in_features, n_mask, SILU_MUL or ROPE_KV, BLOCK_K)
+        pdl_wait_and_release(PDL)
+        x, sum_squares = _x_chunk(
+            x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, 0, in_features,
+            sum_squares, first_row, dtype, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        acc += gate.to(tl.float32) * x
+        if SILU_MUL or ROPE_KV:
+            acc_up += up.to(tl.float32) * x
+        k_first = BLOCK_K
+    for k_start in tl.range(k_first, in_features, BLOCK_K, num_stages=NUM_STAGES):
+        x, sum_squares = _x_chunk(
+            x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, k_start, in_features,
+            sum_squares, first_row, dtype, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        gate, up = _weight_chunk(
+            gate_rows, up_rows, k_start, in_features, n_mask, SILU_MUL or ROPE_KV, BLOCK_K
         )
         acc += gate.to(tl.float32) * x
         if SILU_MUL or ROPE_KV:
-            up = tl.load(
-                up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
-            )
             acc_up += up.to(tl.float32) * x
     pdl_release(PDL)
     out = tl.sum(acc, axis=1)
@@ -301,7 +336,7 @@ def _launch(
         out_features = weight.shape[0]
         flags.update(ROPE_KV=True, HEAD_DIM=rope.head_dim, BLOCK_N=pairs)
         rope_args = rope.arguments()
-    pdl, launch = pdl_launch(x, small=False)
+    pdl, launch = pdl_launch(x, weight.numel() * weight.element_size())
     _gemv_row_kernel[grid](
         x, weight, out, residual, norm_weight, residual_out,
         in_features, out_features, eps, weight.stride(0), *rope_args,

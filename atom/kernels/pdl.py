@@ -46,20 +46,29 @@ except ImportError:  # no Triton: keep the module importable
 _OFF: tuple[int, dict] = (0, {})
 
 
-def pdl_launch(tensor: torch.Tensor, small: bool = True) -> tuple[int, dict]:
+# A GEMV reading fewer weight bytes than this is bound by latency, not bandwidth (4 MB
+# take ~1 us at the H200's ~4.4 TB/s, about a launch): it joins the PDL chain by default.
+LATENCY_BOUND_BYTES = 4 << 20
+
+
+def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     """(the PDL constexpr, extra launch options) for a kernel launched on ``tensor``'s
-    device in the current forward context. ``small``: a kernel of few programs (attention,
-    merge, norm), not a GEMV that fills the GPU. Measurement knobs (A/B, docs):
-    ATOM_PDL_RELEASE=start|end (when the next kernel may launch), ATOM_PDL_KERNELS=all|small."""
+    device in the current forward context. ``weight_bytes``: what a GEMV reads of its
+    weight (0 for the kernels of few programs: attention, merge, norm). Measurement knobs
+    (A/B, docs): ATOM_PDL_KERNELS=latency (default: the small kernels and the GEMVs under
+    LATENCY_BOUND_BYTES) | small (no GEMV) | all; ATOM_PDL_RELEASE=start|end (when a GEMV
+    lets the next kernel launch)."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
     if not current_fusions().pdl:
         return _OFF
-    if not small and os.environ.get("ATOM_PDL_KERNELS", "all") == "small":
-        return _OFF
+    if weight_bytes:
+        kernels = os.environ.get("ATOM_PDL_KERNELS", "latency")
+        if kernels == "small" or (kernels != "all" and weight_bytes > LATENCY_BOUND_BYTES):
+            return _OFF
     # a small kernel lets the next one launch at once (its programs leave room); a GEMV
     # at its start (mode 1) or after its K loop (mode 2)
-    late = not small and os.environ.get("ATOM_PDL_RELEASE", "start") == "end"
+    late = weight_bytes and os.environ.get("ATOM_PDL_RELEASE", "start") == "end"
     return 2 if late else 1, {"launch_pdl": True}
 
 

@@ -297,6 +297,8 @@ DEVICE_FUNCTIONS = {
     (decode_attention, "_decode_split"),
     (decode_attention_short, "_merge_partials"),
     (gemv_rope_kv, "_rope_kv_epilogue"),
+    (gemv, "_x_chunk"),
+    (gemv, "_weight_chunk"),
     (pdl, "pdl_wait_and_release"),
     (pdl, "pdl_release"),
     (kv_cache, "_e4m3_bits"),

@@ -72,10 +72,17 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
         assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
     with decode_ab.variant("pdl_small"):
         assert os.environ["ATOM_PDL_KERNELS"] == "small"
+    with decode_ab.variant("pdl_late+decode_merge1+splits8"):
+        assert os.environ["ATOM_PDL_RELEASE"] == "end"
+        assert decode_attention.MERGED_SPLIT_TILES == 1
+        assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
+    assert decode_attention.MERGED_SPLIT_TILES == 2 and "ATOM_PDL_RELEASE" not in os.environ
     assert gemv_configs.GEMV_CONFIGS == configs and gemv_configs.GEMV_SLOWER == slower
     assert decode_attention._pick_num_splits is pick
     assert os.environ["ATOM_PDL_KERNELS"] == "all"
     assert decode_ab.fusions_of("pdl").pdl and decode_ab.fusions_of("decode_merge").decode_merge
+    both = decode_ab.fusions_of("pdl+decode_merge1")
+    assert both.pdl and both.decode_merge
     with pytest.raises(SystemExit, match="unknown variant"):
         with decode_ab.variant("nope"):
             pass
