@@ -12,9 +12,9 @@ us); with gemv_rope_kv too, 1.33x and 1.58x (866 and 573 us). These six are on. 
 attention variants are off: decode_merge lost on both shapes (0.97x alone), decode_short
 added GPU time in the set on both (contexts past its 256-token split pay its in-kernel
 merge). rope_kv_write and gemv_rope_kv serve bf16/fp32 caches; fp8 caches keep rotary +
-store (atom/attention/mha.py). pdl (programmatic dependent launch) is off: it shortened the
-batch-1 graph (1B -1%, SmolLM2 -4% with the GEMVs left out) without a steady gain in the
-engine's step (third pass in docs/benchmarks.md).
+store (atom/attention/mha.py). pdl (programmatic dependent launch) is on since its fourth
+pass (docs/benchmarks.md): with the GEMVs' first weight chunk loaded before the wait, the
+batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 839 us.
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output
@@ -54,9 +54,11 @@ engine's step (third pass in docs/benchmarks.md).
                                            (atom/kernels/gemv_rope_kv.py) instead of the
                                            rope_kv_write kernel after it.
     pdl             ATOM_FUSE_PDL          programmatic dependent launch of the Triton
-                                           kernels of a decode step (one-row GEMV, paged
-                                           decode and its merge, RMSNorm): each may start
-                                           while the one before it ends (atom/kernels/pdl.py).
+                                           kernels of a decode step (one-row GEMVs of under
+                                           4 MB of weight, paged decode and its merge,
+                                           RMSNorm): each may start while the one before it
+                                           ends, loading its weights or block ids before it
+                                           waits (atom/kernels/pdl.py; Hopper or newer).
 
 The three GEMV switches run the one-row kernel of atom/kernels/gemv.py (batch-1 decode, as
 in the decode graph of batch size 1; `gemv_wins`), except for the shapes the sweep measured
@@ -91,7 +93,7 @@ DEFAULTS = {
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
     "norm_gemv": ("ATOM_FUSE_NORM_GEMV", True),
     "gemv_rope_kv": ("ATOM_FUSE_GEMV_ROPE_KV", True),
-    "pdl": ("ATOM_FUSE_PDL", False),
+    "pdl": ("ATOM_FUSE_PDL", True),
 }
 
 

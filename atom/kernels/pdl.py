@@ -1,29 +1,34 @@
-"""Programmatic dependent launch (PDL) for the decode graph's Triton kernels (``Fusions.pdl``).
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (``Fusions.pdl``).
 
 A kernel launched with PDL may start while the kernel before it on the stream still runs:
 its programs are scheduled, run their prologue and wait in ``gdc_wait`` until the previous
 grid has finished and its memory is visible. What that hides is the launch and ramp-up of
-each kernel, about a microsecond: worth it where a decode step is a chain of short kernels
-(the SmolLM2-135M shape at batch 1), a loss where a memory-bound kernel needs every SM slot
-that the waiting programs of the next one hold (the pdl_chain benchmark, docs/benchmarks.md).
+each kernel, about a microsecond, and whatever the prologue loads: worth it where a decode
+step is a chain of short kernels (the SmolLM2-135M shape at batch 1: its graph 572 -> 469
+us on the H200), a loss where a memory-bound kernel needs every SM slot that the waiting
+programs of the next one hold (docs/benchmarks.md, "Fourth pass").
 
 Each participating kernel takes a ``PDL`` constexpr and calls ``pdl_wait_and_release(PDL)``
-before its first load of anything an earlier kernel wrote: it lets the next kernel launch,
-then waits for the previous one. Every PDL kernel waits before it reads or writes, so the
-chain stays ordered transitively, whatever kernels without PDL sit between them (they wait
-for their predecessor to finish, as always). The host side, ``pdl_launch(tensor)``, gives
-the constexpr and the launch option: on when the forward context's fusions say so and the
-tensor is on a CUDA device (never under the interpreter). A CUDA graph keeps the launch
-attributes it was captured with.
+before its first access to anything an earlier kernel of the forward writes: it lets the
+next kernel launch, then waits for the previous one. Before the wait a kernel reads only
+what no PDL kernel writes: the weights (the one-row GEMV loads its first weight chunk
+there) and the step's metadata (paged decode loads its context length and first block ids
+there), published before the forward's first kernel. Since a PDL kernel may start as soon
+as the one before it has started, a chain of PDL kernels can run alongside each other back
+to the last kernel without PDL, which has finished; each still waits, so the chain's data
+stays ordered. The host side, ``pdl_launch(tensor, weight_bytes)``, gives the constexpr and
+the launch option: on when the forward context's fusions say so, the tensor is on a CUDA
+device that supports it (``pdl_supported``: Hopper or newer, never under the interpreter)
+and, for a GEMV, its weight is small enough to be bound by latency (LATENCY_BOUND_BYTES).
+A CUDA graph keeps the launch attributes it was captured with.
 
 Two knobs for measurement (`python -m atom.benchmarks.decode_ab`): ATOM_PDL_KERNELS=small
-leaves the GEMVs out (they fill the GPU; the waiting programs of the next kernel would take
-their SM slots), ATOM_PDL_RELEASE=end has a GEMV let the next kernel launch only after its
-K loop. H200 (docs/benchmarks.md): "small" shortened the batch-1 graph on both shapes
-(1B -1%, SmolLM2 -4%) but the engine's step moved either way, so the switch is off.
+(no GEMV) | all (every GEMV) | latency (the default); ATOM_PDL_RELEASE=end has a GEMV let
+the next kernel launch only after its K loop. H200: the default won on both shapes, every
+GEMV or a late release lost on both.
 
-Triton: ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` are used only when the switch is on
-(Hopper or newer, a Triton with PDL support); off, the kernels compile as before.
+Triton: ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` are used only when PDL is on; off, the
+kernels compile as before.
 """
 
 from __future__ import annotations
@@ -46,6 +51,23 @@ except ImportError:  # no Triton: keep the module importable
 _OFF: tuple[int, dict] = (0, {})
 
 
+_SUPPORTED: dict[torch.device, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on this CUDA device can use PDL: an NVIDIA GPU of compute
+    capability 9.0 or newer (Hopper) and a Triton with the ``gdc_*`` intrinsics."""
+    if device not in _SUPPORTED:
+        cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+        _SUPPORTED[device] = (
+            torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(cuda, "gdc_wait")
+            and hasattr(cuda, "gdc_launch_dependents")
+        )
+    return _SUPPORTED[device]
+
+
 # A GEMV reading fewer weight bytes than this is bound by latency, not bandwidth (4 MB
 # take ~1 us at the H200's ~4.4 TB/s, about a launch): it joins the PDL chain by default.
 LATENCY_BOUND_BYTES = 4 << 20
@@ -60,7 +82,7 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     lets the next kernel launch)."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
-    if not current_fusions().pdl:
+    if not current_fusions().pdl or not pdl_supported(tensor.device):
         return _OFF
     if weight_bytes:
         kernels = os.environ.get("ATOM_PDL_KERNELS", "latency")

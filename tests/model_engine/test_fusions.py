@@ -53,6 +53,21 @@ def test_profile_kernels_table_without_a_baseline(capsys):
     assert capsys.readouterr().err.splitlines()[-1].split()[3] == "2.000"
 
 
+def test_gpu_time_counts_overlapping_kernels_once():
+    """Under PDL a kernel starts before the one ahead of it ends: the step's GPU time is
+    the union of the kernels' spans (here 0-10 and 12-20 us: 18 us over 2 steps), with the
+    gap of 2 us a launch gap and the one of 30 us the host's."""
+    from types import SimpleNamespace as Span
+
+    from atom.benchmarks import decode_profile
+
+    spans = [Span(start=0, end=6), Span(start=4, end=10), Span(start=12, end=15),
+             Span(start=13, end=20), Span(start=50, end=50)]  # fmt: skip
+    timeline = decode_profile.gpu_gaps(spans, steps=2)
+    assert timeline == dict(gpu_us_per_step=9.0, launch_gaps_us_per_step=1.0,
+                            host_wait_us_per_step=15.0)  # fmt: skip
+
+
 def test_decode_ab_variants_apply_and_restore(monkeypatch):
     """Each A/B variant changes its one choice inside its block and leaves the module
     tables, the split policy and the PDL knobs as they were after it."""
