@@ -25,7 +25,8 @@ Variants:
     a+b                   both (e.g. pdl+decode_merge1)
     pdl                   Fusions.pdl on: the small kernels and the latency-bound GEMVs
                           (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
-                          GEMV; pdl_late: GEMVs release the next kernel after their K loop
+                          GEMV; pdl_late: GEMVs release the next kernel after their K loop;
+                          no_pdl: Fusions.pdl off
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _apply(name: str, pick) -> None:
         os.environ["ATOM_PDL_RELEASE"] = "end"
     elif name == "decode_merge1":
         decode_attention.MERGED_SPLIT_TILES = 1
-    elif name not in ("default", "decode_merge", "pdl"):
+    elif name not in ("default", "decode_merge", "pdl", "no_pdl"):
         raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
 
 
@@ -107,6 +108,8 @@ def fusions_of(name: str) -> Fusions:
             fusions = dataclasses.replace(fusions, decode_merge=True)
         if part.startswith("pdl"):
             fusions = dataclasses.replace(fusions, pdl=True)
+        if part == "no_pdl":
+            fusions = dataclasses.replace(fusions, pdl=False)
     return fusions
 
 

@@ -164,9 +164,9 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
     return dict(
         kernels_per_step=round(kernels / steps, 1),
         copies_per_step=round(copies / steps, 1),
-        gpu_us_per_step=round(total_us / steps, 1),  # without a timeline: the sum
+        gpu_us_per_step=round(total_us / steps, 1),  # the sum, where there is no timeline
         kernel_sum_us_per_step=round(total_us / steps, 1),
-        **timeline,
+    ) | timeline | dict(
         top_kernels=[
             [name[:90], round(count / steps, 1), round(us / steps, 1)]
             for name, (count, us) in ranked

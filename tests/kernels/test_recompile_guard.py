@@ -593,11 +593,20 @@ def test_gemv_one_variant(silu_mul):
 
 
 @pytest.mark.gpu
-def test_gemv_one_row_one_variant_over_shapes():
+@pytest.mark.parametrize("weights", ["bandwidth-bound", "latency-bound"])
+def test_gemv_one_row_one_variant_over_shapes(weights):
     """The batch-1 kernel's in/out features are plain arguments: the layer shapes of both
-    models (multiples of 16) share one compiled variant per configuration."""
+    models (multiples of 16) share one compiled variant per configuration. Whether the
+    GEMV takes part in programmatic dependent launch follows its weight's size (PDL,
+    atom/kernels/pdl.py: on by default), so each class of shapes is one variant."""
     config = gemv.GemvConfig(4, 512, 4, 2)
-    shapes = [(2048, 3072), (2048, 2048), (8192, 2048), (576, 960), (576, 576), (1536, 576)]
+    shapes = {
+        "bandwidth-bound": [(2048, 3072), (2048, 2048), (8192, 2048)],  # > 4 MB of bf16
+        "latency-bound": [(576, 960), (576, 576), (1536, 576)],
+    }[weights]
+    for in_features, out_features in shapes:
+        pdl_on = 2 * in_features * out_features <= pdl.LATENCY_BOUND_BYTES
+        assert pdl_on == (weights == "latency-bound")
 
     def run(i):
         in_features, out_features = shapes[i % len(shapes)]

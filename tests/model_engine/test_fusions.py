@@ -96,6 +96,7 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
     assert decode_attention._pick_num_splits is pick
     assert os.environ["ATOM_PDL_KERNELS"] == "all"
     assert decode_ab.fusions_of("pdl").pdl and decode_ab.fusions_of("decode_merge").decode_merge
+    assert not decode_ab.fusions_of("no_pdl").pdl
     both = decode_ab.fusions_of("pdl+decode_merge1")
     assert both.pdl and both.decode_merge
     with pytest.raises(SystemExit, match="unknown variant"):
