@@ -25,12 +25,14 @@ the run), then prints per shape each configuration's speed-up over the baseline 
 run (ratios within one process: the machines are noisy), and the defaults it suggests
 (fusions alone faster than the baseline by > 1%). One engine per shape serves every
 configuration: `ModelRunner.set_fusions` captures its decode graph again.
-`--ablate-throughput` runs the 256-prompt throughput workload with every fusion off and
-with the defaults (after the batch-1 part when given with `--ablate`).
+`--ablate-throughput` runs the 256-prompt throughput workload with every fusion off, with
+the defaults, with the defaults but PDL off, and with the defaults again (after the batch-1
+part when given with `--ablate`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
@@ -364,7 +366,8 @@ def run(args) -> int:
 
 
 def throughput_ablation(args) -> None:
-    """The 256-prompt throughput workload with every fusion off and with the defaults."""
+    """The 256-prompt throughput workload with every fusion off, with the defaults, the
+    defaults without PDL, and the defaults again (the drift of the machine)."""
     import transformers
 
     from atom.benchmarks.offline_throughput import LLAMA_32_1B, atom_runs, random_prompts
@@ -375,9 +378,15 @@ def throughput_ablation(args) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as model_dir:
         config.save_pretrained(model_dir)
-        for label, fusions in (("baseline", Fusions.none()), ("default", Fusions.from_env())):
+        default = Fusions.from_env()
+        for label, fusions in (
+            ("baseline", Fusions.none()),
+            ("default", default),
+            ("default_no_pdl", dataclasses.replace(default, pdl=False)),
+            ("default_end", default),
+        ):
             throughput, _, batch1 = atom_runs(model_dir, args, prompts, single, fusions=fusions)
-            results[label] = throughput
+            results.setdefault(label.removesuffix("_end"), []).append(throughput)
             emit(
                 dict(
                     case="throughput_ablation",
@@ -393,6 +402,11 @@ def throughput_ablation(args) -> None:
     emit(
         dict(
             case="throughput_ablation_summary",
-            default_over_baseline=round(results["default"] / results["baseline"], 3),
+            default_over_baseline=round(
+                statistics.mean(results["default"]) / results["baseline"][0], 3
+            ),
+            default_over_no_pdl=round(
+                statistics.mean(results["default"]) / results["default_no_pdl"][0], 3
+            ),
         )
     )
