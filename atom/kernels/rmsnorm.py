@@ -112,7 +112,7 @@ def rms_norm(
         block_h = triton.next_power_of_2(hidden)
         # About 4K elements per program: one or two rows of a real model, more for toy ones.
         block_t = max(1, min(16, 4096 // block_h))
-        pdl, launch = pdl_launch(x)
+        pdl, launch = pdl_launch(x_rows)
         _rms_norm_kernel[(triton.cdiv(num_tokens, block_t),)](
             x_rows,
             residual_rows,
