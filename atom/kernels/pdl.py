@@ -18,9 +18,9 @@ as the one before it has started, a chain of PDL kernels can run alongside each 
 to the last kernel without PDL, which has finished; each still waits, so the chain's data
 stays ordered. The host side, ``pdl_launch(tensor, weight_bytes)``, gives the constexpr and
 the launch option: on when the forward context's fusions say so, the tensor is on a CUDA
-device that supports it (``pdl_supported``: Hopper or newer, never under the interpreter),
-the step is small (MAX_ROWS) and, for a GEMV, its weight is small enough to be bound by
-latency (LATENCY_BOUND_BYTES).
+device that supports it (``pdl_supported``: Hopper or newer, never under the interpreter)
+and, for a GEMV, its weight is small enough to be bound by latency (LATENCY_BOUND_BYTES:
+a geometry, so one compiled variant per layer shape).
 A CUDA graph keeps the launch attributes it was captured with.
 
 Two knobs for measurement (`python -m atom.benchmarks.decode_ab`): ATOM_PDL_KERNELS=small
@@ -72,25 +72,19 @@ def pdl_supported(device: torch.device) -> bool:
 # A GEMV reading fewer weight bytes than this is bound by latency, not bandwidth (4 MB
 # take ~1 us at the H200's ~4.4 TB/s, about a launch): it joins the PDL chain by default.
 LATENCY_BOUND_BYTES = 4 << 20
-# Rows (sequences, tokens) past which a step's kernels are long enough that a launch
-# hidden is nothing: the 256-prompt throughput workload ran 1.4% slower with PDL, within
-# the run's spread (docs/benchmarks.md, "Fourth pass"), so it keeps plain launches.
-MAX_ROWS = 16
 
 
 def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     """(the PDL constexpr, extra launch options) for a kernel launched on ``tensor``'s
-    device in the current forward context; ``tensor.shape[0]``: its rows (sequences or
-    tokens), at most MAX_ROWS for PDL. ``weight_bytes``: what a GEMV reads of its
+    device in the current forward context. Never decided by a runtime length (the rows of
+    a step): the PDL constexpr would then compile a second variant. ``weight_bytes``: what a GEMV reads of its
     weight (0 for the kernels of few programs: attention, merge, norm). Measurement knobs
     (A/B, docs): ATOM_PDL_KERNELS=latency (default: the small kernels and the GEMVs under
     LATENCY_BOUND_BYTES) | small (no GEMV) | all; ATOM_PDL_RELEASE=start|end (when a GEMV
     lets the next kernel launch)."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
-    if not current_fusions().pdl or tensor.shape[0] > MAX_ROWS:
-        return _OFF
-    if not pdl_supported(tensor.device):
+    if not current_fusions().pdl or not pdl_supported(tensor.device):
         return _OFF
     if weight_bytes:
         kernels = os.environ.get("ATOM_PDL_KERNELS", "latency")

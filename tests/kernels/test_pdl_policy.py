@@ -24,12 +24,13 @@ def hopper(monkeypatch):
     return monkeypatch
 
 
-def test_small_steps_and_latency_bound_gemvs_take_pdl(hopper):
+def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
     small_weight = 576 * 960 * 2  # SmolLM2's qkv, bf16
     big_weight = 2048 * 3072 * 2  # the 1B's
-    assert pdl.pdl_launch(_on_cuda(1)) == ON  # attention / merge / norm of one sequence
-    assert pdl.pdl_launch(_on_cuda(pdl.MAX_ROWS)) == ON
-    assert pdl.pdl_launch(_on_cuda(pdl.MAX_ROWS + 1)) == (0, {})  # a big step: plain
+    # attention / merge / norm, whatever the step's rows (a runtime length never picks
+    # another compiled variant)
+    assert pdl.pdl_launch(_on_cuda(1)) == ON
+    assert pdl.pdl_launch(_on_cuda(4096)) == ON
     assert pdl.pdl_launch(_on_cuda(1), small_weight) == ON
     assert pdl.pdl_launch(_on_cuda(1), big_weight) == (0, {})  # bandwidth-bound GEMV
     hopper.setenv("ATOM_PDL_KERNELS", "all")
