@@ -26,7 +26,8 @@ Variants:
     pdl                   Fusions.pdl on: the small kernels and the latency-bound GEMVs
                           (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
                           GEMV; pdl_late: GEMVs release the next kernel after their K loop;
-                          no_pdl: Fusions.pdl off
+                          no_pdl: Fusions.pdl off; no_early_kv: under PDL paged decode
+                          loads no K / V before its wait (only the block ids)
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def _apply(name: str, pick) -> None:
         os.environ["ATOM_PDL_RELEASE"] = "end"
     elif name == "decode_merge1":
         decode_attention.MERGED_SPLIT_TILES = 1
+    elif name == "no_early_kv":
+        decode_attention.PDL_EARLY_KV = False
     elif name not in ("default", "decode_merge", "pdl", "no_pdl"):
         raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
 
@@ -84,6 +87,7 @@ def variant(name: str):
     `a+b` applies both."""
     configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
     pick, merged_tiles = decode_attention._pick_num_splits, decode_attention.MERGED_SPLIT_TILES
+    early_kv = decode_attention.PDL_EARLY_KV
     knobs = {k: os.environ.pop(k) for k in PDL_KNOBS if k in os.environ}
     try:
         for part in name.split("+"):
@@ -96,6 +100,7 @@ def variant(name: str):
         gemv_configs.GEMV_SLOWER.update(slower)
         decode_attention._pick_num_splits = pick
         decode_attention.MERGED_SPLIT_TILES = merged_tiles
+        decode_attention.PDL_EARLY_KV = early_kv
         for k in PDL_KNOBS:
             os.environ.pop(k, None)
         os.environ.update(knobs)

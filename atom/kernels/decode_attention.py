@@ -51,6 +51,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
 MERGED_SPLIT_TILES = 2  # Fusions.decode_merge: tiles per split by default
+PDL_EARLY_KV = True  # under PDL, the first tile's cached K / V loaded before the wait (A/B)
 
 
 @triton.jit(do_not_specialize=["stride_block_tables_row"])
@@ -88,6 +89,7 @@ def _paged_decode_kernel(
     MERGE_IN_KERNEL: tl.constexpr,  # splits used from the context length, merged in-kernel
     SPLIT_TOKENS: tl.constexpr,  # MERGE_IN_KERNEL: context tokens per split, at least
     PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
+    EARLY_KV: tl.constexpr = True,  # PDL: the first tile's cached K / V before the wait
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -108,7 +110,7 @@ def _paged_decode_kernel(
                 stride_cache_head, stride_scale_block, stride_scale_offset,
                 stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
                 split, num_splits, used_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True, PDL,
+                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True, PDL, EARLY_KV,
             )  # fmt: skip
     else:
         _decode_split(
@@ -118,7 +120,7 @@ def _paged_decode_kernel(
             stride_cache_head, stride_scale_block, stride_scale_offset,
             stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
             split, num_splits, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False, PDL,
+            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False, PDL, EARLY_KV,
         )  # fmt: skip
 
 
@@ -133,7 +135,7 @@ def _decode_split(
     GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_KV: tl.constexpr,
 ):  # fmt: skip
     # Split `split` of `used_splits`: its share of the context, in whole tiles; empty when
     # context_len == 0. Partial results are laid out by the grid's num_splits.
@@ -153,6 +155,18 @@ def _decode_split(
     block_table_row = block_tables_ptr + batch_idx * stride_block_tables_row
     first = start + offs_n
     block_id = tl.load(block_table_row + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+    if PDL > 0 and EARLY_KV:
+        # Under PDL the first tile's K and V too, but for this step's token (the context's
+        # last): earlier steps cached them, the previous kernel writes only that one.
+        early = (first < end) & (first < context_len - 1)
+        first_offs = (
+            block_id * stride_cache_block
+            + (first % BLOCK_SIZE) * stride_cache_offset
+            + kv_head * stride_cache_head
+        )
+        early_mask = early[:, None] & d_mask[None, :]
+        k_early = tl.load(k_cache_ptr + first_offs[:, None] + offs_d[None, :], mask=early_mask, other=0.0)  # fmt: skip
+        v_early = tl.load(v_cache_ptr + first_offs[:, None] + offs_d[None, :], mask=early_mask, other=0.0)  # fmt: skip
     pdl_wait_and_release(PDL)
 
     q_ptrs = q_ptr + batch_idx * stride_q_batch + q_head[:, None] * stride_q_head + offs_d[None, :]
@@ -174,8 +188,14 @@ def _decode_split(
             + kv_head * stride_cache_head
         )
         kv_mask = n_mask[:, None] & d_mask[None, :]
+        if PDL > 0 and EARLY_KV:  # the first tile: only the rows not loaded before the wait
+            late = ((pos >= start + BLOCK_N) | (pos >= context_len - 1))[:, None]
+            kv_mask = kv_mask & late
         k = tl.load(k_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + token_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if PDL > 0 and EARLY_KV:
+            k = tl.where(late, k, k_early)
+            v = tl.where(late, v, v_early)
         next_pos = pos + BLOCK_N  # the next tile's block ids, one tile ahead
         next_block_id = tl.load(
             block_table_row + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0
@@ -434,6 +454,7 @@ def paged_decode_attention(
         MERGE_IN_KERNEL=merge_in_kernel and split,
         SPLIT_TOKENS=split_tokens,
         PDL=pdl,
+        EARLY_KV=PDL_EARLY_KV,
         **launch,
     )
     if split and not merge_in_kernel:

@@ -77,8 +77,11 @@ LATENCY_BOUND_BYTES = 4 << 20
 def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     """(the PDL constexpr, extra launch options) for a kernel launched on ``tensor``'s
     device in the current forward context. Never decided by a runtime length (the rows of
-    a step): the PDL constexpr would then compile a second variant. ``weight_bytes``: what a GEMV reads of its
-    weight (0 for the kernels of few programs: attention, merge, norm). Measurement knobs
+    a step): the PDL constexpr would then compile a second variant. ``weight_bytes``: what
+    a GEMV reads of its weight (0 for the kernels of few programs: attention, merge,
+    norm). The constexpr: 0 off, 1 the next kernel may launch at once, 2 after a GEMV's K
+    loop, EMULATED (tests only: the PDL code paths without the launch intrinsics, which the
+    Triton interpreter lacks). Measurement knobs
     (A/B, docs): ATOM_PDL_KERNELS=latency (default: the small kernels and the GEMVs under
     LATENCY_BOUND_BYTES) | small (no GEMV) | all; ATOM_PDL_RELEASE=start|end (when a GEMV
     lets the next kernel launch)."""
@@ -96,13 +99,16 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     return 2 if late else 1, {"launch_pdl": True}
 
 
+EMULATED = 3  # the kernels' PDL code paths (loads before the wait), no intrinsics: tests
+
+
 @triton.jit
 def pdl_wait_and_release(PDL: tl.constexpr):
     """With PDL: let the next kernel launch (mode 1; mode 2 at ``pdl_release``), then
     wait for the previous one to finish."""
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
-    if PDL > 0:
+    if PDL == 1 or PDL == 2:
         tl.extra.cuda.gdc_wait()
 
 

@@ -1,5 +1,6 @@
-"""Which launches take programmatic dependent launch (atom/kernels/pdl.py ``pdl_launch``):
-the rules a CPU can check (the device's support is faked; the GPU tests run the kernels)."""
+"""Programmatic dependent launch (atom/kernels/pdl.py): which launches take it (the rules
+of ``pdl_launch``, the device's support faked) and the kernels' PDL code paths under the
+interpreter (the GPU tests run them with the real launch; PDL is on by default there)."""
 
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from atom.kernels import pdl
+from tests.kernels import test_decode_attention, test_gemv, test_gemv_rope_kv
 
 ON = (1, {"launch_pdl": True})
 
@@ -59,3 +61,37 @@ def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
     assert pdl.pdl_launch(_on_cuda(1)) == ON
     hopper.setattr(pdl, "pdl_supported", lambda device: False)  # before Hopper
     assert pdl.pdl_launch(_on_cuda(1)) == (0, {})
+
+
+# The kernels' PDL code paths (the one-row GEMV's first weight chunk, paged decode's block
+# ids and K / V of its first tile, all loaded before the wait; the last token's K / V after
+# it) against the same references as without PDL, under the interpreter: EMULATED runs
+# those paths without the launch intrinsics, which the interpreter lacks.
+@pytest.fixture
+def emulated(monkeypatch):
+    from atom.kernels import decode_attention, gemv, rmsnorm
+
+    for module in (decode_attention, gemv, rmsnorm):
+        monkeypatch.setattr(module, "pdl_launch", lambda *_, **__: (pdl.EMULATED, {}))
+
+
+@pytest.mark.parametrize("in_features, out_features, config", test_gemv.ROW_CASES)
+def test_one_row_gemv_pdl_paths(emulated, in_features, out_features, config):
+    test_gemv.test_one_row_gemv_matches_linear(
+        in_features, out_features, config, torch.float32, test_gemv.DEVICE
+    )
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("block_n", [1, 8])
+def test_gemv_rope_kv_pdl_paths(emulated, norm, block_n):
+    test_gemv_rope_kv.test_equals_gemv_then_rotary_kv_write(torch.float32, norm, block_n)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("case", test_decode_attention.CASES)
+def test_paged_decode_pdl_paths(emulated, case, num_splits, kv_cache_dtype):
+    test_decode_attention.test_decode_matches_reference(
+        *case, torch.float32, test_decode_attention.DEVICE, num_splits, kv_cache_dtype
+    )
