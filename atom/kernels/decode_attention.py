@@ -38,7 +38,7 @@ import torch
 
 from atom.kernels import dot_precision, use_triton
 from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
-from atom.kernels.pdl import pdl_launch, pdl_wait_and_release
+from atom.kernels.pdl import last_launch_released_early, pdl_launch, pdl_wait_and_release
 
 try:
     import triton
@@ -51,7 +51,9 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
 MERGED_SPLIT_TILES = 2  # Fusions.decode_merge: tiles per split by default
-PDL_EARLY_KV = True  # under PDL, the first tile's cached K / V loaded before the wait (A/B)
+# under PDL, the first tile's cached K / V loaded before the wait, behind a kernel that
+# released early (pdl.last_launch_released_early); False: the A/B's no_early_kv
+PDL_EARLY_KV = True
 
 
 @triton.jit(do_not_specialize=["stride_block_tables_row"])
@@ -419,6 +421,8 @@ def paged_decode_attention(
         partial_lse = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
         partial_out = q.new_empty((*partial_lse.shape, head_dim), dtype=torch.float32)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # cached K / V before the wait only behind a kernel that lets this one start early
+    early_kv = PDL_EARLY_KV and last_launch_released_early()
     pdl, launch = pdl_launch(q)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -454,7 +458,7 @@ def paged_decode_attention(
         MERGE_IN_KERNEL=merge_in_kernel and split,
         SPLIT_TOKENS=split_tokens,
         PDL=pdl,
-        EARLY_KV=PDL_EARLY_KV,
+        EARLY_KV=early_kv,
         **launch,
     )
     if split and not merge_in_kernel:

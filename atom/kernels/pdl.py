@@ -74,6 +74,19 @@ def pdl_supported(device: torch.device) -> bool:
 LATENCY_BOUND_BYTES = 4 << 20
 
 
+_last = {"early": False}  # whether the last launch through pdl_launch released at once
+
+
+def last_launch_released_early() -> bool:
+    """Whether the kernel last launched through ``pdl_launch`` (on this process's one
+    launching thread) lets the next kernel start at once: paged decode then loads cached
+    K / V before its wait, which overlaps only a predecessor that releases early (the
+    1B's qkv GEMV, outside the chain, gains nothing from it and lost 1% on the H200).
+    A stale answer (a kernel launched otherwise in between) costs speed, never
+    correctness: what is loaded before the wait is never written by the forward."""
+    return _last["early"]
+
+
 def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     """(the PDL constexpr, extra launch options) for a kernel launched on ``tensor``'s
     device in the current forward context. Never decided by a runtime length (the rows of
@@ -85,6 +98,13 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     (A/B, docs): ATOM_PDL_KERNELS=latency (default: the small kernels and the GEMVs under
     LATENCY_BOUND_BYTES) | small (no GEMV) | all; ATOM_PDL_RELEASE=start|end (when a GEMV
     lets the next kernel launch)."""
+    mode, options = _pdl_launch(tensor, weight_bytes)
+    _last["early"] = mode == 1
+    return mode, options
+
+
+def _pdl_launch(tensor: torch.Tensor, weight_bytes: int) -> tuple[int, dict]:
+    """``pdl_launch`` without the bookkeeping."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
     if not current_fusions().pdl or not pdl_supported(tensor.device):

@@ -46,6 +46,20 @@ def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
     assert pdl.pdl_launch(_on_cuda(1)) == ON  # only a GEMV releases late
 
 
+def test_the_last_launch_says_whether_it_released_early(hopper):
+    """Paged decode loads cached K / V before its wait only behind a kernel that lets it
+    start early (a PDL launch releasing at once), not behind a GEMV outside the chain."""
+    pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)
+    assert pdl.last_launch_released_early()
+    pdl.pdl_launch(_on_cuda(1), 2048 * 3072 * 2)  # bandwidth-bound: plain launch
+    assert not pdl.last_launch_released_early()
+    hopper.setenv("ATOM_PDL_RELEASE", "end")
+    pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)  # releases after its K loop
+    assert not pdl.last_launch_released_early()
+    pdl.pdl_launch(_on_cuda(1))
+    assert pdl.last_launch_released_early()
+
+
 def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
     from atom.fusions import Fusions
     from atom.forward_context import current_fusions
@@ -73,6 +87,8 @@ def emulated(monkeypatch):
 
     for module in (decode_attention, gemv, rmsnorm):
         monkeypatch.setattr(module, "pdl_launch", lambda *_, **__: (pdl.EMULATED, {}))
+    # paged decode as behind a kernel that released early: its K / V before the wait too
+    monkeypatch.setattr(decode_attention, "last_launch_released_early", lambda: True)
 
 
 @pytest.mark.parametrize("in_features, out_features, config", test_gemv.ROW_CASES)
