@@ -29,6 +29,12 @@ context in tiles of BLOCK_N tokens gathered through the block table, and keeps a
 softmax in fp32. With several splits (long contexts, small batches) a second kernel merges
 the partial results by their log-sum-exp.
 
+Under programmatic dependent launch (atom/kernels/pdl.py) a program reads its context
+length and first tile's block ids before it waits for the kernel before it and, behind a
+kernel that released it early (``last_launch_released_early``: the SmolLM2-135M shape's
+qkv GEMV), the first tile's cached K and V too: all but this step's token, the only one
+the previous kernel writes, which it loads after the wait.
+
 fp8 cache: K and V tiles are loaded as e4m3 and widened to q's dtype (exact), the scales
 are applied outside the dots: scores column n is multiplied by k_scale[n], and the softmax
 weights by v_scale[n] before the P @ V product (the normaliser uses the unscaled weights).

@@ -44,6 +44,12 @@ W (w * x) / rms = W rms_norm(x). So the normalised row is never rounded to x's d
 rounding the unfused path has (bf16: within its tolerance); each program still reads x
 once, from L1/L2, as without the norm.
 
+Under programmatic dependent launch (``PDL``, atom/kernels/pdl.py: the GEMVs of under 4 MB
+of weight, which latency bounds) the program loads its first weight chunk, then waits for
+the kernel before it, then reads x: the weight is never written by a forward, so its load
+overlaps the previous kernel's tail (SmolLM2-135M's batch-1 graph 572 -> 469 us on the
+H200 with the other kernels' PDL; docs/benchmarks.md, "Fourth pass").
+
 Runtime lengths: none (one row). Geometry: in/out features (plain arguments: Triton
 specializes them by divisibility by 16 only, which keeps the masked loads vectorised, so
 one compiled variant per configuration serves every layer shape), and as constexprs the
