@@ -74,16 +74,18 @@ def pdl_supported(device: torch.device) -> bool:
 LATENCY_BOUND_BYTES = 4 << 20
 
 
-_last = {"early": False}  # whether the last launch through pdl_launch released at once
+_last = {"early": False}  # whether the last launch through pdl_launch was an early GEMV
 
 
 def last_launch_released_early() -> bool:
     """Whether the kernel last launched through ``pdl_launch`` (on this process's one
-    launching thread) lets the next kernel start at once: paged decode then loads cached
-    K / V before its wait, which overlaps only a predecessor that releases early (the
-    1B's qkv GEMV, outside the chain, gains nothing from it and lost 1% on the H200).
-    A stale answer (a kernel launched otherwise in between) costs speed, never
-    correctness: what is loaded before the wait is never written by the forward."""
+    launching thread) is a GEMV that lets the next kernel start at once: paged decode then
+    loads cached K / V before its wait, which overlaps only such a predecessor (the qkv
+    GEMV of the SmolLM2 shape; the 1B's, outside the chain, gains nothing from it and lost
+    1% on the H200). The small kernels (norm, attention, merge) answer False: what comes
+    after them in a layer is a projection, not paged decode. A stale answer (a kernel
+    launched otherwise in between) costs speed, never correctness: what is loaded before
+    the wait is never written by the forward."""
     return _last["early"]
 
 
@@ -99,7 +101,7 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     LATENCY_BOUND_BYTES) | small (no GEMV) | all; ATOM_PDL_RELEASE=start|end (when a GEMV
     lets the next kernel launch)."""
     mode, options = _pdl_launch(tensor, weight_bytes)
-    _last["early"] = mode == 1
+    _last["early"] = mode == 1 and weight_bytes > 0
     return mode, options
 
 

@@ -47,17 +47,19 @@ def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
 
 
 def test_the_last_launch_says_whether_it_released_early(hopper):
-    """Paged decode loads cached K / V before its wait only behind a kernel that lets it
-    start early (a PDL launch releasing at once), not behind a GEMV outside the chain."""
+    """Paged decode loads cached K / V before its wait only behind a GEMV that lets it
+    start early (a PDL launch releasing at once), not behind one outside the chain, one
+    releasing late, or a small kernel (a norm: a projection follows it, not decode)."""
     pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)
     assert pdl.last_launch_released_early()
     pdl.pdl_launch(_on_cuda(1), 2048 * 3072 * 2)  # bandwidth-bound: plain launch
     assert not pdl.last_launch_released_early()
+    pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)
+    pdl.pdl_launch(_on_cuda(1))  # a norm, attention or merge kernel
+    assert not pdl.last_launch_released_early()
     hopper.setenv("ATOM_PDL_RELEASE", "end")
     pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)  # releases after its K loop
     assert not pdl.last_launch_released_early()
-    pdl.pdl_launch(_on_cuda(1))
-    assert pdl.last_launch_released_early()
 
 
 def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
