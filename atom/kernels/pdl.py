@@ -57,14 +57,22 @@ _SUPPORTED: dict[torch.device, bool] = {}
 
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on this CUDA device can use PDL: an NVIDIA GPU of compute
-    capability 9.0 or newer (Hopper) and a Triton with the ``gdc_*`` intrinsics."""
+    capability 9.0 or newer (Hopper) and a Triton with the ``gdc_*`` intrinsics and the
+    ``launch_pdl`` launch option."""
     if device not in _SUPPORTED:
         cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            has_option = "launch_pdl" in CUDAOptions.__dataclass_fields__
+        except (ImportError, AttributeError):
+            has_option = False
         _SUPPORTED[device] = (
             torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9
+            and has_option
             and hasattr(cuda, "gdc_wait")
             and hasattr(cuda, "gdc_launch_dependents")
+            and torch.cuda.get_device_capability(device)[0] >= 9
         )
     return _SUPPORTED[device]
 
