@@ -163,17 +163,17 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
         entry[0] += count
         entry[1] += us
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    return dict(
+    record = dict(
         kernels_per_step=round(kernels / steps, 1),
         copies_per_step=round(copies / steps, 1),
         gpu_us_per_step=round(total_us / steps, 1),  # the sum, where there is no timeline
         kernel_sum_us_per_step=round(total_us / steps, 1),
-    ) | timeline | dict(
-        top_kernels=[
-            [name[:90], round(count / steps, 1), round(us / steps, 1)]
-            for name, (count, us) in ranked
-        ],
     )
+    record.update(timeline)  # gpu_us_per_step: the busy time
+    record["top_kernels"] = [
+        [name[:90], round(count / steps, 1), round(us / steps, 1)] for name, (count, us) in ranked
+    ]
+    return record
 
 
 def build_engine(model_dir: str, args, fusions: Fusions):

@@ -162,7 +162,9 @@ def _decode_split(
     # before the PDL wait: what the previous kernel writes (q, this token's K / V) after.
     block_table_row = block_tables_ptr + batch_idx * stride_block_tables_row
     first = start + offs_n
-    block_id = tl.load(block_table_row + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+    block_id = tl.load(block_table_row + first // BLOCK_SIZE, mask=first < end, other=0).to(
+        tl.int64
+    )
     if PDL > 0 and EARLY_KV:
         # Under PDL the first tile's K and V too, but for this step's token (the context's
         # last): earlier steps cached them, the previous kernel writes only that one.

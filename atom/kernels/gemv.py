@@ -118,10 +118,14 @@ def _weight_chunk(
     TWO_ROWS). The weight is read once: it may leave L2 first (x and the next layer's stay)."""
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w_mask = n_mask[:, None] & (offs_k < in_features)[None, :]
-    gate = tl.load(gate_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    gate = tl.load(
+        gate_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
+    )
     up = gate
     if TWO_ROWS:
-        up = tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        up = tl.load(
+            up_rows + offs_k[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first"
+        )
     return gate, up
 
 
@@ -181,7 +185,9 @@ def _gemv_row_kernel(
     if PDL > 0:
         # No kernel writes the weight: its first chunk is loaded while the previous
         # kernel still runs, then the program waits, and x's first chunk completes it.
-        gate, up = _weight_chunk(gate_rows, up_rows, 0, in_features, n_mask, SILU_MUL or ROPE_KV, BLOCK_K)
+        gate, up = _weight_chunk(
+            gate_rows, up_rows, 0, in_features, n_mask, SILU_MUL or ROPE_KV, BLOCK_K
+        )
         pdl_wait_and_release(PDL)
         x, sum_squares = _x_chunk(
             x_ptr, residual_ptr, norm_weight_ptr, residual_out_ptr, 0, in_features,

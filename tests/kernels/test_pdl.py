@@ -63,8 +63,8 @@ def test_the_last_launch_says_whether_it_released_early(hopper):
 
 
 def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
-    from atom.fusions import Fusions
     from atom.forward_context import current_fusions
+    from atom.fusions import Fusions
 
     assert current_fusions().pdl  # on by default
     assert pdl.pdl_launch(torch.empty(1, 64)) == (0, {})  # a CPU tensor
