@@ -36,7 +36,11 @@ from atom.kernels.rotary_kv import rotary_kv_write
 
 
 class MHAAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, early_kv=False
+    ):
+        """``early_kv``: paged decode loads cached K / V before its PDL wait (a layer whose
+        qkv projection is latency-bound, ``pdl.latency_bound``; paged_decode_attention)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -46,6 +50,7 @@ class MHAAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.early_kv = early_kv
         # Bound by the ModelRunner once the cache is allocated.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -116,6 +121,7 @@ class MHAAttention(nn.Module):
             else:
                 decode = paged_decode_attention
                 kv_scales["merge_in_kernel"] = fusions.decode_merge
+                kv_scales["early_kv"] = self.early_kv
             out = decode(
                 q,
                 self.k_cache,

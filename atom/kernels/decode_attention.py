@@ -30,10 +30,10 @@ softmax in fp32. With several splits (long contexts, small batches) a second ker
 the partial results by their log-sum-exp.
 
 Under programmatic dependent launch (atom/kernels/pdl.py) a program reads its context
-length and first tile's block ids before it waits for the kernel before it and, behind a
-kernel that released it early (``last_launch_released_early``: the SmolLM2-135M shape's
-qkv GEMV), the first tile's cached K and V too: all but this step's token, the only one
-the previous kernel writes, which it loads after the wait.
+length and first tile's block ids before it waits for the kernel before it and, with
+``early_kv`` (a layer whose qkv projection is a latency-bound GEMV, which lets paged decode
+start early at batch 1: the SmolLM2-135M shape's), the first tile's cached K and V too:
+all but this step's token, the only one the previous kernel writes, loaded after the wait.
 
 fp8 cache: K and V tiles are loaded as e4m3 and widened to q's dtype (exact), the scales
 are applied outside the dots: scores column n is multiplied by k_scale[n], and the softmax
@@ -44,7 +44,7 @@ import torch
 
 from atom.kernels import dot_precision, use_triton
 from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
-from atom.kernels.pdl import last_launch_released_early, pdl_launch, pdl_wait_and_release
+from atom.kernels.pdl import pdl_launch, pdl_wait_and_release
 
 try:
     import triton
@@ -57,8 +57,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
 MERGED_SPLIT_TILES = 2  # Fusions.decode_merge: tiles per split by default
-# under PDL, the first tile's cached K / V loaded before the wait, behind a kernel that
-# released early (pdl.last_launch_released_early); False: the A/B's no_early_kv
+# False: no cached K / V before the PDL wait, whatever early_kv says (the A/B's no_early_kv)
 PDL_EARLY_KV = True
 
 
@@ -370,6 +369,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     merge_in_kernel: bool = False,
     split_tokens: int | None = None,
+    early_kv: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; returns ``out``.
 
@@ -386,6 +386,11 @@ def paged_decode_attention(
     on the device, so a CUDA graph replays it right for any length), and the last of its
     splits to finish merges them: one kernel, no merge launch, a single pass for a short
     context. Without it every row uses ``num_splits`` and a second kernel merges.
+
+    ``early_kv``: under PDL, load the first tile's cached K / V before waiting for the
+    previous kernel. It pays behind a kernel that lets this one start early (a latency-bound
+    qkv GEMV at batch 1, ``pdl.latency_bound``), and cost the 1B shape 1% behind one that
+    does not; a constant of the layer, never of the step (a constexpr: one variant).
     """
     if not use_triton(q):
         return paged_decode_attention_reference(
@@ -429,8 +434,6 @@ def paged_decode_attention(
         partial_lse = q.new_empty((batch, num_q_heads, num_splits), dtype=torch.float32)
         partial_out = q.new_empty((*partial_lse.shape, head_dim), dtype=torch.float32)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # cached K / V before the wait only behind a kernel that lets this one start early
-    early_kv = PDL_EARLY_KV and last_launch_released_early()
     pdl, launch = pdl_launch(q)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -466,7 +469,7 @@ def paged_decode_attention(
         MERGE_IN_KERNEL=merge_in_kernel and split,
         SPLIT_TOKENS=split_tokens,
         PDL=pdl,
-        EARLY_KV=early_kv,
+        EARLY_KV=PDL_EARLY_KV and early_kv,
         **launch,
     )
     if split and not merge_in_kernel:

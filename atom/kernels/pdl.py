@@ -82,19 +82,11 @@ def pdl_supported(device: torch.device) -> bool:
 LATENCY_BOUND_BYTES = 4 << 20
 
 
-_last = {"early": False}  # whether the last launch through pdl_launch was an early GEMV
-
-
-def last_launch_released_early() -> bool:
-    """Whether the kernel last launched through ``pdl_launch`` (on this process's one
-    launching thread) is a GEMV that lets the next kernel start at once: paged decode then
-    loads cached K / V before its wait, which overlaps only such a predecessor (the qkv
-    GEMV of the SmolLM2 shape; the 1B's, outside the chain, gains nothing from it and lost
-    1% on the H200). The small kernels (norm, attention, merge) answer False: what comes
-    after them in a layer is a projection, not paged decode. A stale answer (a kernel
-    launched otherwise in between) costs speed, never correctness: what is loaded before
-    the wait is never written by the forward."""
-    return _last["early"]
+def latency_bound(weight: torch.Tensor) -> bool:
+    """Whether a one-row GEMV over ``weight`` is bound by latency (LATENCY_BOUND_BYTES):
+    it then takes part in PDL, and paged decode after a qkv projection of that size loads
+    cached K / V before its wait (``paged_decode_attention(early_kv=...)``)."""
+    return weight.numel() * weight.element_size() <= LATENCY_BOUND_BYTES
 
 
 def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
@@ -104,17 +96,9 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     a GEMV reads of its weight (0 for the kernels of few programs: attention, merge,
     norm). The constexpr: 0 off, 1 the next kernel may launch at once, 2 after a GEMV's K
     loop, EMULATED (tests only: the PDL code paths without the launch intrinsics, which the
-    Triton interpreter lacks). Measurement knobs
-    (A/B, docs): ATOM_PDL_KERNELS=latency (default: the small kernels and the GEMVs under
-    LATENCY_BOUND_BYTES) | small (no GEMV) | all; ATOM_PDL_RELEASE=start|end (when a GEMV
-    lets the next kernel launch)."""
-    mode, options = _pdl_launch(tensor, weight_bytes)
-    _last["early"] = mode == 1 and weight_bytes > 0
-    return mode, options
-
-
-def _pdl_launch(tensor: torch.Tensor, weight_bytes: int) -> tuple[int, dict]:
-    """``pdl_launch`` without the bookkeeping."""
+    Triton interpreter lacks). Measurement knobs (A/B, docs): ATOM_PDL_KERNELS=latency
+    (default: the small kernels and the GEMVs under LATENCY_BOUND_BYTES) | small (no GEMV)
+    | all; ATOM_PDL_RELEASE=start|end (when a GEMV lets the next kernel launch)."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
     if not current_fusions().pdl or not pdl_supported(tensor.device):

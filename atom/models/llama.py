@@ -20,6 +20,7 @@ from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, st
 from atom.forward_context import current_fusions
 from atom.kernels.gemv import gemv_rms_norm, gemv_silu_and_mul, gemv_wins
 from atom.kernels.gemv_rope_kv import gemv_rope_kv
+from atom.kernels.pdl import latency_bound
 from atom.models.layers import (
     DecoderStack,
     MissingLayer,
@@ -69,9 +70,12 @@ class LlamaAttention(nn.Module):
         self.rotary = RotaryEmbedding(
             self.head_dim, max_position, theta, scaling, config.max_position_embeddings
         )
+        # a latency-bound qkv GEMV lets paged decode start early under PDL (batch 1): its
+        # cached K / V are then loaded before the wait (atom/kernels/decode_attention.py)
         self.attn = MHAAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
-        )
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            early_kv=latency_bound(self.qkv_proj.weight),
+        )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden))

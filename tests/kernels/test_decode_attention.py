@@ -46,6 +46,18 @@ def test_decode_matches_reference(
     num_splits,
     kv_cache_dtype,
 ):
+    check_decode(
+        context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
+        num_splits, kv_cache_dtype,
+    )  # fmt: skip
+
+
+def check_decode(
+    context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
+    num_splits, kv_cache_dtype, **options,
+):  # fmt: skip
+    """The kernel (``options``: paged_decode_attention's) against the reference; padding
+    rows give zeros."""
     batch = len(context_lens)
     k_cache, v_cache, block_tables, _, _ = make_paged_kv(
         context_lens, num_kv_heads, head_dim, block_size, dtype, device, capacity=batch + 2
@@ -62,7 +74,7 @@ def test_decode_matches_reference(
 
     expected = paged_decode_attention_reference(*args, **kv_scales)
     out = torch.full_like(q, float("nan"))  # every element must be written
-    result = paged_decode_attention(*args, out=out, num_splits=num_splits, **kv_scales)
+    result = paged_decode_attention(*args, out=out, num_splits=num_splits, **kv_scales, **options)
     assert result is out and out.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)

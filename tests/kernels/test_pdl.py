@@ -46,20 +46,34 @@ def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
     assert pdl.pdl_launch(_on_cuda(1)) == ON  # only a GEMV releases late
 
 
-def test_the_last_launch_says_whether_it_released_early(hopper):
-    """Paged decode loads cached K / V before its wait only behind a GEMV that lets it
-    start early (a PDL launch releasing at once), not behind one outside the chain, one
-    releasing late, or a small kernel (a norm: a projection follows it, not decode)."""
-    pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)
-    assert pdl.last_launch_released_early()
-    pdl.pdl_launch(_on_cuda(1), 2048 * 3072 * 2)  # bandwidth-bound: plain launch
-    assert not pdl.last_launch_released_early()
-    pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)
-    pdl.pdl_launch(_on_cuda(1))  # a norm, attention or merge kernel
-    assert not pdl.last_launch_released_early()
-    hopper.setenv("ATOM_PDL_RELEASE", "end")
-    pdl.pdl_launch(_on_cuda(1), 576 * 960 * 2)  # releases after its K loop
-    assert not pdl.last_launch_released_early()
+def test_latency_bound_weights_and_the_llama_layers_that_load_kv_early():
+    """A GEMV over at most 4 MB of weight is latency-bound (PDL on, and paged decode after
+    such a qkv projection loads cached K / V before its wait); the Llama layers of the
+    SmolLM2-135M shape qualify, those of the 1B shape do not."""
+    from atom.distributed import TensorParallelGroup
+    from atom.models.llama import LlamaAttention
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    assert pdl.latency_bound(torch.empty(960, 576, **meta))  # SmolLM2 qkv, 1.1 MB
+    assert not pdl.latency_bound(torch.empty(3072, 2048, **meta))  # 1B qkv, 12.6 MB
+    assert pdl.latency_bound(torch.empty(1024, 2048, **meta))  # exactly 4 MB
+    assert not pdl.latency_bound(torch.empty(1024, 2048, device="meta"))  # fp32: 8 MB
+
+    def layer(hidden, heads, kv_heads):
+        config = SimpleNamespace(
+            hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=64, model_type="llama", max_position_embeddings=256, rope_theta=1e4,
+        )  # fmt: skip
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("meta"):
+                return LlamaAttention(config, 256, TensorParallelGroup.single())
+        finally:
+            torch.set_default_dtype(previous)
+
+    assert layer(576, 9, 3).attn.early_kv
+    assert not layer(2048, 32, 8).attn.early_kv
 
 
 def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
@@ -89,8 +103,6 @@ def emulated(monkeypatch):
 
     for module in (decode_attention, gemv, rmsnorm):
         monkeypatch.setattr(module, "pdl_launch", lambda *_, **__: (pdl.EMULATED, {}))
-    # paged decode as behind a kernel that released early: its K / V before the wait too
-    monkeypatch.setattr(decode_attention, "last_launch_released_early", lambda: True)
 
 
 @pytest.mark.parametrize("in_features, out_features, config", test_gemv.ROW_CASES)
@@ -106,10 +118,12 @@ def test_gemv_rope_kv_pdl_paths(emulated, norm, block_n):
     test_gemv_rope_kv.test_equals_gemv_then_rotary_kv_write(torch.float32, norm, block_n)
 
 
+@pytest.mark.parametrize("early_kv", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("case", test_decode_attention.CASES)
-def test_paged_decode_pdl_paths(emulated, case, num_splits, kv_cache_dtype):
-    test_decode_attention.test_decode_matches_reference(
-        *case, torch.float32, test_decode_attention.DEVICE, num_splits, kv_cache_dtype
-    )
+def test_paged_decode_pdl_paths(emulated, case, num_splits, kv_cache_dtype, early_kv):
+    test_decode_attention.check_decode(
+        *case, torch.float32, test_decode_attention.DEVICE, num_splits, kv_cache_dtype,
+        early_kv=early_kv,
+    )  # fmt: skip
