@@ -11,9 +11,11 @@ programs of the next one hold (docs/benchmarks.md, "Fourth pass").
 Each participating kernel takes a ``PDL`` constexpr and calls ``pdl_wait_and_release(PDL)``
 before its first access to anything an earlier kernel of the forward writes: it lets the
 next kernel launch, then waits for the previous one. Before the wait a kernel reads only
-what no PDL kernel writes: the weights (the one-row GEMV loads its first weight chunk
-there) and the step's metadata (paged decode loads its context length and first block ids
-there), published before the forward's first kernel. Since a PDL kernel may start as soon
+what no kernel of the forward writes: the weights (the one-row GEMV loads its first
+weight chunk there), the step's metadata, published before the forward's first kernel
+(paged decode loads its context length and first block ids there), and the KV cache of
+earlier steps (paged decode's first tile, in layers marked ``early_kv``; this step's token
+is written by the kernel before, so it is loaded after the wait). Since a PDL kernel may start as soon
 as the one before it has started, a chain of PDL kernels can run alongside each other back
 to the last kernel without PDL, which has finished; each still waits, so the chain's data
 stays ordered. The host side, ``pdl_launch(tensor, weight_bytes)``, gives the constexpr and
