@@ -57,8 +57,9 @@ batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 8
                                            kernels of a decode step (one-row GEMVs of under
                                            4 MB of weight, paged decode and its merge,
                                            RMSNorm): each may start while the one before it
-                                           ends, loading its weights or block ids before it
-                                           waits (atom/kernels/pdl.py; Hopper or newer).
+                                           ends, loading its weights, block ids or cached
+                                           K / V before it waits (atom/kernels/pdl.py;
+                                           Hopper or newer).
 
 The three GEMV switches run the one-row kernel of atom/kernels/gemv.py (batch-1 decode, as
 in the decode graph of batch size 1; `gemv_wins`), except for the shapes the sweep measured
