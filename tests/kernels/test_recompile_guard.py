@@ -457,12 +457,15 @@ def _block_tables(rows, context, num_blocks, block_size=16):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("early_kv", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_paged_decode_one_variant(kv_cache_dtype):
+def test_paged_decode_one_variant(kv_cache_dtype, early_kv):
     """Batch sizes (short contexts, no split) and context lengths (batch 3, split) swept:
-    the split count, the grid and the block-table width all change."""
+    the split count, the grid and the block-table width all change. ``early_kv`` (a
+    layer's constant: cached K / V before the PDL wait, PDL on by default) as well."""
     num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
     k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
+    scales = dict(scales, early_kv=early_kv)
     q = torch.randn(max(SWEEP), num_q_heads, head_dim, device=DEVICE, dtype=BF16)
     generator = _generator()
 
