@@ -23,8 +23,8 @@ Variants:
     decode_merge          Fusions.decode_merge on (the in-kernel split merge);
                           decode_merge1: with one tile per split (default 2)
     a+b                   both (e.g. pdl+decode_merge1)
-    pdl                   Fusions.pdl on: the small kernels and the latency-bound GEMVs
-                          (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
+    pdl                   Fusions.pdl on (the default): the small kernels and the
+                          latency-bound GEMVs (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
                           GEMV; pdl_late: GEMVs release the next kernel after their K loop;
                           no_pdl: Fusions.pdl off; no_early_kv: under PDL paged decode
                           loads no K / V before its wait (only the block ids)

@@ -99,9 +99,10 @@ def _device_time_us(event) -> float:
 
 
 def gpu_gaps(ranges, steps: int, idle_us: float = 20.0) -> dict:
-    """The device timeline's idle time per step: gaps shorter than `idle_us` between
-    kernels (inside a graph: launch latency) and longer ones (the device waiting for the
-    host), from the profiler's [start, end] of each device event."""
+    """The device timeline per step, from the profiler's [start, end] of each device
+    event: its busy time (the union of the spans: kernels overlapping under PDL count once)
+    and its idle time, gaps shorter than `idle_us` between kernels (inside a graph: launch
+    latency) and longer ones (the device waiting for the host)."""
     spans = sorted((r.start, r.end) for r in ranges)
     if not spans:
         return {}

@@ -31,7 +31,7 @@ from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.fusions import Fusions
-from atom.kernels.scatter import fill_placeholders
+from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
@@ -394,7 +394,7 @@ class ModelRunner:
                 if input_ids.is_cuda:  # one kernel: input_ids[dst] = previous[src]
                     fill_placeholders(input_ids, dst, src, previous)
                 else:
-                    input_ids[dst] = previous[src]
+                    fill_placeholders_reference(input_ids, dst, src, previous)
             if batch.device_drafts is not None:
                 fill_device_drafts(input_ids, drafts, batch.device_drafts, step.num_seqs)
             greedy_tokens = None

@@ -2,8 +2,6 @@
 greedy tokens within bf16 tolerance of HF, and the same tokens as with every fusion off in
 fp32 (CUDA graphs on, contexts long enough for several decode splits)."""
 
-import dataclasses
-
 import pytest
 
 from atom.fusions import Fusions, names
@@ -33,7 +31,7 @@ def test_all_fusions_bf16_greedy_within_tolerance_of_hf(tiny_model_dirs, kind):
     "kv_cache_dtype, fusions",
     [
         ("auto", ALL),
-        ("auto", dataclasses.replace(Fusions(), pdl=True)),  # the defaults with PDL
+        ("auto", Fusions()),  # the defaults (PDL on since the fourth pass)
         ("fp8", Fusions.only("rope_kv_write", "decode_merge", "greedy_argmax")),
         ("fp8", Fusions.only("decode_short")),  # batch <= 4 graphs; 8 keeps the plain decode
     ],
