@@ -42,7 +42,7 @@ from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
-from atom.model_engine.step_handle import StepHandle
+from atom.model_engine.step_handle import HostTokenPool, StepHandle
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class ModelRunner:
         )
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
+        # pinned memory and events the steps' tokens come back through (reused)
+        self._host_tokens = HostTokenPool(self.device) if self.device.type == "cuda" else None
         self.graphs: list[DecodeGraphs] | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
@@ -302,7 +304,7 @@ class ModelRunner:
                 return StepHandle(None, None)  # rank 0 alone answers the engine
             sampled = self._share_sampled(sampled)
         self._last_sampled = sampled
-        return StepHandle.of(sampled, logprobs)
+        return StepHandle.of(sampled, logprobs, self._host_tokens)
 
     @property
     def answers_engine(self) -> bool:
@@ -335,7 +337,7 @@ class ModelRunner:
         if sampled is None or (not self.answers_engine and not self.config.async_scheduling):
             return StepHandle(None, None)
         self._last_sampled = sampled
-        return StepHandle.of(sampled)
+        return StepHandle.of(sampled, pool=self._host_tokens)
 
     def _forward(self, input_ids, positions, num_tokens: int) -> torch.Tensor | None:
         """The model's hidden states; under pipeline parallelism this stage's layers, fed
@@ -391,7 +393,11 @@ class ModelRunner:
         with profiling.stage("forward"):
             if placeholders is not None and (self.pp is None or self.pp.is_first):
                 dst, src = placeholders
-                if input_ids.is_cuda:  # one kernel: input_ids[dst] = previous[src]
+                if dst is None:  # in place: input_ids[:n] = previous[:n], one device copy
+                    assert previous.dim() == 1, "one token per sampled row"
+                    n = step.num_placeholders
+                    input_ids[:n].copy_(previous[:n])
+                elif input_ids.is_cuda:  # one kernel: input_ids[dst] = previous[src]
                     fill_placeholders(input_ids, dst, src, previous)
                 else:
                     fill_placeholders_reference(input_ids, dst, src, previous)

@@ -49,6 +49,8 @@ class PreparedStep:
     needs_top_p: bool
     gathers_logits: bool  # only some rows' hidden states reach the LM head
     num_placeholders: int  # input tokens still on the device (filled from the last step)
+    # ...and they are input rows [0, n), taking sampled rows [0, n) of the last step
+    placeholders_in_place: bool = False
     # Speculative verification: logits rows of the step (a drafting sequence has one per
     # draft plus one); `draft_token_ids` holds each row's draft (-1: none). 0 = no drafts.
     num_verify_rows: int = 0
@@ -192,11 +194,18 @@ class RunnerSlot:
             for row, seq in enumerate(seqs)
             if seq.pending_token is not None
         ]
+        placeholders_in_place = False
         if placeholders:
             rows_, src = zip(*placeholders, strict=True)
             n = len(rows_)
-            stage(self.placeholder_dst, n)[:] = cu[1:][list(rows_)] - 1
-            stage(self.placeholder_src, n)[:] = src
+            dst = cu[1:][list(rows_)] - 1
+            # Steady decode: placeholder k is token k (rows 0..n-1, increasing, of one
+            # token each) and takes token k of the last step. The fill is then one device
+            # copy of a prefix, and the (dst, src) pairs need no upload.
+            placeholders_in_place = rows_[-1] == n - 1 and dst[-1] == n - 1 and src == rows_
+            if not placeholders_in_place:
+                stage(self.placeholder_dst, n)[:] = dst
+                stage(self.placeholder_src, n)[:] = src
             np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
         elif batch.device_drafts is not None:  # drafts filled on the device
             np.maximum(ids, 0, out=ids)
@@ -255,6 +264,7 @@ class RunnerSlot:
             needs_top_p=needs_top_p,
             gathers_logits=gathers_logits,
             num_placeholders=len(placeholders),
+            placeholders_in_place=placeholders_in_place,
             num_verify_rows=num_verify_rows,
             sampling_plan=plan,
         )
@@ -337,9 +347,12 @@ class RunnerSlot:
         return input_ids, positions, metadata
 
     def publish_placeholders(self, step: PreparedStep):
-        """(dst, src) device index tensors of the placeholder fix-ups, or None."""
+        """(dst, src) device index tensors of the placeholder fix-ups, (None, None) when
+        they are in place (input_ids[:n] = the last step's tokens[:n]), or None."""
         if not step.num_placeholders:
             return None
+        if step.placeholders_in_place:
+            return None, None
         n = step.num_placeholders
         with profiling.stage("publish.placeholders"):
             return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)

@@ -106,3 +106,68 @@ def test_engine_host_profile_smoke(capsys):
     assert plain["phases"]["logprobs"]["ms"] == 0 < options["phases"]["logprobs"]["ms"]
     assert "extra_ms_by_phase" in records["summary"]
     assert gc.get_freeze_count() == frozen
+
+
+def test_steady_decode_fills_placeholders_in_place(tiny_model_dirs, monkeypatch):
+    """Asynchronous scheduling: a decode step whose placeholder k is token k, taking token
+    k of the last step, fills them with one prefix copy and uploads no (dst, src) pairs;
+    once a finished request shifts the rows the pairs go up again. Tokens equal those of
+    synchronous scheduling (no placeholders) either way."""
+    from atom.model_engine import runner_slot
+    from atom.sampling_params import SamplingParams
+    from tests.engine_support import build_llm, random_prompts
+
+    prompts = random_prompts(21, [6, 9, 4])
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 9, 9)]
+    sync = build_llm(tiny_model_dirs["llama"], async_scheduling=False)
+    expected = [o.token_ids for o in sync.generate(prompts, params, use_tqdm=False)]
+    steps = []
+    prepare = runner_slot.RunnerSlot._prepare
+
+    def recording(self, batch, padded_seqs):
+        step = prepare(self, batch, padded_seqs)
+        if step.num_placeholders:
+            staged = self.placeholder_dst.staged_step == self.publisher.step
+            steps.append((step.num_placeholders, step.placeholders_in_place, staged))
+        return step
+
+    monkeypatch.setattr(runner_slot.RunnerSlot, "_prepare", recording)
+    overlapped = build_llm(tiny_model_dirs["llama"], async_scheduling=True)
+    got = [o.token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    in_place = [(n, staged) for n, flag, staged in steps if flag]
+    pairs = [(n, staged) for n, flag, staged in steps if not flag]
+    # three rows decoding in place, then (request 0 done) two rows shifted by one: pairs
+    assert (3, False) in in_place and (2, False) in in_place
+    assert pairs and all(staged for _, staged in pairs)
+    assert steps.index(next(s for s in steps if not s[1])) > 0  # in place before the shift
+
+
+@pytest.mark.gpu
+def test_pooled_host_tokens_come_back_in_any_order_and_are_reused():
+    """Step handles copying into the runner's pinned pool: each returns its own step's
+    tokens (after the device has produced them), in any order and more than once; a read
+    or dropped handle gives its buffer back, and a larger step grows the one it takes."""
+    from atom.model_engine.step_handle import HostTokenPool, StepHandle
+
+    device = torch.device("cuda")
+    pool = HostTokenPool(device)
+    handles = []
+    for k in range(5):
+        torch.cuda._sleep(2_000_000)  # the tokens exist only once the device gets there
+        handles.append(StepHandle.of(torch.arange(k, k + 3, device=device) * 10, pool=pool))
+    assert handles[4].result() == [40, 50, 60]
+    assert handles[0].result() == [0, 10, 20] == handles[0].result()
+    assert len(pool._free) == 2
+    rows = StepHandle.of(torch.tensor([[7, 8], [9, 10]], device=device), pool=pool)
+    assert len(pool._free) == 1
+    assert [h.result() for h in handles[1:4]] == [[10, 20, 30], [20, 30, 40], [30, 40, 50]]
+    assert rows.result() == [[7, 8], [9, 10]]
+    unread = StepHandle.of(torch.ones(2, dtype=torch.int64, device=device), pool=pool)
+    free = len(pool._free)
+    del unread
+    assert len(pool._free) == free + 1
+    big = torch.randint(0, 50_000, (1000,), device=device)
+    assert StepHandle.of(big, pool=pool).result() == big.tolist()
+    assert StepHandle.of(big.int(), pool=pool).result() == big.tolist()  # not pooled
+    assert len(pool._free) == 5
