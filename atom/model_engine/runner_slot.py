@@ -165,21 +165,29 @@ class RunnerSlot:
         seqs = batch.seqs
         num_seqs = len(seqs)
         padded = padded_seqs or num_seqs
-        num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        decode = batch.is_decode_only  # one token a row
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, num_seqs)
-        ends = starts + num_new
-        num_tokens = int(num_new.sum())
+        if decode:  # the tokens are the rows: no per-row counts to sum
+            num_new = None
+            ends = starts + 1
+            num_tokens, max_seqlen_q = num_seqs, 1
+        else:
+            num_new = np.asarray(batch.num_new_tokens, dtype=np.int64)
+            ends = starts + num_new
+            num_tokens = int(num_new.sum())
+            max_seqlen_q = int(num_new.max())
         padded_tokens = padded_seqs or num_tokens
 
         self.page_table.sync(seqs, batch.layout, batch.grown or (), batch.step)
 
-        cu = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu[1:])
         drafts = batch.draft_token_ids  # speculative: tokens to verify after the last one
-        if batch.is_decode_only:
+        if decode:
+            cu = None  # cu_seqlens would be 0..n (built where a sampling plan needs them)
             positions = starts
             ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, num_seqs)
         else:
+            cu = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(num_new, out=cu[1:])
             stage(self.cu_seqlens_q, num_seqs + 1)[:] = cu
             positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
             pieces = (
@@ -198,7 +206,7 @@ class RunnerSlot:
         if placeholders:
             rows_, src = zip(*placeholders, strict=True)
             n = len(rows_)
-            dst = cu[1:][list(rows_)] - 1
+            dst = rows_ if decode else cu[1:][list(rows_)] - 1  # each row's last token
             # Steady decode: placeholder k is token k (rows 0..n-1, increasing, of one
             # token each) and takes token k of the last step. The fill is then one device
             # copy of a prefix, and the (dst, src) pairs need no upload.
@@ -254,7 +262,7 @@ class RunnerSlot:
             num_seqs=num_seqs,
             num_tokens=num_tokens,
             padded_seqs=padded_seqs,
-            max_seqlen_q=int(num_new.max()),
+            max_seqlen_q=max_seqlen_q,
             is_decode=batch.is_decode_only,
             sampling_seqs=sampling_seqs,
             all_greedy=all_greedy,
@@ -289,6 +297,8 @@ class RunnerSlot:
         ):
             plan = previous.again()
         else:
+            if cu is None:  # a decode step: token k is row k
+                cu = np.arange(len(batch.seqs) + 1, dtype=np.int64)
             plan = SamplingPlan.stage(self, batch, sampling_seqs, cu, ends)
         if plan is not None and batch.layout is not None and batch.step is not None:
             self._plan = plan
