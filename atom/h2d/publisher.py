@@ -43,7 +43,7 @@ HEADER_BYTES = -(-(HEADER_WORDS + 3 * MAX_SEGMENTS) * 8 // ALIGN) * ALIGN
 EVENT_RING = 4
 
 
-def _stream_id_reader(device: torch.device):
+def stream_id_reader(device: torch.device):
     """A cheap `() -> current stream id` for `device` (torch.cuda.current_stream builds a
     Python Stream object per call, which alone would eat the production check budget)."""
     get = getattr(torch._C, "_cuda_getCurrentStream", None)
@@ -67,7 +67,7 @@ class Publisher:
             if stream is not None
             else (torch.cuda.current_stream(device) if device.type == "cuda" else None)
         )
-        self._current_stream_id = _stream_id_reader(device) if self.stream is not None else None
+        self._current_stream_id = stream_id_reader(device) if self.stream is not None else None
         self._stream_id = self.stream.stream_id if self.stream is not None else None
         self._events = [TransferEvent.for_device(device) for _ in range(EVENT_RING)]
         self._next_event = 0

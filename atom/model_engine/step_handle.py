@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from atom.h2d.publisher import stream_id_reader
 from atom.model_engine.logprobs import StepLogprobs
 
 
@@ -38,15 +39,12 @@ class HostTokenPool:
 
     def __init__(self, device: torch.device):
         self._free: list[_HostTokens] = []
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
         self._stream = torch.cuda.current_stream(device)
         self._stream_id = self._stream.stream_id
-        self._device = device
-        get = getattr(torch._C, "_cuda_getCurrentStream", None)
-        index = self._stream.device_index
-        if get is not None:  # cheap: torch.cuda.current_stream builds a Stream per call
-            self._current_id = lambda: get(index)[0]
-        else:
-            self._current_id = lambda: torch.cuda.current_stream(index).stream_id
+        self._current_id = stream_id_reader(device)  # cheaper than current_stream()
 
     def copy(self, tokens: torch.Tensor) -> tuple[_HostTokens, torch.Tensor]:
         """Queue the copy of `tokens` (int64) into a free entry: (entry, its host view)."""
