@@ -7,6 +7,10 @@ one JSON body or Server-Sent Events (`data: {chunk}` lines, then `data: [DONE]`)
 Tokenization and chat templating run on worker threads, not on the event loop: a
 megabytes-long prompt takes seconds to tokenize, and /health and every open stream
 must keep answering meanwhile. A request's prompts join the engine in one command.
+
+What one request may ask is bounded (request_limits.py: prompts, prompts x n, samples
+queued server-wide, json_schema size, depth and counts, compile time), and a client that
+leaves while its request is still being prepared or admitted aborts it at once.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from starlette.background import BackgroundTask
 
 from atom.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from atom.entrypoints.generation import TextDelta, text_deltas
+from atom.entrypoints.grammar_compile import GrammarCompilePool
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.entrypoints.request_limits import AdmissionBudget, Reservation, ServerLimits
+from atom.model_engine.grammar_limits import check_schema
 from atom.model_engine.structured_output import InvalidGrammarError
 from atom.sampling_params import SamplingParams
 
@@ -46,8 +53,16 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: RequestMetrics | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        metrics: RequestMetrics | None = None,
+        limits: ServerLimits | None = None,
+    ):
         self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.admission = AdmissionBudget(self.limits.max_queued_samples)
         self.metrics = metrics
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
@@ -58,10 +73,17 @@ class OpenAIServing:
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="atom-tokenizer"
         )
+        grammar = self.limits.grammar
+        self.grammar_pool = GrammarCompilePool(grammar.compile_threads, grammar.compile_timeout_s)
+        if self.tokenizer is not None:
+            # Eagerly, off the event loop: the first structured request then finds it
+            # built (its compile queues behind this), never the engine thread.
+            self.grammar_pool.submit(self.llm.grammar_backend)
 
     def close(self) -> None:
-        """Drop queued tokenization work (the server is stopping)."""
+        """Drop queued tokenization and compile work (the server is stopping)."""
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.close()
 
     async def _off_loop(self, function: Callable, *args):
         """`function(*args)` on a tokenizer thread (the Rust tokenizer releases the GIL)."""
@@ -71,19 +93,22 @@ class OpenAIServing:
     # -- /v1/completions -------------------------------------------------------------------
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self._check_model(request.model)
+        reservation = self._reserve(len(request.prompts), request.n)
+        try:
+            response = await self._completions(request, raw, reservation)
+        except BaseException:
+            reservation.release()
+            raise
+        if not request.stream:
+            reservation.release()  # a stream gives its samples back when its body ends
+        return response
+
+    async def _completions(
+        self, request: CompletionRequest, raw: Request, reservation: Reservation
+    ) -> Response:
         stop = self._stop_strings(request)
-        prompt_ids = await self._off_loop(self._all_prompt_ids, request.prompts)
-        # echo with max_tokens 0: the prompt (and its logprobs) only; one token is
-        # generated and dropped, as vLLM does.
+        prompt_ids, _, streams = await _unless_disconnected(raw, self._prepare_completion(request))
         echo_only = request.echo and request.max_tokens == 0
-        options = dict(logprobs=request.logprobs, best_of=request.best_of)
-        if request.echo and request.logprobs is not None:
-            options["prompt_logprobs"] = request.logprobs
-        # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
-        max_tokens = 1 if echo_only else request.max_tokens
-        params = [
-            self._sampling_params(request, len(ids), max_tokens, **options) for ids in prompt_ids
-        ]
         n = request.n
         echoes = [
             self._echo_text(p, ids) if request.echo else ""
@@ -92,8 +117,6 @@ class OpenAIServing:
         ]
         echo_ids = [ids for ids in prompt_ids for _ in range(n)]
         usage = Usage(sum(len(ids) for ids in prompt_ids))
-        await self._check_grammar(params[0])
-        streams = await self._add_requests(prompt_ids, params)
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
         texts = self.token_texts
         k = request.logprobs
@@ -127,7 +150,7 @@ class OpenAIServing:
                         {**head, "object": "text_completion", "choices": [], "usage": usage.body()}
                     )
 
-            return self._event_stream(events(), streams)
+            return self._event_stream(events(), streams, reservation)
 
         results = await self._collect(streams, stop, usage, raw)
         choices = []
@@ -158,19 +181,36 @@ class OpenAIServing:
         self._check_model(request.model)
         if self.tokenizer is None:
             raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
+        reservation = self._reserve(1, request.n)
+        try:
+            response = await self._chat(request, raw, reservation)
+        except BaseException:
+            reservation.release()
+            raise
+        if not request.stream:
+            reservation.release()  # a stream gives its samples back when its body ends
+        return response
+
+    async def _chat(
+        self, request: ChatCompletionRequest, raw: Request, reservation: Reservation
+    ) -> Response:
         stop = self._stop_strings(request)
-        ids = await self._off_loop(self._render_chat, request.template_messages())
         k = request.top_logprobs or 0
-        params = self._sampling_params(
-            request,
-            len(ids),
-            request.requested_max_tokens,
-            prompt_param="messages",
-            logprobs=k if request.logprobs else None,
-        )
+
+        async def prepare():
+            ids = await self._off_loop(self._render_chat, request.template_messages())
+            params = self._sampling_params(
+                request,
+                len(ids),
+                request.requested_max_tokens,
+                prompt_param="messages",
+                logprobs=k if request.logprobs else None,
+            )
+            await self._check_grammar(params)
+            return ids, await self._add_requests([ids], [params])
+
+        ids, streams = await _unless_disconnected(raw, prepare())
         usage = Usage(len(ids))
-        await self._check_grammar(params)
-        streams = await self._add_requests([ids], [params])
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
@@ -205,7 +245,7 @@ class OpenAIServing:
                         }
                     )
 
-            return self._event_stream(events(), streams)
+            return self._event_stream(events(), streams, reservation)
 
         results = await self._collect(streams, stop, usage, raw)
         choices = [
@@ -231,6 +271,36 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+
+    def _reserve(self, prompts: int, n: int) -> Reservation:
+        """Check prompts x n against --max-samples-per-request (400) and hold them in the
+        admission budget (503 when the server already holds --max-queued-samples)."""
+        samples = prompts * n
+        limit = self.limits.max_samples_per_request
+        if samples > limit:
+            raise OpenAIError(
+                f"{prompts} prompt(s) x n={n} asks for {samples} samples; this server takes "
+                f"at most {limit} per request (--max-samples-per-request)",
+                param="n",
+            )
+        return self.admission.reserve(samples)
+
+    async def _prepare_completion(self, request: CompletionRequest):
+        """Tokenize, check and admit a completion's prompts: (prompt ids, params, choices)."""
+        prompt_ids = await self._off_loop(self._all_prompt_ids, request.prompts)
+        # echo with max_tokens 0: the prompt (and its logprobs) only; one token is
+        # generated and dropped, as vLLM does.
+        echo_only = request.echo and request.max_tokens == 0
+        options = dict(logprobs=request.logprobs, best_of=request.best_of)
+        if request.echo and request.logprobs is not None:
+            options["prompt_logprobs"] = request.logprobs
+        # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
+        max_tokens = 1 if echo_only else request.max_tokens
+        params = [
+            self._sampling_params(request, len(ids), max_tokens, **options) for ids in prompt_ids
+        ]
+        await self._check_grammar(params[0])
+        return prompt_ids, params, await self._add_requests(prompt_ids, params)
 
     def _stop_strings(self, request) -> list[str]:
         stop = request.stop_strings
@@ -299,14 +369,22 @@ class OpenAIServing:
             raise OpenAIError(str(error)) from None
 
     async def _check_grammar(self, params: SamplingParams) -> None:
-        """An invalid json_schema is a 400 before anything is queued (compiled off the
-        event loop; the engine's compile of the same schema is then a cache hit)."""
+        """An invalid json_schema, or one over the grammar limits, is a 400 before anything
+        is queued. Checked and compiled on the grammar pool, within its timeout; the
+        engine's compile of the same schema is then a hit in xgrammar's cache."""
         if not params.structured:
             return
         if self.tokenizer is None:
             raise OpenAIError("structured output needs the model's tokenizer")
+        limits = self.limits.grammar
+
+        def compile_checked():
+            if params.json_schema is not None:
+                check_schema(params.json_schema, limits)
+            return self.llm.grammar_backend().compile(params)
+
         try:
-            await asyncio.to_thread(lambda: self.llm.grammar_backend().compile(params))
+            await self.grammar_pool.run(compile_checked)
         except InvalidGrammarError as error:
             raise OpenAIError(str(error), param="response_format") from None
 
@@ -411,7 +489,9 @@ class OpenAIServing:
             for choice in streams:
                 self.engine.abort(choice.stream)
 
-    def _event_stream(self, events: AsyncIterator[str], streams) -> StreamingResponse:
+    def _event_stream(
+        self, events: AsyncIterator[str], streams, reservation: Reservation
+    ) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
             try:
                 async for event in events:
@@ -422,6 +502,8 @@ class OpenAIServing:
                 # Headers are sent: report in the stream, the trace only in the log.
                 logger.exception("a stream failed")
                 yield _sse(error_body("internal server error", SERVER_ERROR))
+            finally:
+                reservation.release()
             yield "data: [DONE]\n\n"
 
         def abort_all() -> None:
@@ -429,6 +511,7 @@ class OpenAIServing:
             # never entered, has no `finally` to run).
             for choice in streams:
                 self.engine.abort(choice.stream)
+            reservation.release()
 
         return StreamingResponse(
             body(), media_type="text/event-stream", background=BackgroundTask(abort_all)
