@@ -204,6 +204,10 @@ class AsyncEngine:
                 command, done = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if done is not None and not done.set_running_or_notify_cancel():
+                # Its caller was cancelled first (the client left during admission): the
+                # command is not run, and its future takes no result.
+                continue
             if refuse:
                 if done is not None:
                     done.set_exception(EngineDeadError("the engine is not running"))

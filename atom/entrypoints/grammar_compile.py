@@ -24,6 +24,8 @@ from atom.entrypoints.request_limits import ServerBusyError
 class GrammarCompilePool:
     def __init__(self, threads: int, timeout: float):
         self.timeout = timeout
+        self._running = 0  # compiles in progress (read by `busy`)
+        self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[Future, Callable] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"atom-grammar-{i}", daemon=True)
@@ -62,6 +64,11 @@ class GrammarCompilePool:
             future.cancel()  # the client left: drop it if it has not started
             raise
 
+    @property
+    def busy(self) -> bool:
+        """Whether a compile is running (an abandoned one included)."""
+        return self._running > 0
+
     def close(self) -> None:
         """Drop queued compiles; running ones finish on their daemon threads."""
         while True:
@@ -79,9 +86,14 @@ class GrammarCompilePool:
             future, function = job
             if not future.set_running_or_notify_cancel():
                 continue
+            with self._lock:
+                self._running += 1
             try:
                 result = function()
             except BaseException as error:  # noqa: BLE001 - handed to the awaiting request
                 future.set_exception(error)
             else:
                 future.set_result(result)
+            finally:
+                with self._lock:
+                    self._running -= 1

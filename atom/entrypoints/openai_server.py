@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -89,6 +90,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        await serving.start()
         try:
             yield
         finally:
@@ -97,6 +99,7 @@ def create_app(
 
     app = FastAPI(title="atom", lifespan=lifespan)
     app.state.engine = async_engine
+    app.state.serving = serving
     install_error_handlers(app)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     app.add_middleware(RequestLimitsContext, limits=limits)
@@ -243,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()  # tensor-parallel ranks and the rendezvous store go with it
     if server.stop_signal is not None:
         print(f"atom: shut down ({server.stop_signal})", file=sys.stderr, flush=True)
+    if app.state.serving.grammar_pool.busy:
+        # An abandoned grammar compile still runs in xgrammar's C++ on a daemon thread;
+        # interpreter teardown under it can abort the process, and it cannot be stopped.
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

@@ -75,10 +75,16 @@ class OpenAIServing:
         )
         grammar = self.limits.grammar
         self.grammar_pool = GrammarCompilePool(grammar.compile_threads, grammar.compile_timeout_s)
-        if self.tokenizer is not None:
-            # Eagerly, off the event loop: the first structured request then finds it
-            # built (its compile queues behind this), never the engine thread.
-            self.grammar_pool.submit(self.llm.grammar_backend)
+
+    async def start(self) -> None:
+        """Build the grammar backend before serving (a fraction of a second), so neither
+        a first structured request nor the engine thread ever builds it."""
+        if self.tokenizer is None:
+            return
+        try:
+            await asyncio.wrap_future(self.grammar_pool.submit(self.llm.grammar_backend))
+        except Exception:  # noqa: BLE001 - structured requests will report it
+            logger.exception("could not build the grammar backend (xgrammar)")
 
     def close(self) -> None:
         """Drop queued tokenization and compile work (the server is stopping)."""
