@@ -101,8 +101,9 @@ def create_app(
     app.state.engine = async_engine
     app.state.serving = serving
     install_error_handlers(app)
-    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
+    # Inside the size cap (the last added runs first): it reads only what the cap allows.
     app.add_middleware(RequestLimitsContext, limits=limits)
+    app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     require_api_key(app, api_key)
 
     @app.get("/health")

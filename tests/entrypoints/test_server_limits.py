@@ -64,12 +64,11 @@ def _timed(server, body, path="/v1/completions"):
 
 def test_prompt_caps_are_a_400_naming_the_field(server, reference):
     _same_greedy_text(server, reference)
-    # 2 million one-token prompts (~10 MB) once grew the server to 18 GB: refused by the
-    # list's length, before its members are validated.
-    status, error, seconds = _timed(server, {"prompt": [[1]] * 200_000, "max_tokens": 1})
+    # Refused by the list's length, before its members are validated.
+    status, error, seconds = _timed(server, {"prompt": [[1]] * 50_000, "max_tokens": 1})
     assert status == 400, error
     assert error["error"]["param"] == "prompt"
-    assert "200000 prompts" in error["error"]["message"]
+    assert "50000 prompts" in error["error"]["message"]
     assert "--max-prompts-per-request" in error["error"]["message"]
     assert seconds < 10
     strings = [f"Prompt {i}" for i in range(MAX_PROMPTS + 1)]
@@ -286,3 +285,33 @@ def test_a_slow_compile_times_out_and_never_holds_shutdown(model_dir, reference)
         for thread in threading.enumerate():
             if thread.name.startswith("atom-grammar"):
                 thread.join(60)
+
+
+def test_health_answers_while_a_huge_prompt_list_is_refused(server):
+    """The issue's body: 2 million one-token prompts, ~10 MB (under the body cap), once
+    grew the server to 18 GB. Parsing it alone would hold the event loop for 1-2 s: it is
+    refused by its count of JSON arrays, before it is parsed."""
+    body = json.dumps({"prompt": [[1]] * 2_000_000, "max_tokens": 1})
+    result: list = []
+    sender = threading.Thread(
+        target=lambda: result.append(raw_request(server, "POST", "/v1/completions", body))
+    )
+    start = time.monotonic()
+    sender.start()
+    latencies = []
+    while sender.is_alive():
+        asked = time.monotonic()
+        assert raw_request(server, "GET", "/health")[0] == 200
+        latencies.append(time.monotonic() - asked)
+        time.sleep(0.02)
+    sender.join()
+    [(status, error)] = result
+    assert status == 400, error
+    assert "2000002 JSON arrays and objects" in error["error"]["message"]
+    assert "--max-json-containers" in error["error"]["message"]
+    # Brackets inside strings are text, not containers: this prompt is served.
+    body = {"prompt": "[{" * 60_000, "max_tokens": 1}
+    status, error = raw_request(server, "POST", "/v1/completions", body)
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+    assert time.monotonic() - start < 10
+    assert max(latencies) < 1.0, f"/health took {max(latencies):.2f} s"

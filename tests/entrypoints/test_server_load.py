@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import httpx
@@ -92,10 +93,11 @@ async def _well_behaved(http: httpx.AsyncClient, index: int, rng: random.Random,
 
 
 async def _abusive(http: httpx.AsyncClient) -> list[tuple[str, int, str | None]]:
-    """(what, status, param) of each abusive request."""
+    """(what, status, param or the flag its message names) of each abusive request."""
     results = []
     abuses = {
         "huge prompt list": ("/v1/completions", {"prompt": [[1]] * 200_000, "max_tokens": 1}),
+        "long prompt list": ("/v1/completions", {"prompt": [[1]] * 5_000, "max_tokens": 1}),
         "counted regex": (
             "/v1/chat/completions",
             _chat_with_schema({"type": "string", "pattern": "(a|b){20000}"}),
@@ -105,8 +107,9 @@ async def _abusive(http: httpx.AsyncClient) -> list[tuple[str, int, str | None]]
     }
     for what, (path, body) in abuses.items():
         response = await http.post(path, json=body)
-        param = response.json()["error"]["param"] if response.status_code != 200 else None
-        results.append((what, response.status_code, param))
+        error = response.json()["error"] if response.status_code != 200 else {}
+        flag = re.search(r"--[a-z-]+", error.get("message", ""))
+        results.append((what, response.status_code, error.get("param") or (flag and flag[0])))
     # Heavy but within the caps (16 prompts x n=2, 200 tokens each), then abandoned.
     heavy = {
         "prompt": [f"Heavy {i}" for i in range(16)],
@@ -166,7 +169,8 @@ def test_64_clients_and_an_abusive_one(server, reference):
     elapsed = time.monotonic() - start
 
     assert abuse == [
-        ("huge prompt list", 400, "prompt"),
+        ("huge prompt list", 400, "--max-json-containers"),
+        ("long prompt list", 400, "prompt"),
         ("counted regex", 400, "response_format"),
         ("deep schema", 400, "response_format"),
         ("huge n", 400, "n"),
