@@ -117,12 +117,16 @@ class AsyncEngine:
         return stream
 
     async def add_requests(
-        self, requests: list[tuple[list[int], SamplingParams]]
+        self,
+        requests: list[tuple[list[int], SamplingParams]],
+        streams: list[RequestStream] | None = None,
     ) -> list[RequestStream]:
         """Queue several requests in one engine command (one step boundary for all, not
-        one each), all or none: if the engine refuses one, none stays queued."""
+        one each), all or none: if the engine refuses one, none stays queued. `streams`:
+        made beforehand by the caller (one per request), e.g. to be read before admission."""
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(loop) for _ in requests]
+        if streams is None:
+            streams = [RequestStream(loop) for _ in requests]
         admitted: Future[None] = Future()
 
         def add() -> None:

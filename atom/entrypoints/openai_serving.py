@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -63,6 +64,10 @@ class OpenAIServing:
         self.engine = engine
         self.limits = limits or ServerLimits()
         self.admission = AdmissionBudget(self.limits.max_queued_samples)
+        # One request's samples in the engine at once (request_limits.py).
+        self.samples_in_engine = self.limits.max_samples_in_engine_per_request or max(
+            1, engine.engine.config.max_num_seqs
+        )
         self.metrics = metrics
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
@@ -401,44 +406,84 @@ class OpenAIServing:
 
     # -- running requests ------------------------------------------------------------------
     async def _add_requests(self, prompt_ids, params) -> list[Choice]:
-        """Admit every prompt of a request, or none: one refused prompt aborts the rest.
+        """Admit a request's samples: the first at once, the rest as room frees up.
 
         Sample 0 of every prompt goes in one engine command (one step boundary, all or
-        none). n > 1: samples 1.. of a prompt are added once sample 0 has its first token,
-        so its prompt's KV blocks are in the prefix cache and they share them (choice
-        order: prompt by prompt, then sample by sample)."""
-        choices: list[Choice | None] = []
-        parents = []
-        streams: list[RequestStream] = []
+        none: one refused prompt aborts the rest). n > 1: samples 1.. of a prompt are added
+        once sample 0 has its first token, so its prompt's KV blocks are in the prefix
+        cache and they share them (choice order: prompt by prompt, then sample by sample).
+
+        A request holds at most `samples_in_engine` samples in the engine at once (waiting
+        or running); the others join as earlier ones finish, behind whatever other
+        clients queued meanwhile. So one large request cannot put all of its samples
+        ahead of a later small one (first come, first served per share, not per body)."""
+        loop = asyncio.get_running_loop()
+        admission = Admission(asyncio.Semaphore(self.samples_in_engine))
+        choices: list[Choice] = []
+        firsts: list[tuple[Choice, list[int], SamplingParams]] = []
+        later: list[tuple[Choice, list[int], SamplingParams]] = []
+        for ids, p in zip(prompt_ids, params, strict=True):
+            parent = Choice(RequestStream(loop), len(ids), admission=admission)
+            choices.append(parent)
+            firsts.append((parent, ids, p.for_sample(0)))
+            for i in range(1, p.n):
+                choice = Choice(RequestStream(loop), len(ids), admission=admission, parent=parent)
+                choices.append(choice)
+                later.append((choice, ids, p.for_sample(i)))
+        now, rest = firsts[: self.samples_in_engine], firsts[self.samples_in_engine :] + later
         try:
-            requests = [(ids, p.for_sample(0)) for ids, p in zip(prompt_ids, params, strict=True)]
-            first_streams = await self.engine.add_requests(requests)
-            streams.extend(first_streams)
-            for stream, ids, p in zip(first_streams, prompt_ids, params, strict=True):
-                parents.append((len(choices), ids, p))
-                choices.append(Choice(stream, len(ids)))
-                choices.extend([None] * (p.n - 1))
-            for index, ids, p in parents:
-                if p.n == 1:
-                    continue
-                parent = choices[index]
-                first = await anext(parent.stream)
-                parent.outputs = _replay(first, parent.stream)
-                samples = await self.engine.add_requests(
-                    [(ids, p.for_sample(i)) for i in range(1, p.n)]
-                )
-                streams.extend(samples)
-                for i, stream in enumerate(samples, start=1):
-                    choices[index + i] = Choice(stream, len(ids))
+            for choice, _, _ in now:
+                await choice.take_slot()  # free: the window is new
+            await self.engine.add_requests(
+                [(ids, p) for _, ids, p in now], [choice.stream for choice, _, _ in now]
+            )
         except BaseException as error:
-            for stream in streams:
-                self.engine.abort(stream)
+            self._abort(choices)
             if isinstance(error, ValueError):
                 raise OpenAIError(str(error)) from None
             if isinstance(error, EngineDeadError):
                 raise _engine_dead(error) from None
             raise
+        if rest:
+            admission.task = asyncio.ensure_future(self._admit_later(rest))
         return choices
+
+    async def _admit_later(self, pending: list[tuple[Choice, list[int], SamplingParams]]) -> None:
+        """Admit `pending` in order, each once its request has room (and, for samples
+        1.., once their sample 0 has a token); ready ones go in one command."""
+        queue = deque(pending)
+        try:
+            while queue:
+                head = queue[0][0]
+                if head.parent is not None:
+                    await head.parent.started.wait()
+                await head.take_slot()
+                batch = [queue.popleft()]
+                while queue and queue[0][0].ready_now():
+                    await queue[0][0].take_slot()  # free: ready_now saw room
+                    batch.append(queue.popleft())
+                for choice, _, _ in batch:
+                    if choice.stream.finished:  # aborted while it waited
+                        choice.done()
+                batch = [item for item in batch if not item[0].stream.finished]
+                if batch:
+                    await self.engine.add_requests(
+                        [(ids, p) for _, ids, p in batch], [choice.stream for choice, _, _ in batch]
+                    )
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - handed to the request's readers
+            # Headers may be sent already: each sample not admitted ends with the error.
+            if isinstance(error, ValueError):
+                error = OpenAIError(str(error))
+            for choice, _, _ in queue:
+                choice.stream._put(error)
+
+    def _abort(self, choices: list[Choice]) -> None:
+        """Stop admitting a request's samples and abort those admitted (idempotent)."""
+        for choice in choices:
+            choice.stop_admission()
+            self.engine.abort(choice.stream)
 
     async def _merged_deltas(
         self, streams: list[Choice], stop: list[str], usage: Usage
@@ -450,13 +495,15 @@ class OpenAIServing:
             timer = RequestTimer(self.metrics, choice.arrival)
             try:
                 async with aclosing(
-                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.outputs)
+                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.watched())
                 ) as deltas:
                     async for delta in deltas:
                         timer.observe(delta, choice.prompt_tokens)
                         queue.put_nowait((index, delta))
             except Exception as error:  # noqa: BLE001 - re-raised by the reader below
                 queue.put_nowait((index, error))
+            finally:
+                choice.done()
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:
@@ -492,8 +539,7 @@ class OpenAIServing:
         except EngineDeadError as error:
             raise _engine_dead(error) from None
         finally:
-            for choice in streams:
-                self.engine.abort(choice.stream)
+            self._abort(streams)
 
     def _event_stream(
         self, events: AsyncIterator[str], streams, reservation: Reservation
@@ -515,8 +561,7 @@ class OpenAIServing:
         def abort_all() -> None:
             # Also covers a client that left before the body started (its generator,
             # never entered, has no `finally` to run).
-            for choice in streams:
-                self.engine.abort(choice.stream)
+            self._abort(streams)
             reservation.release()
 
         return StreamingResponse(
@@ -525,13 +570,57 @@ class OpenAIServing:
 
 
 @dataclass
+class Admission:
+    """The samples of one request in the engine: a window of slots, and the task that
+    admits the samples that wait for one."""
+
+    window: asyncio.Semaphore
+    task: asyncio.Task | None = None
+
+
+@dataclass
 class Choice:
-    """One choice's request: its stream, and its outputs if not read from the stream."""
+    """One choice's request: its stream (made before it is admitted), the admission it
+    takes a slot of, and its sample 0 if it is a later sample of the same prompt."""
 
     stream: RequestStream
     prompt_tokens: int = 0
-    outputs: AsyncIterator | None = None
+    admission: Admission | None = None
+    parent: Choice | None = None
     arrival: float = field(default_factory=time.monotonic)
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # its first output came
+    _holds_slot: bool = False
+
+    async def take_slot(self) -> None:
+        await self.admission.window.acquire()
+        self._holds_slot = True
+
+    def ready_now(self) -> bool:
+        """Whether it could be admitted without waiting."""
+        parent_ready = self.parent is None or self.parent.started.is_set()
+        return parent_ready and not self.admission.window.locked()
+
+    async def watched(self) -> AsyncIterator:
+        """The stream's outputs; marks `started` at the first."""
+        try:
+            async for output in self.stream:
+                self.started.set()
+                yield output
+        finally:
+            self.done()
+
+    def done(self) -> None:
+        """The choice ended (finished, stopped, failed or aborted): free its slot, and
+        let its other samples go in even if it never produced a token."""
+        self.started.set()
+        if self._holds_slot:
+            self._holds_slot = False
+            self.admission.window.release()
+
+    def stop_admission(self) -> None:
+        task = self.admission.task if self.admission is not None else None
+        if task is not None:
+            task.cancel()
 
 
 class RequestTimer:
@@ -567,14 +656,6 @@ class Collected:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
     finish_reason: str | None = None
-
-
-async def _replay(first, stream: RequestStream) -> AsyncIterator:
-    """`first` (already read from `stream`), then the rest of the stream."""
-    yield first
-    if not first.finished:
-        async for output in stream:
-            yield output
 
 
 class Usage:

@@ -42,6 +42,9 @@ class ServerLimits:
     max_samples_per_request: int = 1024  # prompts x n
     max_queued_samples: int = 4096  # samples held by all requests in progress
     max_json_containers: int = 100_000  # JSON arrays and objects in one request body
+    # One request's samples in the engine at once (waiting or running); the rest join as
+    # these finish. None: the engine's max_num_seqs.
+    max_samples_in_engine_per_request: int | None = None
     grammar: GrammarLimits = GrammarLimits()
 
     def __post_init__(self) -> None:
@@ -50,8 +53,9 @@ class ServerLimits:
             "max_samples_per_request",
             "max_queued_samples",
             "max_json_containers",
+            "max_samples_in_engine_per_request",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
 
@@ -207,6 +211,13 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="samples of all requests in progress; a request past it gets 503 + Retry-After",
     )
     group.add_argument(
+        "--max-samples-in-engine-per-request",
+        type=int,
+        default=None,
+        help="one request's samples in the engine at once; its others join as these finish, "
+        "behind later requests (default: --max-num-seqs)",
+    )
+    group.add_argument(
         "--max-json-containers",
         type=int,
         default=defaults.max_json_containers,
@@ -251,6 +262,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         max_samples_per_request=args.max_samples_per_request,
         max_queued_samples=args.max_queued_samples,
         max_json_containers=args.max_json_containers,
+        max_samples_in_engine_per_request=args.max_samples_in_engine_per_request,
         grammar=GrammarLimits(
             max_schema_bytes=args.max_schema_bytes,
             max_schema_depth=args.max_schema_depth,

@@ -32,6 +32,7 @@ MAX_PROMPTS = 8
 MAX_SAMPLES = 16
 MAX_QUEUED = 24
 MAX_NUM_SEQS = 4  # few running at once: an n > 1 request's admission takes many steps
+SHARE = 2  # one request's samples in the engine at once
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,7 @@ def server(model_dir):
         max_prompts_per_request=MAX_PROMPTS,
         max_samples_per_request=MAX_SAMPLES,
         max_queued_samples=MAX_QUEUED,
+        max_samples_in_engine_per_request=SHARE,
     )
     llm = build_llm(model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
     server, stop = run_server(llm, MODEL, limits=limits)
@@ -152,9 +154,10 @@ def _metrics(server) -> dict[str, float]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_gone_during_admission_aborts_at_once(server, reference, stream):
-    """n > 1: a prompt's other samples join once its first has a token. With 4 running
-    at a time and 200 tokens each, admitting 8 prompts x n=2 takes hundreds of steps; a
-    client that leaves meanwhile must not keep them coming."""
+    """n > 1: a prompt's other samples join once its first has a token, and at most SHARE
+    of a request's samples are in the engine at once: admitting 8 prompts x n=2 of 200
+    tokens each takes hundreds of steps; a client that leaves meanwhile must not keep
+    them coming."""
     body = {
         "prompt": [f"Admit {i} slowly" for i in range(MAX_PROMPTS)],
         "n": MAX_SAMPLES // MAX_PROMPTS,
@@ -167,7 +170,7 @@ def test_client_gone_during_admission_aborts_at_once(server, reference, stream):
         "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
     )
     deadline = time.monotonic() + 30
-    while _metrics(server)["atom_requests_running"] < MAX_NUM_SEQS:
+    while _metrics(server)["atom_requests_running"] < SHARE:
         assert time.monotonic() < deadline, "the request was never admitted"
         time.sleep(0.01)
     time.sleep(0.3)  # admission under way: the first samples decode, the rest wait
@@ -250,6 +253,7 @@ def test_a_slow_compile_times_out_and_never_holds_shutdown(model_dir, reference)
         grammar=GrammarLimits(max_repetition=10**6, compile_timeout_s=0.3, compile_threads=1)
     )
     llm = build_llm(model_dir, max_model_len=MAX_MODEL_LEN)
+    threads_before = set(threading.enumerate())
     server, stop = run_server(llm, MODEL, limits=limits)
     stopped = False
     try:
@@ -282,7 +286,7 @@ def test_a_slow_compile_times_out_and_never_holds_shutdown(model_dir, reference)
             stop()
         # The abandoned compile finishes on its daemon thread; let it, so the test process
         # does not end under it (xgrammar's C++ aborts when torn down mid-compile).
-        for thread in threading.enumerate():
+        for thread in set(threading.enumerate()) - threads_before:
             if thread.name.startswith("atom-grammar"):
                 thread.join(60)
 
@@ -315,3 +319,35 @@ def test_health_answers_while_a_huge_prompt_list_is_refused(server):
     assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
     assert time.monotonic() - start < 10
     assert max(latencies) < 1.0, f"/health took {max(latencies):.2f} s"
+
+
+def test_a_large_request_does_not_hold_back_a_small_one(server, reference):
+    """16 samples of 100 tokens arrive first; a 4-token request after them is served at
+    once, with the offline engine's text: the large one holds SHARE of the 4 slots, not
+    all of the queue (first come, first served would make it wait for ~3 waves of 100
+    steps)."""
+    big = {
+        "prompt": [f"Big {i}" for i in range(MAX_PROMPTS)],
+        "n": MAX_SAMPLES // MAX_PROMPTS,
+        "max_tokens": 100,
+        "ignore_eos": True,
+    }
+    finished: list = []
+    sender = threading.Thread(target=lambda: finished.append(_timed(server, big)), daemon=True)
+    sender.start()
+    deadline = time.monotonic() + 30
+    while _metrics(server)["atom_requests_running"] < SHARE:
+        assert time.monotonic() < deadline, "the large request was never admitted"
+        time.sleep(0.01)
+    [expected] = greedy(reference, PROMPTS[2], 4, ignore_eos=True)
+    body = {"prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, result, seconds = _timed(server, body)
+    assert status == 200 and result["choices"][0]["text"] == expected.text
+    assert not finished, "the large request ended first: the test proves nothing"
+    sender.join(300)
+    [(status, result, big_seconds)] = finished
+    assert status == 200 and len(result["choices"]) == MAX_SAMPLES
+    assert all(c["finish_reason"] == "length" for c in result["choices"])
+    # Behind the large request's queue it would wait most of its time (about 350 of its
+    # 400 steps); served at the next free slot, a few steps of its 800 (SHARE = 2).
+    assert seconds < 0.2 * big_seconds, (seconds, big_seconds)
