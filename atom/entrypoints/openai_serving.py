@@ -6,7 +6,8 @@ one JSON body or Server-Sent Events (`data: {chunk}` lines, then `data: [DONE]`)
 
 Tokenization and chat templating run on worker threads, not on the event loop: a
 megabytes-long prompt takes seconds to tokenize, and /health and every open stream
-must keep answering meanwhile. A request's prompts join the engine in one command.
+must keep answering meanwhile. A request's prompts join the engine in one command, up
+to its share of the engine; the rest follow as its earlier samples finish.
 
 What one request may ask is bounded (request_limits.py: prompts, prompts x n, samples
 queued server-wide, json_schema size, depth and counts, compile time), and a client that
