@@ -39,11 +39,21 @@ class GrammarLimits:
     compile_threads: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("max_schema_bytes", "max_schema_depth", "max_repetition", "compile_threads"):
+        # The server's flags for each (atom/entrypoints/request_limits.py).
+        flags = {
+            "max_schema_bytes": "--max-schema-bytes",
+            "max_schema_depth": "--max-schema-depth",
+            "max_repetition": "--max-schema-repetition",
+            "compile_threads": "--grammar-compile-threads",
+        }
+        for name, flag in flags.items():
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} ({flag}) must be at least 1, got {getattr(self, name)}")
         if not self.compile_timeout_s > 0:
-            raise ValueError(f"compile_timeout_s must be positive, got {self.compile_timeout_s}")
+            raise ValueError(
+                f"compile_timeout_s (--grammar-compile-timeout) must be positive, "
+                f"got {self.compile_timeout_s}"
+            )
 
 
 class GrammarLimitError(InvalidGrammarError):

@@ -351,3 +351,37 @@ def test_a_large_request_does_not_hold_back_a_small_one(server, reference):
     # Behind the large request's queue it would wait most of its time (about 350 of its
     # 400 steps); served at the next free slot, a few steps of its 800 (SHARE = 2).
     assert seconds < 0.2 * big_seconds, (seconds, big_seconds)
+
+
+def test_limit_flags_reach_the_server_and_bad_values_name_the_flag():
+    from atom.entrypoints.openai_server import build_parser
+    from atom.entrypoints.request_limits import limits_from_args
+
+    args = build_parser().parse_args(
+        ["--max-prompts-per-request", "3", "--max-samples-per-request", "5"]
+        + ["--max-queued-samples", "7", "--max-json-containers", "11"]
+        + ["--max-samples-in-engine-per-request", "2", "--max-schema-bytes", "100"]
+        + ["--max-schema-depth", "4", "--max-schema-repetition", "9"]
+        + ["--grammar-compile-timeout", "0.5", "--grammar-compile-threads", "1"]
+    )
+    limits = limits_from_args(args)
+    assert limits == ServerLimits(
+        max_prompts_per_request=3,
+        max_samples_per_request=5,
+        max_queued_samples=7,
+        max_json_containers=11,
+        max_samples_in_engine_per_request=2,
+        grammar=GrammarLimits(
+            max_schema_bytes=100,
+            max_schema_depth=4,
+            max_repetition=9,
+            compile_timeout_s=0.5,
+            compile_threads=1,
+        ),
+    )
+    defaults = limits_from_args(build_parser().parse_args([]))
+    assert defaults == ServerLimits()
+    with pytest.raises(ValueError, match="--max-prompts-per-request must be at least 1"):
+        limits_from_args(build_parser().parse_args(["--max-prompts-per-request", "0"]))
+    with pytest.raises(ValueError, match="--grammar-compile-timeout"):
+        limits_from_args(build_parser().parse_args(["--grammar-compile-timeout", "0"]))
