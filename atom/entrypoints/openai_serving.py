@@ -453,6 +453,7 @@ class OpenAIServing:
         """Admit `pending` in order, each once its request has room (and, for samples
         1.., once their sample 0 has a token); ready ones go in one command."""
         queue = deque(pending)
+        batch: list = []
         try:
             while queue:
                 head = queue[0][0]
@@ -477,7 +478,7 @@ class OpenAIServing:
             # Headers may be sent already: each sample not admitted ends with the error.
             if isinstance(error, ValueError):
                 error = OpenAIError(str(error))
-            for choice, _, _ in queue:
+            for choice, _, _ in [*batch, *queue]:
                 choice.stream._put(error)
 
     def _abort(self, choices: list[Choice]) -> None:

@@ -385,3 +385,21 @@ def test_limit_flags_reach_the_server_and_bad_values_name_the_flag():
         limits_from_args(build_parser().parse_args(["--max-prompts-per-request", "0"]))
     with pytest.raises(ValueError, match="--grammar-compile-timeout"):
         limits_from_args(build_parser().parse_args(["--grammar-compile-timeout", "0"]))
+
+
+def test_a_sample_refused_after_the_first_share_fails_the_request(server, monkeypatch):
+    """Prompts beyond the request's share are admitted later; if the engine refuses one
+    then, the client still gets the engine's 400 and nothing is left behind."""
+    real_add_request = server.llm.engine.add_request
+
+    def add_request(prompt, params):
+        if prompt == [7, 7, 7]:
+            raise ValueError("refused for the test")
+        return real_add_request(prompt, params)
+
+    monkeypatch.setattr(server.llm.engine, "add_request", add_request)
+    body = {"prompt": [[5, 6, 7], [5, 6, 8], [7, 7, 7]], "max_tokens": 50, "ignore_eos": True}
+    assert len(body["prompt"]) > SHARE
+    status, error = raw_request(server, "POST", "/v1/completions", body)
+    assert status == 400 and error["error"]["message"] == "refused for the test", error
+    server.wait_idle()
