@@ -182,7 +182,9 @@ class DeepseekV41MoE(nn.Module):
         )
         if config.scoring_func != "sqrtsoftplus":
             raise ValueError(f"DeepSeek-V4.1: scoring_func {config.scoring_func!r} (sqrtsoftplus)")
-        self.top_k, self.limit = config.num_experts_per_tok, config.swiglu_limit
+        # the reference clamps routed and shared experts only at a positive limit
+        limit = config.swiglu_limit
+        self.top_k, self.limit = config.num_experts_per_tok, limit if limit > 0 else None
         self.gate_temp, self.norm_topk = config.gate_temp, config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = nn.Module()
@@ -201,9 +203,8 @@ class DeepseekV41MoE(nn.Module):
         if self.norm_topk and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        limit = self.limit if self.limit > 0 else None
         routed = routed_experts(
-            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, limit
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit
         )
         return routed + self.shared_experts(x)
 
