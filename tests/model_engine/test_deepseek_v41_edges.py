@@ -62,3 +62,36 @@ def test_swiglu_limit_zero_clamps_no_expert(tmp_path):
     for a, b in zip(zero[1], unclamped[1], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert all(out.abs().max() > 0 for out in zero[2])
+
+
+def test_bf16_rounds_where_the_reference_rounds():
+    """tiny-full in bf16 (CPU): the norms compute ``weight * normed.to(bf16)`` with the
+    weight in bf16 (the pooled compressor latent is cast to bf16 before its norm), and the
+    mHC expand runs in fp32 and is cast once."""
+    import atom.models.deepseek_v41 as v41
+
+    llm = build_llm(str(REFERENCE / "tiny-full"), skip_tokenizer_init=True, dtype="bfloat16",
+                    num_kvcache_blocks=64, max_model_len=128)  # fmt: skip
+    model = llm.engine.model_runner.model.model
+    layer = model.layers[1]
+    generator = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(64, 64, generator=generator)).bfloat16()
+    norm = layer.attn_norm
+    assert norm.weight.dtype == torch.bfloat16
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+    assert torch.equal(norm(x), norm.weight * normed.bfloat16())
+    fp32_weight = (norm.weight.float() * normed).bfloat16()  # V4's order: differs somewhere
+    assert not torch.equal(norm(x), fp32_weight)
+
+    streams = (3 * torch.randn(64, 4, 64, generator=generator)).bfloat16()
+    out = (3 * torch.randn(64, 64, generator=generator)).bfloat16()
+    post, comb = torch.rand(64, 4, generator=generator), torch.rand(64, 4, 4, generator=generator)
+    expected = post[..., None] * out.float()[:, None] + comb.transpose(-1, -2) @ streams.float()
+    assert torch.equal(v41.expand(out, streams, post, comb), expected.bfloat16())
+
+    seen = []
+    compressor_norm = layer.attn.compressor.norm  # layer 1: ratio 2, pooled in fp32
+    compressor_norm.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate([PROMPTS[2]], params, use_tqdm=False)
+    assert seen and set(seen) == {torch.bfloat16}
