@@ -32,6 +32,7 @@ from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.models.layers import RMSNorm, rope_parameters
+from atom.models.loader import ModelLoadError
 from atom.models.moe import routed_experts
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -255,8 +256,13 @@ class Qwen3NextForCausalLM(nn.Module):
         self.config = config
         # Full-attention layers are paged like MHA, GDN layers keep state slots (the gdn
         # backend); a stack with no GDN layer holds no state: plain MHA, as HF runs it.
-        has_gdn = "linear_attention" in config.layer_types[: config.num_hidden_layers]
-        self.attention_backend = "gdn" if has_gdn else "mha"
+        layer_types = config.layer_types[: config.num_hidden_layers]
+        if "full_attention" not in layer_types:  # the KV cache is sized by attention layers
+            raise ModelLoadError(
+                f"qwen3_next: layer_types {layer_types} has no full_attention layer; a "
+                "stack of linear_attention layers only is not supported"
+            )
+        self.attention_backend = "gdn" if "linear_attention" in layer_types else "mha"
         max_position = max_position or config.max_position_embeddings
         self.model = Qwen3NextModel(config, max_position)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -151,6 +151,17 @@ def test_no_linear_attention_layer_matches_hf(qwen3_next_dirs):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_no_full_attention_layer_is_refused(tmp_path):
+    """Only GDN layers: refused at load, naming layer_types (it crashed sizing the cache)."""
+    from atom.models.loader import ModelLoadError
+
+    kwargs = dict(COMMON, **VARIANTS["a"])
+    kwargs.update(num_hidden_layers=2, layer_types=[LIN, LIN])
+    transformers.Qwen3NextConfig(**kwargs).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="layer_types .* no full_attention layer"):
+        build_llm(str(tmp_path), load_format="dummy", num_kvcache_blocks=8)
+
+
 def test_chunked_prefill_and_preemption(qwen3_next_dirs):
     path = qwen3_next_dirs["a"]
     expected = _hf(path)
