@@ -250,6 +250,8 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    attention_backend = "gdn"  # an instance with no GDN layer sets "mha" (see __init__)
+
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()
         self.validate_tensor_parallel(config, 1 if tp is None else tp.world_size)

@@ -149,6 +149,10 @@ def test_no_linear_attention_layer_matches_hf(qwen3_next_dirs):
                     max_model_len=144)  # fmt: skip
     assert _tokens(llm) == expected
     assert llm.engine.scheduler.num_preemptions > 0
+    # no state: prefix caching stays on and a repeated prompt reuses its blocks
+    llm = build_llm(path, num_kvcache_blocks=64, max_model_len=256, enable_prefix_caching=True)
+    assert _tokens(llm) == expected and _tokens(llm) == expected
+    assert llm.engine.block_manager.prefix_hit_blocks > 0
 
 
 def test_no_full_attention_layer_is_refused(tmp_path):
