@@ -132,8 +132,8 @@ def test_v4_ties_follow_the_rule_in_every_batch_shape(v4_ties_dir, monkeypatch):
     assert hf_stable_greedy(v4_ties_dir, PROMPTS[:1], N, chunk=7) == expected[:1]
     with counting_ties(monkeypatch, atom.kernels.v4_indexer, "select_topk") as decode, \
             counting_ties(monkeypatch, atom.attention.v4, "select_topk") as prefill:  # fmt: skip
-        alone = [_tokens(build_llm(v4_ties_dir, num_kvcache_blocks=64, max_model_len=256), [p])[0]
-                 for p in PROMPTS]  # fmt: skip
+        llm = build_llm(v4_ties_dir, num_kvcache_blocks=64, max_model_len=256)
+        alone = [_tokens(llm, [p])[0] for p in PROMPTS]
         batched = _tokens(build_llm(v4_ties_dir, num_kvcache_blocks=64, max_model_len=512), PROMPTS)
         chunked = _tokens(build_llm(v4_ties_dir, num_kvcache_blocks=64, max_model_len=160,
                                     max_num_batched_tokens=7, max_num_seqs=4), PROMPTS)  # fmt: skip
@@ -175,8 +175,9 @@ def v41_ties_dir(tmp_path_factory):
 def test_v41_ties_do_not_depend_on_batch_chunking_or_max_model_len(v41_ties_dir, monkeypatch):
     prompts = vocab_prompts(5, [70, 33, 90, 7], 256)
     with counting_ties(monkeypatch, atom.attention.v41, "two_level_topk_reference") as ties:
-        alone = [_tokens(build_llm(v41_ties_dir, skip_tokenizer_init=True, num_kvcache_blocks=64,
-                                   max_model_len=128), [p])[0] for p in prompts]  # fmt: skip
+        llm = build_llm(v41_ties_dir, skip_tokenizer_init=True, num_kvcache_blocks=64,
+                        max_model_len=128)  # fmt: skip
+        alone = [_tokens(llm, [p])[0] for p in prompts]
     assert sum(ties) > 0, ties
     batched = _tokens(build_llm(v41_ties_dir, skip_tokenizer_init=True, num_kvcache_blocks=64,
                                 max_model_len=512), prompts)  # fmt: skip
