@@ -11,7 +11,8 @@ Shapes and dtypes (T tokens, k experts per token, E experts, hidden H, intermedi
 
     out[t] = sum_j topk_weights[t, j] * down[e] @ act(gate_up[e] @ x[t]),  e = topk_ids[t, j]
     act(gate | up) = SiLU(gate) * up; with swiglu_limit L (DeepSeek-V4) gate is clamped to
-    at most L and up to [-L, L] first.
+    at most L and up to [-L, L] first. SiLU only: a config with another `hidden_act` is
+    refused at load (atom/models/registry.py).
 
 The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph capturable):
 1. ``_moe_align_kernel`` (one program): pair p = t * k + j goes to its expert's segment of
