@@ -70,19 +70,21 @@ def test_gpu_time_counts_overlapping_kernels_once():
 
 def test_decode_ab_variants_apply_and_restore(monkeypatch):
     """Each A/B variant changes its one choice inside its block and leaves the module
-    tables, the split policy and the PDL knobs as they were after it."""
+    GEMV policy, the split policy and the PDL knobs as they were after it."""
     import torch
 
     from atom.benchmarks import decode_ab
-    from atom.kernels import decode_attention, gemv_configs
+    from atom.kernels import decode_attention, gemv_policy
 
     monkeypatch.setenv("ATOM_PDL_KERNELS", "all")
-    configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
+    policy = gemv_policy.current_policy()
     pick = decode_attention._pick_num_splits
     q = torch.empty(1, 32, 64)  # CPU: the policy itself answers 1, splits8 answers 8
-    with decode_ab.variant("mlp_norm_fused"):
-        assert decode_ab.MLP_NORM_1B not in gemv_configs.GEMV_SLOWER
-        assert gemv_configs.GEMV_CONFIGS[decode_ab.MLP_NORM_1B] == (8, 128, 1, 1)
+    x, weight = torch.randn(1, 64), torch.randn(96, 64)
+    with decode_ab.variant("gemv_fused"):
+        assert gemv_policy.use_gemv(x, weight, silu_mul=True, norm=True)
+    with decode_ab.variant("gemv_unfused"):
+        assert not gemv_policy.use_gemv(x, weight)
     with decode_ab.variant("splits8"):
         assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
     with decode_ab.variant("pdl_small"):
@@ -92,7 +94,7 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
         assert decode_attention.MERGED_SPLIT_TILES == 1
         assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
     assert decode_attention.MERGED_SPLIT_TILES == 2 and "ATOM_PDL_RELEASE" not in os.environ
-    assert gemv_configs.GEMV_CONFIGS == configs and gemv_configs.GEMV_SLOWER == slower
+    assert gemv_policy.current_policy() is policy
     assert decode_attention._pick_num_splits is pick
     assert os.environ["ATOM_PDL_KERNELS"] == "all"
     assert decode_ab.fusions_of("pdl").pdl and decode_ab.fusions_of("decode_merge").decode_merge

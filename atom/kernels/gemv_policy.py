@@ -1,0 +1,491 @@
+"""Which batch-1 linear layers run the Triton GEMV, with which tiles: measured per shape.
+
+The one-row GEMV of atom/kernels/gemv.py wins where a layer is bound by latency (small
+weights: no split-K reduce kernel, the norm or SiLU folded in, PDL) and loses where a
+large matrix must stream at full bandwidth (cuBLAS reads the 8B MLP's 4096 x 14336 at
+about twice its rate; issue 30). No table of measured shapes decides that: for each
+GEMV site a forward meets at one row, keyed by (GPU name, in_features, weight rows,
+SiLU epilogue, norm prologue, dtype, PDL, Triton and torch versions), ``GemvPolicy``
+times the unfused path (cuBLAS ``F.linear`` plus atom's separate ``rms_norm`` /
+``silu_and_mul`` kernels, what the fusion replaces) against a few tile candidates under
+CUDA graphs, once, the first time the site runs outside a graph capture (the warm-up
+forward before the batch-1 decode graph is captured), and keeps the Triton GEMV only
+where its best tile is faster by ``MARGIN``; else the layer keeps the unfused path. So
+a default never loses to every fusion off by more than the trial's noise.
+
+The trials share a budget (``ATOM_GEMV_TRIAL_BUDGET_S``, 1 s of timing per process;
+compiling the candidates is not counted: Triton caches it on disk). A site met once the
+budget is spent keeps the unfused path and is not cached (the next start measures it).
+Choices are cached in a JSON file (``ATOM_CACHE_DIR``, default ~/.cache/atom,
+``gemv_policy.json``) under the full key, so the next start reads them: an entry of
+another GPU, Triton or torch is another key (never read for this one); an entry that
+does not parse or holds an impossible tile is ignored and measured again, never
+trusted; a file that is not JSON is ignored whole (and rewritten).
+
+``ATOM_GEMV_POLICY``: ``measure`` (the default), ``fused`` (every site that fits takes
+the Triton GEMV with its heuristic tile: tests, A/B runs) or ``unfused`` (never).
+Without a CUDA device nothing is measured: a site keeps the unfused path (the CPU
+engine runs the torch references anyway; interpreter tests ask for ``fused``).
+
+PDL (atom/kernels/pdl.py) follows the choice: only a GEMV chosen to run in Triton joins
+a PDL chain (a cuBLAS GEMV launches as it always did), and the trial measures each
+candidate with the forward's PDL setting. ``report()`` lists each choice and why (the
+start-up log at INFO and ``--profile-kernels`` print it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from atom.forward_context import current_fusions
+from atom.kernels.gemv import (
+    GemvConfig,
+    fits_gemv,
+    gemv,
+    gemv_rms_norm,
+    gemv_silu_and_mul,
+    heuristic_config,
+)
+
+logger = logging.getLogger(__name__)
+
+MODES = ("measure", "fused", "unfused")
+MARGIN = 0.03  # the Triton GEMV must beat the unfused path by 3% (a step adds its noise)
+BUDGET_S = 1.0  # seconds of timed trials per process
+CACHE_VERSION = 1
+EPS = 1e-5
+TOLERANCE = 2e-2  # a candidate whose output differs from the unfused one never wins
+_BLOCK_NS = (1, 2, 4, 8, 16)
+_BLOCK_KS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class GemvPolicyError(ValueError):
+    """ATOM_GEMV_POLICY or ATOM_GEMV_TRIAL_BUDGET_S holds something unusable."""
+
+
+@dataclass(frozen=True)
+class GemvSite:
+    """A batch-1 linear layer's shape: weight [rows, in_features] (rows = 2 * intermediate
+    with the SiLU * up epilogue), with or without the RMSNorm prologue."""
+
+    in_features: int
+    rows: int
+    silu_mul: bool
+    norm: bool
+    dtype: str  # "bfloat16", "float32", ...
+
+    def label(self) -> str:
+        parts = [f"{self.in_features}x{self.rows}"]
+        parts += ["silu"] * self.silu_mul + ["norm"] * self.norm
+        return "+".join(parts) + f" {self.dtype}"
+
+
+@dataclass
+class GemvChoice:
+    """What a site runs: ``config`` the Triton GEMV's tile, None the unfused path."""
+
+    config: GemvConfig | None
+    reason: str
+    source: str  # "measured", "cached", "fallback", "forced"
+    unfused_us: float | None = None
+    fused_us: float | None = None  # the best candidate's
+    candidates: dict = field(default_factory=dict)  # label -> us
+
+
+def candidates(site: GemvSite) -> list[GemvConfig]:
+    """A few tiles per shape: one or two output rows per program (many programs, the
+    weight streamed once) with K chunks of up to 1024, 1 to 8 warps, and the heuristic's
+    choice (atom/kernels/gemv.py). The winners of the H200 sweep on the 1B and 135M shapes
+    are of this family (atom/benchmarks/gemv_sweep.py, docs/benchmarks.md)."""
+    block_k = max(64, min(1024, 1 << math.ceil(math.log2(max(site.in_features, 1)))))
+    rows = site.rows // 2 if site.silu_mul else site.rows
+    out = [
+        GemvConfig(1, block_k, 1 if site.silu_mul else 2, 1),
+        GemvConfig(1, block_k, 4, 1),
+        GemvConfig(min(2, rows), block_k, 8, 1),
+        heuristic_config(site.in_features, site.rows, site.silu_mul),
+    ]
+    return list(dict.fromkeys(out))
+
+
+def valid_config(values) -> GemvConfig | None:
+    """A tile read from the cache, or None where it cannot be one of ours."""
+    if not isinstance(values, list) or len(values) != 4:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    block_n, block_k, warps, stages = values
+    if block_n not in _BLOCK_NS or block_k not in _BLOCK_KS:
+        return None
+    if warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
+        return None
+    return GemvConfig(block_n, block_k, warps, stages)
+
+
+def default_cache_path() -> str:
+    root = os.environ.get("ATOM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "atom"
+    )
+    return os.path.join(root, "gemv_policy.json")
+
+
+def cuda_seconds_per_call(run: Callable, weights: list, calls: int, replays: int) -> float:
+    """Median over ``replays`` replays of one CUDA graph of ``calls`` calls rotating over
+    ``weights``, per call (the in-graph launch gaps included, as in the decode graph)."""
+    calls = max(calls, len(weights))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            run(weights[i % len(weights)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / calls
+
+
+class GemvPolicy:
+    """The per-process choices of the batch-1 GEMV sites (see the module docstring).
+
+    ``timer(run, weights, calls, replays) -> seconds per call`` times a candidate (a test
+    passes its own; with it the trial also runs on CPU tensors, under the interpreter).
+    """
+
+    def __init__(
+        self,
+        mode: str = "measure",
+        cache_path: str | None = None,
+        budget_s: float = BUDGET_S,
+        timer: Callable | None = None,
+        calls: int = 8,
+        replays: int = 5,
+        rotation_bytes: int | None = None,
+    ):
+        if mode not in MODES:
+            raise GemvPolicyError(f"ATOM_GEMV_POLICY={mode!r}: use one of {', '.join(MODES)}")
+        self.mode = mode
+        self.cache_path = cache_path
+        self.budget_s = budget_s
+        self.timer = timer
+        self.calls, self.replays = calls, replays
+        self.rotation_bytes = rotation_bytes
+        self.spent_s = 0.0  # timed trials so far
+        self.compile_s = 0.0  # compiling candidates (not in the budget)
+        self.choices: dict[tuple, GemvChoice] = {}  # (cache key) -> choice
+        self._cache: dict | None = None  # the file's entries, read once
+
+    @classmethod
+    def from_env(cls) -> GemvPolicy:
+        mode = os.environ.get("ATOM_GEMV_POLICY", "measure").strip().lower() or "measure"
+        raw = os.environ.get("ATOM_GEMV_TRIAL_BUDGET_S", "").strip()
+        try:
+            budget = float(raw) if raw else BUDGET_S
+        except ValueError:
+            raise GemvPolicyError(
+                f"ATOM_GEMV_TRIAL_BUDGET_S={raw!r}: seconds of timed trials, e.g. 1.0"
+            ) from None
+        return cls(mode, default_cache_path(), budget)
+
+    # -- the decision ----------------------------------------------------------------------
+    def config_for(
+        self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False
+    ) -> GemvConfig | None:
+        """The Triton GEMV's tile for this layer at one row, or None: the unfused path."""
+        if not fits_gemv(x, weight):
+            return None
+        if self.mode == "unfused":
+            return None
+        site = GemvSite(weight.shape[1], weight.shape[0], silu_mul, norm, _dtype_name(x))
+        if self.mode == "fused":
+            return heuristic_config(site.in_features, site.rows, site.silu_mul)
+        key = self._key(site, x.device)
+        choice = self.choices.get(key)
+        if choice is None:
+            choice = self._decide(site, key, x.device, weight)
+            if choice is None:  # inside a graph capture: nothing may be timed there
+                return None
+            self.choices[key] = choice
+            logger.info("GEMV policy: %s -> %s", site.label(), _describe(choice))
+        return choice.config
+
+    def tile(self, site: GemvSite, device: torch.device) -> GemvConfig | None:
+        """The chosen tile of a site decided before (None: unfused or not decided)."""
+        choice = self.choices.get(self._key(site, device))
+        return None if choice is None else choice.config
+
+    def _decide(self, site, key, device, weight) -> GemvChoice | None:
+        if self.timer is None and device.type != "cuda":
+            return GemvChoice(None, "no CUDA device: nothing to measure", "fallback")
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        cached = self._read_cached(key)
+        if cached is not None:
+            return cached
+        if self.spent_s >= self.budget_s:
+            return GemvChoice(None, f"trial budget of {self.budget_s:g} s spent", "fallback")
+        try:
+            choice = self._trial(site, weight)
+        except Exception as error:  # e.g. out of memory: the unfused path, measured next start
+            logger.warning("GEMV policy: the trial of %s failed: %r", site.label(), error)
+            return GemvChoice(None, f"trial failed: {error!r}"[:200], "fallback")
+        self._write_cached(key, choice)
+        return choice
+
+    def _trial(self, site: GemvSite, weight: torch.Tensor) -> GemvChoice:
+        """Time the unfused path and each candidate tile on copies of ``weight`` (enough
+        of them that the rotation does not fit in L2); keep the fastest candidate whose
+        output matches the unfused path's, if it beats it by MARGIN."""
+        weights = self._rotation(weight)
+        inputs = _TrialInputs(site, weight)
+        timer = self.timer or cuda_seconds_per_call
+        unfused = inputs.unfused()
+        expected = _first(unfused(weight)).float()
+        started = time.perf_counter()
+        unfused_us = 1e6 * timer(unfused, weights, self.calls, self.replays)
+        self.spent_s += time.perf_counter() - started
+        measured = {}
+        for config in candidates(site):
+            run = inputs.fused(config)
+            compiling = time.perf_counter()
+            got = _first(run(weight)).float()  # compiles this candidate (once)
+            self.compile_s += time.perf_counter() - compiling
+            if not bool(((got - expected).abs() <= TOLERANCE * (1 + expected.abs())).all()):
+                continue
+            started = time.perf_counter()
+            measured[config] = 1e6 * timer(run, weights, self.calls, self.replays)
+            self.spent_s += time.perf_counter() - started
+        table = {_label(c): round(us, 3) for c, us in measured.items()}
+        if not measured:
+            return GemvChoice(None, "no candidate matched the unfused output", "measured",
+                              unfused_us, None, table)  # fmt: skip
+        best = min(measured, key=measured.get)
+        speedup = unfused_us / measured[best]
+        if measured[best] <= unfused_us * (1 - MARGIN):
+            reason = f"Triton {_label(best)} {speedup:.2f}x the unfused path"
+            return GemvChoice(best, reason, "measured", unfused_us, measured[best], table)
+        reason = f"unfused: the best Triton tile {_label(best)} is {speedup:.2f}x"
+        return GemvChoice(None, reason, "measured", unfused_us, measured[best], table)
+
+    def _rotation(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        """``weight`` and enough copies that together they are twice the L2 (a call never
+        finds its weight in L2, as in a decode step); a weight past that alone."""
+        target = self.rotation_bytes
+        if target is None:
+            l2 = 50 << 20
+            if weight.is_cuda:
+                props = torch.cuda.get_device_properties(weight.device)
+                l2 = getattr(props, "L2_cache_size", l2) or l2
+            target = 2 * l2
+        nbytes = weight.numel() * weight.element_size()
+        copies = max(1, -(-target // max(nbytes, 1)))
+        return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+    # -- the cache -------------------------------------------------------------------------
+    def _key(self, site: GemvSite, device: torch.device) -> tuple:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        pdl = bool(current_fusions().pdl)
+        return (name, _triton_version(), torch.__version__, site.in_features, site.rows,
+                site.silu_mul, site.norm, site.dtype, pdl)  # fmt: skip
+
+    @staticmethod
+    def key_string(key: tuple) -> str:
+        return "|".join(str(part) for part in key)
+
+    def _entries(self) -> dict:
+        if self._cache is None:
+            self._cache = {}
+            if self.cache_path and os.path.exists(self.cache_path):
+                try:
+                    with open(self.cache_path) as f:
+                        data = json.load(f)
+                    if isinstance(data, dict) and data.get("version") == CACHE_VERSION:
+                        entries = data.get("entries")
+                        self._cache = entries if isinstance(entries, dict) else {}
+                    else:
+                        logger.warning("GEMV policy: %s is of another version: ignored",
+                                       self.cache_path)  # fmt: skip
+                except (OSError, ValueError) as error:
+                    logger.warning("GEMV policy: %s is unreadable (%r): ignored",
+                                   self.cache_path, error)  # fmt: skip
+        return self._cache
+
+    def _read_cached(self, key: tuple) -> GemvChoice | None:
+        entry = self._entries().get(self.key_string(key))
+        if not isinstance(entry, dict) or entry.get("key") != [*key]:
+            return None
+        unfused_us = entry.get("unfused_us")
+        if not isinstance(unfused_us, (int, float)) or not unfused_us > 0:
+            return None
+        if entry.get("choice") == "unfused":
+            config = None
+        else:
+            config = valid_config(entry.get("choice"))
+            if config is None:  # an impossible tile: measured again, never trusted
+                return None
+        reason = str(entry.get("reason", ""))[:200]
+        fused_us = (
+            entry.get("fused_us") if isinstance(entry.get("fused_us"), (int, float)) else None
+        )
+        return GemvChoice(config, reason, "cached", float(unfused_us), fused_us)
+
+    def _write_cached(self, key: tuple, choice: GemvChoice) -> None:
+        if not self.cache_path:
+            return
+        entries = self._entries()
+        entries[self.key_string(key)] = dict(
+            key=[*key],
+            choice="unfused" if choice.config is None else list(_label(choice.config)),
+            reason=choice.reason,
+            unfused_us=choice.unfused_us,
+            fused_us=choice.fused_us,
+            candidates={str(list(k)): v for k, v in choice.candidates.items()},
+        )
+        try:
+            os.makedirs(os.path.dirname(self.cache_path) or ".", exist_ok=True)
+            temporary = f"{self.cache_path}.{os.getpid()}.tmp"
+            with open(temporary, "w") as f:
+                json.dump(dict(version=CACHE_VERSION, entries=entries), f, indent=1)
+            os.replace(temporary, self.cache_path)  # readers see the old file or the new
+        except OSError as error:
+            logger.warning("GEMV policy: cannot write %s (%r)", self.cache_path, error)
+
+    # -- what was chosen -------------------------------------------------------------------
+    def report(self) -> list[dict]:
+        """One record per decided site: its shape, the choice, why, and its timings."""
+        rows = []
+        for key, choice in self.choices.items():
+            in_features, rows_, silu_mul, norm, dtype = key[3:8]
+            site = GemvSite(in_features, rows_, silu_mul, norm, dtype)
+            rows.append(dict(
+                site=site.label(), gpu=key[0], pdl=key[8],
+                choice="unfused" if choice.config is None else list(_label(choice.config)),
+                source=choice.source, reason=choice.reason,
+                unfused_us=_rounded(choice.unfused_us), fused_us=_rounded(choice.fused_us),
+            ))  # fmt: skip
+        return rows
+
+
+class _TrialInputs:
+    """x, a residual and a norm weight for one site, and its two paths as callables of
+    the weight."""
+
+    def __init__(self, site: GemvSite, weight: torch.Tensor):
+        self.site = site
+        generator = torch.Generator(weight.device).manual_seed(0)
+        k, dtype, device = site.in_features, weight.dtype, weight.device
+        self.x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
+        self.residual = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
+        self.norm_weight = torch.ones(k, device=device, dtype=dtype)
+
+    def unfused(self):
+        from atom.kernels.activation import silu_and_mul
+        from atom.kernels.rmsnorm import rms_norm
+
+        site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+
+        def run(weight):
+            h = rms_norm(x, norm_weight, EPS, residual)[0] if site.norm else x
+            out = F.linear(h, weight)
+            return silu_and_mul(out) if site.silu_mul else out
+
+        run.config = None  # the unfused path
+        return run
+
+    def fused(self, config: GemvConfig):
+        site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+
+        def run(weight):
+            if site.norm:
+                return gemv_rms_norm(x, residual, norm_weight, EPS, weight, site.silu_mul, config)
+            if site.silu_mul:
+                return gemv_silu_and_mul(x, weight, config)
+            return gemv(x, weight, config)
+
+        run.config = config  # which candidate (a test's timer reads it)
+        return run
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__
+
+
+def _first(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def _label(config: GemvConfig) -> tuple[int, int, int, int]:
+    return (config.block_n, config.block_k, config.num_warps, config.num_stages)
+
+
+def _rounded(us):
+    return None if us is None else round(us, 2)
+
+
+def _dtype_name(x: torch.Tensor) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _describe(choice: GemvChoice) -> str:
+    what = "unfused (cuBLAS)" if choice.config is None else f"Triton {_label(choice.config)}"
+    timings = ""
+    if choice.unfused_us is not None:
+        timings = f", unfused {choice.unfused_us:.1f} us"
+        if choice.fused_us is not None:
+            timings += f", best Triton {choice.fused_us:.1f} us"
+    return f"{what} [{choice.source}: {choice.reason}{timings}]"
+
+
+_policy: GemvPolicy | None = None
+
+
+def current_policy() -> GemvPolicy:
+    """The process's policy (from the environment at its first use)."""
+    global _policy
+    if _policy is None:
+        _policy = GemvPolicy.from_env()
+    return _policy
+
+
+def set_policy(policy: GemvPolicy | None) -> GemvPolicy | None:
+    """Replace the process's policy (tests, A/B benchmarks); returns the previous one.
+    None: the next use builds one from the environment again."""
+    global _policy
+    previous, _policy = _policy, policy
+    return previous
+
+
+def use_gemv(
+    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False
+) -> bool:
+    """Whether a fusion switch should run this layer as the Triton GEMV (the policy's
+    choice for its shape at one row)."""
+    return current_policy().config_for(x, weight, silu_mul, norm) is not None
+
+
+def chosen_tile(site: GemvSite, device: torch.device) -> GemvConfig | None:
+    """The policy's tile for a site it chose the Triton GEMV for (gemv_config's source)."""
+    policy = current_policy()
+    if policy.mode == "fused" or not policy.choices:
+        return None  # the heuristic's
+    return policy.tile(site, device)
