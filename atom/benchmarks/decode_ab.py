@@ -44,6 +44,7 @@ from contextlib import contextmanager
 import torch
 
 from atom.benchmarks import decode_profile
+from atom.benchmarks.model_shapes import MATRIX, hf_config
 from atom.fusions import Fusions
 from atom.kernels import decode_attention, gemv_policy
 
@@ -126,25 +127,21 @@ def graph_replay_us(llm, replays: int = 200) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("llama-3.2-1b", "smollm2-135m"), required=True)
+    parser.add_argument("--shape", choices=list(MATRIX), required=True)
     parser.add_argument("--variants", nargs="+", default=["default", "default"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
-    import transformers
-
     shape = f"{args.shape}-shape"
     run = types.SimpleNamespace(input_len=512, output_len=256, batch1_input_len=128,
                                 batch1_output_len=256, window_steps=64, profile_steps=30,
                                 top_kernels=6)  # fmt: skip
     bandwidth = decode_profile.streaming_bandwidth()
     torch.cuda.empty_cache()
-    params = decode_profile.shapes()[shape]
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
-        config = transformers.LlamaConfig(**params, architectures=["LlamaForCausalLM"])
-        config.save_pretrained(model_dir)
+        hf_config(args.shape).save_pretrained(model_dir)
         llm = decode_profile.build_engine(model_dir, run, Fusions.from_env())
         for name in args.variants:
             with variant(name):

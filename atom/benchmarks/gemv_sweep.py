@@ -452,8 +452,7 @@ def summarize(sweep: Sweep, layers: list[Layer], models: dict[str, dict]) -> dic
 def paste_block(table: dict, notes: dict, slower: set = frozenset()) -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [
-        f"# the best tiles (gemv_sweep, {gpu}, "
-        f"{time.strftime('%Y-%m-%d')})",
+        f"# the best tiles (gemv_sweep, {gpu}, {time.strftime('%Y-%m-%d')})",
         "GEMV_CONFIGS: dict[tuple[int, int, bool, bool, bool], tuple[int, int, int, int]] = {",
     ]
     for key, value in table.items():

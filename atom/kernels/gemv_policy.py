@@ -203,6 +203,16 @@ class GemvPolicy:
             ) from None
         return cls(mode, default_cache_path(), budget)
 
+    def start_engine(self) -> None:
+        """A new engine starts: its trials get the whole budget again."""
+        self.spent_s = self.compile_s = 0.0
+
+    def summary(self) -> str:
+        fused = sum(choice.config is not None for choice in self.choices.values())
+        return (f"{fused} of {len(self.choices)} batch-1 GEMV sites run the Triton GEMV "
+                f"(mode {self.mode}; trials {1e3 * self.spent_s:.0f} ms, compiling "
+                f"{self.compile_s:.1f} s; cache {self.cache_path})")  # fmt: skip
+
     # -- the decision ----------------------------------------------------------------------
     def config_for(
         self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False
@@ -299,7 +309,7 @@ class GemvPolicy:
 
     # -- the cache -------------------------------------------------------------------------
     def _key(self, site: GemvSite, device: torch.device) -> tuple:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        name = _device_name(device)
         pdl = bool(current_fusions().pdl)
         return (name, _triton_version(), torch.__version__, site.in_features, site.rows,
                 site.silu_mul, site.norm, site.dtype, pdl)  # fmt: skip
@@ -420,6 +430,17 @@ class _TrialInputs:
 
         run.config = config  # which candidate (a test's timer reads it)
         return run
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    """The GPU's name (part of every key; read once per device: eager steps ask often)."""
+    if device not in _DEVICE_NAMES:
+        cuda = device.type == "cuda"
+        _DEVICE_NAMES[device] = torch.cuda.get_device_name(device) if cuda else device.type
+    return _DEVICE_NAMES[device]
 
 
 def _triton_version() -> str:

@@ -104,3 +104,32 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
     with pytest.raises(SystemExit, match="unknown variant"):
         with decode_ab.variant("nope"):
             pass
+
+
+def test_shape_matrix_selection_and_table(capsys):
+    """`offline_throughput --shapes`: the named shapes (all of them when none is named),
+    each a config atom builds; one table row per shape from its four measurements."""
+    from atom.benchmarks import decode_profile, model_shapes, shape_matrix
+
+    names = decode_profile.selected_shapes([])
+    assert names[:5] == ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b",
+                         "smollm2-135m"] and len(names) == 7  # fmt: skip
+    assert decode_profile.selected_shapes(None) == list(decode_profile.KERNEL_SHAPES)
+    with pytest.raises(SystemExit, match="unknown shapes"):
+        decode_profile.selected_shapes(["gpt-5"])
+    assert model_shapes.hf_config("qwen2.5-7b").model_type == "qwen2"
+    assert model_shapes.hf_config("llama-3.1-8b").intermediate_size == 14336
+    step = dict(default=2.0, default_end=2.0, all_off=3.0, all_off_end=3.0)
+    records = {
+        label: dict(decode_ms_per_step=ms, weight_read_limit_ms=1.5, weight_bytes=6e9,
+                    gemv_sites_fused=2, gemv_sites=6)
+        for label, ms in step.items()
+    }  # fmt: skip
+    row = shape_matrix.matrix_row("llama-3.1-8b", records)
+    assert row["default_tok_s"] == 500.0 and row["all_off_tok_s"] == 333.3
+    assert row["default_over_all_off"] == 1.5 and row["default_of_limit"] == 0.75
+    assert row["all_off_of_limit"] == 0.5 and row["gemv_sites_fused"] == "2/6"
+    shape_matrix.print_matrix([row])
+    assert capsys.readouterr().err.splitlines()[-1].split() == [
+        "llama-3.1-8b", "500", "333", "1.500", "0.75", "0.50", "667", "2/6"
+    ]  # fmt: skip
