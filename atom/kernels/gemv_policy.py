@@ -105,8 +105,11 @@ class GemvChoice:
 def candidates(site: GemvSite) -> list[GemvConfig]:
     """A few tiles per shape: one or two output rows per program (many programs, the
     weight streamed once) with K chunks of up to 1024, 1 to 8 warps, and the heuristic's
-    choice (atom/kernels/gemv.py). The winners of the H200 sweep on the 1B and 135M shapes
-    are of this family (atom/benchmarks/gemv_sweep.py, docs/benchmarks.md)."""
+    choice (atom/kernels/gemv.py); with the norm prologue also 2 and 4 rows over narrower
+    chunks (each program reads x, the residual and the norm weight again). The winners of
+    the H200 sweep on the 1B and 135M shapes are of this family (gemv_sweep,
+    docs/benchmarks.md); on the H200 these tiles stream the 7-13B shapes' large matrices
+    at 85-96% of a streaming read, where the heuristic's wider tiles reached about half."""
     block_k = max(64, min(1024, 1 << math.ceil(math.log2(max(site.in_features, 1)))))
     rows = site.rows // 2 if site.silu_mul else site.rows
     out = [
@@ -115,6 +118,9 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
         GemvConfig(min(2, rows), block_k, 8, 1),
         heuristic_config(site.in_features, site.rows, site.silu_mul),
     ]
+    if site.norm:  # each program re-reads x (+ residual, norm weight): fewer, wider ones
+        out += [GemvConfig(min(2, rows), min(512, block_k), 2, 1),
+                GemvConfig(min(4, rows), min(256, block_k), 4, 1)]  # fmt: skip
     return list(dict.fromkeys(out))
 
 
