@@ -267,6 +267,7 @@ def gemv_config(
     on_gpu: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | None = None,
+    rope: bool = False,
 ) -> GemvConfig:
     """The launch geometry for a weight [out_features, in_features] (out_features counts the
     weight's rows: 2 * intermediate with ``silu_mul``). On the GPU: the tile the GEMV policy
@@ -277,7 +278,7 @@ def gemv_config(
     from atom.kernels.gemv_policy import GemvSite, chosen_tile
 
     dtype_name = str(dtype).removeprefix("torch.")
-    site = GemvSite(in_features, out_features, silu_mul, norm, dtype_name)
+    site = GemvSite(in_features, out_features, silu_mul, norm, dtype_name, rope)
     tile = chosen_tile(site, device or torch.device("cuda"))
     return tile if tile is not None else heuristic_config(in_features, out_features, silu_mul)
 
@@ -341,7 +342,7 @@ def _launch(
     in_features, out_features = x.shape[1], out.shape[1]
     if config is None:
         config = gemv_config(in_features, weight.shape[0], silu_mul, norm is not None,
-                             x.is_cuda, x.dtype, x.device)  # fmt: skip
+                             x.is_cuda, x.dtype, x.device, rope is not None)  # fmt: skip
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, None)
     if residual is None:  # never read
         residual = residual_out = x

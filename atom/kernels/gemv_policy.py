@@ -35,6 +35,7 @@ start-up log at INFO and ``--profile-kernels`` print it).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -56,6 +57,7 @@ from atom.kernels.gemv import (
     gemv_silu_and_mul,
     heuristic_config,
 )
+from atom.kernels.gemv_rope_kv import RopeKV, gemv_rope_kv
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +85,11 @@ class GemvSite:
     silu_mul: bool
     norm: bool
     dtype: str  # "bfloat16", "float32", ...
+    rope: bool = False  # q/k/v rows with RoPE and the KV write in the epilogue (gemv_rope_kv)
 
     def label(self) -> str:
         parts = [f"{self.in_features}x{self.rows}"]
-        parts += ["silu"] * self.silu_mul + ["norm"] * self.norm
+        parts += ["silu"] * self.silu_mul + ["norm"] * self.norm + ["rope_kv"] * self.rope
         return "+".join(parts) + f" {self.dtype}"
 
 
@@ -221,20 +224,28 @@ class GemvPolicy:
 
     # -- the decision ----------------------------------------------------------------------
     def config_for(
-        self, x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        silu_mul: bool = False,
+        norm: bool = False,
+        rope: RopeKV | None = None,
     ) -> GemvConfig | None:
-        """The Triton GEMV's tile for this layer at one row, or None: the unfused path."""
+        """The Triton GEMV's tile for this layer at one row, or None: the unfused path.
+        ``rope``: the qkv GEMV with the RoPE + KV-write epilogue (against the GEMV and
+        ``rotary_kv_write``; the trial writes no cache slot)."""
         if not fits_gemv(x, weight):
             return None
         if self.mode == "unfused":
             return None
-        site = GemvSite(weight.shape[1], weight.shape[0], silu_mul, norm, _dtype_name(x))
+        dtype = _dtype_name(x)
+        site = GemvSite(weight.shape[1], weight.shape[0], silu_mul, norm, dtype, rope is not None)
         if self.mode == "fused":
             return heuristic_config(site.in_features, site.rows, site.silu_mul)
         key = self._key(site, x.device)
         choice = self.choices.get(key)
         if choice is None:
-            choice = self._decide(site, key, x.device, weight)
+            choice = self._decide(site, key, x.device, weight, rope)
             if choice is None:  # inside a graph capture: nothing may be timed there
                 return None
             self.choices[key] = choice
@@ -246,7 +257,7 @@ class GemvPolicy:
         choice = self.choices.get(self._key(site, device))
         return None if choice is None else choice.config
 
-    def _decide(self, site, key, device, weight) -> GemvChoice | None:
+    def _decide(self, site, key, device, weight, rope=None) -> GemvChoice | None:
         if self.timer is None and device.type != "cuda":
             return GemvChoice(None, "no CUDA device: nothing to measure", "fallback")
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -257,19 +268,19 @@ class GemvPolicy:
         if self.spent_s >= self.budget_s:
             return GemvChoice(None, f"trial budget of {self.budget_s:g} s spent", "fallback")
         try:
-            choice = self._trial(site, weight)
+            choice = self._trial(site, weight, rope)
         except Exception as error:  # e.g. out of memory: the unfused path, measured next start
             logger.warning("GEMV policy: the trial of %s failed: %r", site.label(), error)
             return GemvChoice(None, f"trial failed: {error!r}"[:200], "fallback")
         self._write_cached(key, choice)
         return choice
 
-    def _trial(self, site: GemvSite, weight: torch.Tensor) -> GemvChoice:
+    def _trial(self, site: GemvSite, weight: torch.Tensor, rope=None) -> GemvChoice:
         """Time the unfused path and each candidate tile on copies of ``weight`` (enough
         of them that the rotation does not fit in L2); keep the fastest candidate whose
         output matches the unfused path's, if it beats it by MARGIN."""
         weights = self._rotation(weight)
-        inputs = _TrialInputs(site, weight)
+        inputs = _TrialInputs(site, weight, rope)
         timer = self.timer or cuda_seconds_per_call
         unfused = inputs.unfused()
         expected = _first(unfused(weight)).float()
@@ -318,7 +329,7 @@ class GemvPolicy:
         name = _device_name(device)
         pdl = bool(current_fusions().pdl)
         return (name, _triton_version(), torch.__version__, site.in_features, site.rows,
-                site.silu_mul, site.norm, site.dtype, pdl)  # fmt: skip
+                site.silu_mul, site.norm, site.dtype, pdl, site.rope)  # fmt: skip
 
     @staticmethod
     def key_string(key: tuple) -> str:
@@ -388,7 +399,7 @@ class GemvPolicy:
         rows = []
         for key, choice in self.choices.items():
             in_features, rows_, silu_mul, norm, dtype = key[3:8]
-            site = GemvSite(in_features, rows_, silu_mul, norm, dtype)
+            site = GemvSite(in_features, rows_, silu_mul, norm, dtype, key[9])
             rows.append(dict(
                 site=site.label(), gpu=key[0], pdl=key[8],
                 choice="unfused" if choice.config is None else list(_label(choice.config)),
@@ -400,25 +411,45 @@ class GemvPolicy:
 
 class _TrialInputs:
     """x, a residual and a norm weight for one site, and its two paths as callables of
-    the weight."""
+    the weight. A rope site's trial uses the step's RopeKV with no cache slot (-1)."""
 
-    def __init__(self, site: GemvSite, weight: torch.Tensor):
+    def __init__(self, site: GemvSite, weight: torch.Tensor, rope: RopeKV | None = None):
         self.site = site
         generator = torch.Generator(weight.device).manual_seed(0)
         k, dtype, device = site.in_features, weight.dtype, weight.device
         self.x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         self.residual = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         self.norm_weight = torch.ones(k, device=device, dtype=dtype)
+        self.rope = None
+        if rope is not None:  # nothing written: the trial must not touch the cache
+            self.rope = dataclasses.replace(
+                rope, slot_mapping=torch.full_like(rope.slot_mapping, -1)
+            )
 
     def unfused(self):
         from atom.kernels.activation import silu_and_mul
         from atom.kernels.rmsnorm import rms_norm
+        from atom.kernels.rotary_kv import rotary_kv_write
 
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+        rope = self.rope
 
         def run(weight):
             h = rms_norm(x, norm_weight, EPS, residual)[0] if site.norm else x
             out = F.linear(h, weight)
+            if rope is not None:
+                q_size, kv_size = (
+                    rope.num_q_heads * rope.head_dim,
+                    rope.num_kv_heads * rope.head_dim,
+                )
+                q, k, v = out.split([q_size, kv_size, kv_size], dim=-1)
+                heads = (rope.num_q_heads, rope.num_kv_heads, rope.num_kv_heads)
+                q, k, v = (
+                    t.view(1, n, rope.head_dim) for t, n in zip((q, k, v), heads, strict=True)
+                )
+                q = rotary_kv_write(rope.positions, q, k, v, rope.cos, rope.sin, rope.k_cache,
+                                    rope.v_cache, rope.slot_mapping)  # fmt: skip
+                return q.reshape(1, q_size)
             return silu_and_mul(out) if site.silu_mul else out
 
         run.config = None  # the unfused path
@@ -426,8 +457,12 @@ class _TrialInputs:
 
     def fused(self, config: GemvConfig):
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+        rope = self.rope
 
         def run(weight):
+            if rope is not None:
+                norm = (residual, norm_weight, EPS) if site.norm else None
+                return gemv_rope_kv(x, weight, rope, norm, config)
             if site.norm:
                 return gemv_rms_norm(x, residual, norm_weight, EPS, weight, site.silu_mul, config)
             if site.silu_mul:
@@ -503,11 +538,15 @@ def set_policy(policy: GemvPolicy | None) -> GemvPolicy | None:
 
 
 def use_gemv(
-    x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    silu_mul: bool = False,
+    norm: bool = False,
+    rope: RopeKV | None = None,
 ) -> bool:
     """Whether a fusion switch should run this layer as the Triton GEMV (the policy's
-    choice for its shape at one row)."""
-    return current_policy().config_for(x, weight, silu_mul, norm) is not None
+    choice for its shape at one row; ``rope``: with the RoPE + KV-write epilogue)."""
+    return current_policy().config_for(x, weight, silu_mul, norm, rope) is not None
 
 
 def chosen_tile(site: GemvSite, device: torch.device) -> GemvConfig | None:

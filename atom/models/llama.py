@@ -125,15 +125,18 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
             and attention.qkv_proj.bias is None
-            and use_gemv(hidden, qkv_weight, norm=True)
             and norm.weight.dtype == hidden.dtype
         ):
             return super().forward(positions, hidden, residual)
         # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it,
-        # where the GEMV policy measured that GEMV faster (use_gemv); else the norm kernel and
-        # the MLP as without it.
+        # where the GEMV policy measured that GEMV faster (use_gemv: with the RoPE + KV
+        # epilogue where that runs); else the norm kernels and the MLP as without it.
         rope = attention.attn.rope_kv(positions, attention.rotary, attention.num_heads)
-        if rope is not None and rope.fits(hidden, qkv_weight):  # Fusions.gemv_rope_kv
+        if rope is not None and not rope.fits(hidden, qkv_weight):
+            rope = None
+        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope):
+            return super().forward(positions, hidden, residual)
+        if rope is not None:  # Fusions.gemv_rope_kv
             norm_args = (residual, norm.weight, norm.eps)
             q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args)
             hidden = attention.attend_cached(q)

@@ -282,3 +282,37 @@ def test_the_trial_compiles_each_candidate_once_on_gpu(tmp_path):
         gemv_policy.set_policy(previous)
     [record] = policy.report()
     assert record["unfused_us"] > 0 and (config is None) == (record["choice"] == "unfused")
+
+
+def test_a_rope_site_is_its_own_key_and_its_trial_writes_no_cache(tmp_path):
+    """The qkv GEMV with the RoPE + KV-write epilogue is measured against the GEMV and
+    rotary_kv_write (outputs compared on q), as a site of its own; the trial never writes
+    the step's cache slot."""
+    from atom.kernels.gemv_rope_kv import RopeKV
+
+    heads, kv_heads, head_dim = 2, 1, 16
+    rows = (heads + 2 * kv_heads) * head_dim
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(1, IN, generator=generator).to(DEVICE)
+    weight = (torch.randn(rows, IN, generator=generator) / 8).to(DEVICE)
+    angles = torch.arange(32.0)[:, None] * torch.linspace(0.1, 1.0, head_dim // 2)[None, :]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=1).to(DEVICE)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=1).to(DEVICE)
+    k_cache = torch.randn(2, 16, kv_heads, head_dim, generator=generator).to(DEVICE)
+    v_cache = torch.randn(2, 16, kv_heads, head_dim, generator=generator).to(DEVICE)
+    before = (k_cache.clone(), v_cache.clone())
+    slot = torch.tensor([5], device=DEVICE)
+    rope = RopeKV(torch.tensor([7], device=DEVICE), cos, sin, k_cache, v_cache, slot, heads,
+                  kv_heads, head_dim)  # fmt: skip
+    site = GemvSite(IN, rows, False, True, "float32", rope=True)
+    fastest = candidates(site)[0]
+    timer = FakeTimer(unfused_us=10.0, fused_us={fastest: 5.0})
+    policy = _policy(tmp_path, timer)
+    assert policy.config_for(x, weight, norm=True, rope=rope) == fastest
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    assert fastest in timer.calls  # its q matched the unfused path's
+    assert policy.report()[0]["site"] == site.label() and "rope_kv" in site.label()
+    # the same weight without the epilogue is another site, measured on its own
+    policy.timer = FakeTimer(unfused_us=10.0, other_us=12.0)
+    assert policy.config_for(x, weight, norm=True) is None
+    assert len(policy.report()) == 2
