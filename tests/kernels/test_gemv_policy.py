@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from atom.kernels import gemv_policy
+from atom.kernels import gemv_policy, gemv_trial
 from atom.kernels.gemv import gemv_reference, heuristic_config
 from atom.kernels.gemv_policy import GemvPolicy, GemvPolicyError, GemvSite, candidates
 
@@ -98,7 +98,7 @@ def test_a_candidate_that_computes_something_else_never_wins(tmp_path, monkeypat
     site = _site()
     tiles = candidates(site)
     broken = tiles[0]
-    real_fused = gemv_policy._TrialInputs.fused
+    real_fused = gemv_trial.TrialInputs.fused
 
     def fused(self, config):
         run = real_fused(self, config)
@@ -111,7 +111,7 @@ def test_a_candidate_that_computes_something_else_never_wins(tmp_path, monkeypat
         wrong.config = config
         return wrong
 
-    monkeypatch.setattr(gemv_policy._TrialInputs, "fused", fused)
+    monkeypatch.setattr(gemv_trial.TrialInputs, "fused", fused)
     timer = FakeTimer(unfused_us=10.0, fused_us={broken: 1.0, tiles[1]: 5.0})
     policy = _policy(tmp_path, timer)
     x, weight = _inputs()
