@@ -33,6 +33,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed or stopped; the request cannot complete."""
 
 
+class RequestFailedError(RuntimeError):
+    """This one request failed (finish reason "error"); the engine serves the others.
+    The message is for the client: what failed, never a traceback."""
+
+
 class RequestStream:
     """The StepOutputs of one request, in order, as an async iterator.
 
