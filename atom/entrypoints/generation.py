@@ -6,14 +6,10 @@ step) into `TextDelta`s and stops the request in the engine when a stop string a
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from atom.entrypoints.async_engine import AsyncEngine, RequestFailedError, RequestStream
-from atom.model_engine.failures import describe
-
-logger = logging.getLogger(__name__)
 
 _INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
 
@@ -141,16 +137,11 @@ async def text_deltas(
                     "has the details"
                 )
             before = len(detokenizer.text)
-            try:
-                detokenizer.add(output.new_token_ids)
-                if output.finished:
-                    detokenizer.finish()
-            except Exception as error:  # noqa: BLE001 - this request's own stage
-                logger.exception("request %s: detokenizing failed", stream.seq_id)
-                raise RequestFailedError(
-                    f"detokenizing the output failed ({describe(error)}); the server log "
-                    "has the details"
-                ) from None
+            # A detokenizer that raises fails this request alone (a 500 or an error event
+            # for its client, then its abort in `finally`); the engine never sees it.
+            detokenizer.add(output.new_token_ids)
+            if output.finished:
+                detokenizer.finish()
             text = detokenizer.text
             cut = stops.find(text, before) if stop else None
             extras = dict(

@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_MAX_DETAIL = 300  # characters of the exception's own message sent to the client
+_MAX_DETAIL = 300  # characters of an exception's message in a log line
 
 # Substrings of a RuntimeError's message that mean the device (or its library) failed.
 _DEVICE_MARKERS = (
@@ -46,9 +46,15 @@ class RequestFailed(Exception):
 
 
 def describe(error: BaseException) -> str:
-    """`Type: message`, short enough for a client's error body (never a traceback)."""
+    """`Type: message`, shortened, for the log."""
     text = f"{type(error).__name__}: {error}"
     return text if len(text) <= _MAX_DETAIL else text[: _MAX_DETAIL - 3] + "..."
+
+
+def client_message(stage: str, error: BaseException) -> str:
+    """What the failed request's client is told: the stage and the exception's type,
+    not its message (it may hold internals) and never a traceback; the log has both."""
+    return f"{stage} failed ({type(error).__name__})"
 
 
 def is_device_fault(error: BaseException) -> bool:

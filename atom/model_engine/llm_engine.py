@@ -14,7 +14,12 @@ from atom.config import Config
 from atom.gc_heap import frozen_heap
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
-from atom.model_engine.failures import RequestFailed, describe, is_device_fault
+from atom.model_engine.failures import (
+    RequestFailed,
+    client_message,
+    describe,
+    is_device_fault,
+)
 from atom.model_engine.logprobs import Logprob
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
@@ -33,6 +38,8 @@ from atom.sampling_params import SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+_BATCH_STAGE = "the step (model forward or sampler)"
+_DEVICE_FAULT = "the device failed"
 
 
 @dataclass
@@ -414,18 +421,18 @@ class LLMEngine:
             return self._complete(*step), True
         except Exception as error:
             if is_device_fault(error):
-                self._fail([step[0]] + ([later[0]] if later else []), describe(error))
+                self._fail([step[0]] + ([later[0]] if later else []), _DEVICE_FAULT)
                 raise
             logger.exception("reading a step's tokens failed; failing its requests")
             batches = [step[0]] + ([later[0]] if later else [])
-            return self._fail(batches, describe(error)), False
+            return self._fail(batches, client_message("reading the step's tokens", error)), False
 
     def _launch_failed(self, batch, error: Exception, isolating: bool) -> list[StepOutput]:
         """The launch of `batch` raised (nothing of it was counted as computed): fail the
         requests it is traced to; the others run again from where they were.
         `isolating`: `batch` was the first group of `_suspects`."""
         if is_device_fault(error):
-            self._fail([batch] + ([self._in_flight[0]] if self._in_flight else []), describe(error))  # fmt: skip
+            self._fail([batch] + ([self._in_flight[0]] if self._in_flight else []), _DEVICE_FAULT)  # fmt: skip
             raise error
         outputs = []
         if self._in_flight is not None:  # the step before: its tokens are good
@@ -439,10 +446,10 @@ class LLMEngine:
             self._suspects.pop(0)  # the group being isolated failed: split below
         if isinstance(error, RequestFailed):
             culprits = [s for s in live if s.seq_id in set(error.seq_ids)]
-            return outputs + self._fail_seqs(culprits, describe(error.cause))
+            return outputs + self._fail_seqs(culprits, client_message(error.stage, error.cause))
         if len(live) <= 1 or not self._can_isolate():
             logger.error("a step failed; failing its %d request(s)", len(live), exc_info=error)
-            return outputs + self._fail_seqs(live, describe(error))
+            return outputs + self._fail_seqs(live, client_message(_BATCH_STAGE, error))
         # Batch-wide (the forward, the sampler): retry the requests in halves, each step
         # alone, until the one that makes the step fail is alone (then it fails).
         logger.warning(
@@ -519,9 +526,13 @@ class LLMEngine:
                 logger.warning("request %d: the grammar refused token", seq.seq_id)
             if failure is not None:  # its matcher raised: that request fails, not the step
                 ids = set(failure.seq_ids)
-                failed = self._fail_seqs([s for s, _ in live if s.seq_id in ids], describe(failure.cause))  # fmt: skip
+                message = client_message(failure.stage, failure.cause)
+                failed = self._fail_seqs([s for s, _ in live if s.seq_id in ids], message)
         updated = self.scheduler.on_complete(batch, tokens)
         emitted = batch.emitted
+        # The token this step sampled sits at its placeholder's position: with
+        # asynchronous scheduling the next step's placeholder already follows it.
+        positions = {id(seq): position for seq, position in batch.sampled}
         outputs = failed
         for seq in updated:
             finished = seq.is_finished
@@ -529,7 +540,9 @@ class LLMEngine:
                 self.requests.pop(seq.seq_id, None)
                 self._release(seq)
             reason = seq.finish_reason.value if finished else None
-            new = emitted[seq.seq_id] if emitted is not None else [seq.last_token_id]
+            new = (
+                emitted[seq.seq_id] if emitted is not None else [seq.token_ids[positions[id(seq)]]]
+            )
             self.stats.generated_tokens += len(new)
             output = StepOutput(seq.seq_id, new, finished, reason)
             if seq.logprobs is not None:

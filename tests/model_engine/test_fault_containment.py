@@ -17,6 +17,7 @@ from atom.model_engine.failures import is_device_fault
 from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm, random_prompts
 
+BATCH_STAGE = "the step (model forward or sampler)"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MARK = 45_000  # in the culprit's prompt only (random_prompts draws ids in [100, 40000))
 OTHERS = random_prompts(29, [13, 40, 7, 22, 31])
@@ -106,7 +107,7 @@ def test_sampler_fault_fails_only_its_request(llm, expected, monkeypatch):
     monkeypatch.setattr(runner, "sampler", FaultySampler())
     results, culprit, ids = _run(llm.engine)
     assert batches.fired >= 2  # the whole batch, then the halves holding the culprit
-    _check(llm, expected, results, culprit, ids, "IndexError: injected sampler fault")
+    _check(llm, expected, results, culprit, ids, f"{BATCH_STAGE} failed (IndexError)")
 
 
 def test_model_forward_fault_fails_only_its_request(llm, expected, monkeypatch):
@@ -123,7 +124,7 @@ def test_model_forward_fault_fails_only_its_request(llm, expected, monkeypatch):
     monkeypatch.setattr(model, "forward", faulty_forward)
     results, culprit, ids = _run(llm.engine)
     assert len(fired) >= 2
-    _check(llm, expected, results, culprit, ids, "RuntimeError: injected forward fault")
+    _check(llm, expected, results, culprit, ids, f"{BATCH_STAGE} failed (RuntimeError)")
 
 
 @pytest.mark.parametrize("method", ["fill_next_token_bitmask", "accept_token"])
@@ -156,7 +157,7 @@ def test_grammar_matcher_fault_fails_only_its_request(llm, expected, method):
     params = SamplingParams(temperature=0.0, max_tokens=12, json_object=True)
     results, culprit, ids = _run(llm.engine, params, setup)
     assert fired
-    _check(llm, expected, results, culprit, ids, f"injected {method} fault")
+    _check(llm, expected, results, culprit, ids, "the grammar matcher failed (RuntimeError)")
     assert llm.engine._num_structured == 0 and llm.engine._num_planned == 0
 
 
@@ -169,7 +170,7 @@ def test_bad_sampling_state_fails_only_its_request(llm, expected):
 
     params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=1)
     results, culprit, ids = _run(llm.engine, params, setup)
-    _check(llm, expected, results, culprit, ids, "stop_token_ids holds token id 100000")
+    _check(llm, expected, results, culprit, ids, "sampling-state setup failed (SamplingStateError)")
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_by_generate(llm):
@@ -191,3 +192,15 @@ def test_device_faults_are_told_apart():
     assert is_device_fault(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_device_fault(RuntimeError("injected forward fault"))
     assert not is_device_fault(IndexError("index 100000 is out of bounds"))
+
+
+def test_step_outputs_carry_the_sampled_tokens(llm, expected):
+    """Each StepOutput holds the token its step sampled (with asynchronous scheduling the
+    next step's placeholder already follows it: it was sent as -1 before)."""
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in OTHERS]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.seq_id] += out.new_token_ids
+    assert [tokens[i] for i in ids] == expected
