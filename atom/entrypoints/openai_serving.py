@@ -39,7 +39,7 @@ from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from atom.model_engine.structured_output import InvalidGrammarError
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import SamplingParamError, SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -253,9 +253,10 @@ class OpenAIServing:
                     "this model was loaded without a tokenizer: send token ids", param="prompt"
                 )
             return self.llm.tokenize(prompt)
-        vocab = self.llm.hf_config.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        try:
+            check_token_ids("prompt", prompt, self.llm.hf_config.vocab_size)
+        except SamplingParamError as error:
+            raise OpenAIError(str(error), param=error.param) from None
         return prompt
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
