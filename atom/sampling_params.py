@@ -31,7 +31,8 @@ def check_token_ids(param: str, token_ids, vocab_size: int) -> None:
         if not 0 <= token_id < vocab_size:
             raise SamplingParamError(
                 param,
-                f"token id {token_id} is outside the model's vocabulary [0, {vocab_size})",
+                f"token ids must be in the model's vocabulary [0, {vocab_size}); "
+                f"token id {token_id} is not",
             )
 
 

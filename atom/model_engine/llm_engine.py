@@ -464,8 +464,14 @@ class LLMEngine:
 
     def _can_isolate(self) -> bool:
         """Whether a failed step may be retried in parts: one process (no ranks that went
-        ahead with the step) and no speculative state that the step advanced."""
-        return self.speculator is None and not isinstance(self.model_runner, DistributedRunner)
+        ahead with the step), no speculative state that the step advanced, and no
+        per-sequence state (a recurrent state, a window ring) that a half-run forward may
+        have advanced; paged KV is rewritten in place by the retry."""
+        return (
+            self.speculator is None
+            and not isinstance(self.model_runner, DistributedRunner)
+            and self.block_manager.state_slots is None
+        )
 
     def _suspect_group(self) -> set[Sequence] | None:
         """The running requests of the group being isolated, or None (a normal step)."""

@@ -57,7 +57,11 @@ def test_token_ids_outside_the_vocabulary_are_400s(server, reference):
     assert status == 400, body
     _assert_error(body, "invalid_request_error")
     assert body["error"]["param"] == "stop_token_ids"
-    assert "token id 100000 is outside the model's vocabulary" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert message == (
+        f"stop_token_ids: token ids must be in the model's vocabulary [0, {vocab}); "
+        "token id 100000 is not"
+    )
     cases = [
         ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [2**40]}, "stop_token_ids"),
         ("/v1/completions", {"prompt": [5, vocab]}, "prompt"),
@@ -74,7 +78,8 @@ def test_token_ids_outside_the_vocabulary_are_400s(server, reference):
         )
         assert status == 400, (fields, body)
         assert body["error"]["param"] == param, body
-        assert f"token id {fields.get('stop_token_ids', [vocab])[0]}" in body["error"]["message"]
+        bad = fields.get("stop_token_ids", [vocab])[0]
+        assert f"vocabulary [0, {vocab}); token id {bad} is not" in body["error"]["message"]
     assert raw_request(server, "GET", "/health")[0] == 200
     status, after = _complete(server, PROMPTS[0], 6, ignore_eos=True)
     assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]

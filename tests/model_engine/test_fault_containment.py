@@ -179,13 +179,44 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_generate(llm):
         "stop_token_ids": SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[100_000]),
         "logit_bias": SamplingParams(max_tokens=4, logit_bias={vocab: 1.0}),
     }
+    in_vocab = rf"token ids must be in the model's vocabulary \[0, {vocab}\); token id"
     for field, params in cases.items():
-        with pytest.raises(ValueError, match=f"^{field}: token id .* outside the model's vocab"):
+        with pytest.raises(ValueError, match=f"^{field}: {in_vocab}"):
             llm.generate(["Hello"] if llm.tokenizer else [[5, 6]], params, use_tqdm=False)
-    with pytest.raises(ValueError, match=f"^prompt: token id {vocab} is outside"):
+    with pytest.raises(ValueError, match=f"^prompt: {in_vocab} {vocab} is not"):
         llm.generate([[5, vocab]], SamplingParams(max_tokens=2), use_tqdm=False)
-    with pytest.raises(ValueError, match="^stop_token_ids: token id 1099511627776 is outside"):
+    with pytest.raises(ValueError, match=f"^stop_token_ids: {in_vocab} 1099511627776 is not"):
         llm.generate([[5, 6]], SamplingParams(stop_token_ids=[2**40]), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_failed_read_fails_its_step_and_the_engine_goes_on(llm, expected, monkeypatch):
+    """Reading a step's tokens raises (not a device fault): the requests of that step (and,
+    asynchronously, of the step launched on its tokens) fail; `step` does not raise, and
+    requests added afterwards get their reference tokens."""
+    from atom.model_engine import model_runner
+
+    engine = llm.engine
+    victims = [engine.add_request(p, GREEDY) for p in OTHERS[:2]]
+    engine.step()  # their prefill (in flight when asynchronous)
+    real_result = model_runner.StepHandle.result
+
+    def broken(self):
+        raise KeyError("lost tokens")
+
+    monkeypatch.setattr(model_runner.StepHandle, "result", broken)
+    outputs = engine.step()
+    if not outputs:  # synchronous: the prefill was read; this step's read failed
+        outputs = engine.step()
+    monkeypatch.setattr(model_runner.StepHandle, "result", real_result)
+    failed = {o.seq_id: o for o in outputs if o.finish_reason == "error"}
+    assert set(failed) == set(victims)
+    assert all("reading the step's tokens failed (KeyError)" in o.error for o in failed.values())
+    assert not engine.has_unfinished()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    again = llm.generate(OTHERS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in again] == expected
 
 
 def test_device_faults_are_told_apart():
