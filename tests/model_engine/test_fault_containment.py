@@ -235,3 +235,25 @@ def test_step_outputs_carry_the_sampled_tokens(llm, expected):
         for out in engine.step():
             tokens[out.seq_id] += out.new_token_ids
     assert [tokens[i] for i in ids] == expected
+
+
+def test_without_isolation_a_batch_fault_fails_the_step(llm, expected, monkeypatch):
+    """Where a failed step cannot be retried in parts (ranks, speculation, per-sequence
+    state), a batch-wide fault fails every request of that step, and only those."""
+    model = llm.engine.model_runner.model
+    forward = model.forward
+
+    def faulty_forward(input_ids, positions, *rest):
+        if (input_ids == MARK).any():
+            raise RuntimeError("injected forward fault")
+        return forward(input_ids, positions, *rest)
+
+    monkeypatch.setattr(model, "forward", faulty_forward)
+    monkeypatch.setattr(llm.engine, "_can_isolate", lambda: False)
+    results, culprit, ids = _run(llm.engine)
+    assert {results[i][1] for i in [culprit, *ids]} == {"error"}  # one step held them all
+    assert all(f"{BATCH_STAGE} failed (RuntimeError)" in results[i][2] for i in ids)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    again = llm.generate(OTHERS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in again] == expected
