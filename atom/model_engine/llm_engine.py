@@ -536,9 +536,7 @@ class LLMEngine:
                 failed = self._fail_seqs([s for s, _ in live if s.seq_id in ids], message)
         updated = self.scheduler.on_complete(batch, tokens)
         emitted = batch.emitted
-        # The token this step sampled sits at its placeholder's position: with
-        # asynchronous scheduling the next step's placeholder already follows it.
-        positions = {id(seq): position for seq, position in batch.sampled}
+        positions = None  # id(seq) -> position of the token this step sampled
         outputs = failed
         for seq in updated:
             finished = seq.is_finished
@@ -546,9 +544,14 @@ class LLMEngine:
                 self.requests.pop(seq.seq_id, None)
                 self._release(seq)
             reason = seq.finish_reason.value if finished else None
-            new = (
-                emitted[seq.seq_id] if emitted is not None else [seq.token_ids[positions[id(seq)]]]
-            )
+            if emitted is not None:
+                new = emitted[seq.seq_id]
+            else:
+                new = [seq.token_ids[-1]]
+                if new[0] == PLACEHOLDER_TOKEN:  # the next step (asynchronous) follows it
+                    if positions is None:
+                        positions = {id(s): position for s, position in batch.sampled}
+                    new = [seq.token_ids[positions[id(seq)]]]
             self.stats.generated_tokens += len(new)
             output = StepOutput(seq.seq_id, new, finished, reason)
             if seq.logprobs is not None:
