@@ -199,7 +199,7 @@ class SamplingRequest(_UnicodeChecked):
             raise ValueError("must map token ids (as strings) to numbers")
         for bias in value.values():
             _number(bias)
-            if not math.isfinite(bias):  # NaN would be clamped to -100 without a word
+            if isinstance(bias, float) and not math.isfinite(bias):  # NaN: no silent -100
                 raise ValueError(f"biases must be finite numbers, got {bias}")
         return value
 

@@ -52,6 +52,9 @@ def test_nan_logit_bias_is_a_400(server, reference):
         status, error = raw_request(server, "POST", "/v1/completions", body)
         _assert_400(status, error, "logit_bias")
         assert "finite" in error["error"]["message"]
+    huge = '{"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": 1' + "0" * 400 + "}}"
+    status, error = raw_request(server, "POST", "/v1/completions", huge)  # not a float
+    assert status == 400 and error["error"]["param"].startswith("logit_bias"), error
     # A finite bias outside [-100, 100] is still clamped, as OpenAI and vLLM do.
     [expected] = greedy(reference, PROMPTS[0], 4, ignore_eos=True, logit_bias={5: -100.0})
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
