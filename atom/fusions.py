@@ -61,11 +61,13 @@ batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 8
                                            K / V before it waits (atom/kernels/pdl.py;
                                            Hopper or newer).
 
-The three GEMV switches run the one-row kernel of atom/kernels/gemv.py (batch-1 decode, as
-in the decode graph of batch size 1; `gemv_wins`), except for the shapes the sweep measured
-slower than cuBLAS; more rows keep cuBLAS. Each layer shape's tiles come from
-atom/kernels/gemv_configs.py (`python3 -m atom.benchmarks.gemv_sweep` on the H200 says
-which shapes beat cuBLAS, and gives the table).
+The three GEMV switches allow the one-row kernel of atom/kernels/gemv.py (batch-1 decode,
+as in the decode graph of batch size 1); whether a layer takes it, and with which tile, is
+measured per layer shape, GPU, dtype and Triton version when the engine first runs it
+(atom/kernels/gemv_policy.py: a short timed trial against the unfused cuBLAS path under
+CUDA graphs, cached on disk). Where cuBLAS streams the weight faster (the 7-8B shapes'
+large matrices) the layer keeps the unfused path with the switch on, and so do the PDL
+chains (only a Triton GEMV joins one); more rows keep cuBLAS.
 
 The residual add was already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
 PreNormDecoderLayer); `norm_gemv` goes one step further and folds the norm into the next

@@ -15,6 +15,27 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 
 
+class SamplingParamError(ValueError):
+    """A sampling value is refused; `param` names the request field (the server's 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def check_token_ids(param: str, token_ids, vocab_size: int) -> None:
+    """Raise SamplingParamError unless every id of `token_ids` is in [0, vocab_size)."""
+    for token_id in token_ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise SamplingParamError(param, f"token ids must be integers, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise SamplingParamError(
+                param,
+                f"token ids must be in the model's vocabulary [0, {vocab_size}); "
+                f"token id {token_id} is not",
+            )
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
@@ -166,6 +187,12 @@ class SamplingParams:
             or self.prompt_logprobs is not None
             or self.structured
         )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every token id the request carries (stop_token_ids, logit_bias) must index the
+        model's vocabulary: SamplingParamError naming the field otherwise."""
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("logit_bias", self.logit_bias or (), vocab_size)
 
     @property
     def greedy(self) -> bool:

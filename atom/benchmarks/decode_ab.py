@@ -14,10 +14,10 @@ kernels included, none of the host's work). Speed-ups are against the mean of th
 named ``default`` in the run (list it first and last: the drift of the machine).
 
 Variants:
-    default               the engine as configured (atom/fusions.py, gemv_configs.py)
-    mlp_norm_fused        1B: the MLP's RMSNorm in the gate/up GEMV (off GEMV_SLOWER),
-                          tiles (8, 128, 1, 1) from the sweep; mlp_norm_fused_bn1: (1, 1024, 1, 1)
-    qkv_norm_prev_tiles   1B: the qkv+norm GEMV with its earlier tiles (2, 1024, 4, 1)
+    default               the engine as configured (atom/fusions.py; the GEMV policy of
+                          atom/kernels/gemv_policy.py measures each layer shape)
+    gemv_fused            every batch-1 linear layer that fits runs the Triton GEMV (its
+                          heuristic tile: ATOM_GEMV_POLICY=fused); gemv_unfused: none does
     split_4_tiles         decode attention splits of >= 4 tiles (the earlier policy)
     splits<N>             N context splits at batch 1 (N in 1, 2, 4, 8, 13, 16, 32)
     decode_merge          Fusions.decode_merge on (the in-kernel split merge);
@@ -44,22 +44,17 @@ from contextlib import contextmanager
 import torch
 
 from atom.benchmarks import decode_profile
+from atom.benchmarks.model_shapes import MATRIX, hf_config
 from atom.fusions import Fusions
-from atom.kernels import decode_attention, gemv_configs
+from atom.kernels import decode_attention, gemv_policy
 
-MLP_NORM_1B = (2048, 16384, True, True, True)
-QKV_NORM_1B = (2048, 3072, False, True, True)
 PDL_KNOBS = ("ATOM_PDL_RELEASE", "ATOM_PDL_KERNELS")
 
 
 def _apply(name: str, pick) -> None:
     """One variant's change (see the module docstring); `pick`: the split policy's own."""
-    if name.startswith("mlp_norm_fused"):
-        gemv_configs.GEMV_SLOWER.discard(MLP_NORM_1B)
-        tiles = (1, 1024, 1, 1) if name.endswith("_bn1") else (8, 128, 1, 1)
-        gemv_configs.GEMV_CONFIGS[MLP_NORM_1B] = tiles
-    elif name == "qkv_norm_prev_tiles":
-        gemv_configs.GEMV_CONFIGS[QKV_NORM_1B] = (2, 1024, 4, 1)
+    if name in ("gemv_fused", "gemv_unfused"):
+        gemv_policy.set_policy(gemv_policy.GemvPolicy(name.removeprefix("gemv_")))
     elif name == "split_4_tiles":
         decode_attention._pick_num_splits = lambda q, kv, ctx, _: pick(q, kv, ctx, 4 * 64)
     elif name.startswith("splits"):
@@ -83,9 +78,9 @@ def _apply(name: str, pick) -> None:
 
 @contextmanager
 def variant(name: str):
-    """Apply variant `name` (module tables, the split policy, PDL knobs) for its block;
+    """Apply variant `name` (the GEMV policy, the split policy, PDL knobs) for its block;
     `a+b` applies both."""
-    configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
+    policy = gemv_policy.current_policy()
     pick, merged_tiles = decode_attention._pick_num_splits, decode_attention.MERGED_SPLIT_TILES
     early_kv = decode_attention.PDL_EARLY_KV
     knobs = {k: os.environ.pop(k) for k in PDL_KNOBS if k in os.environ}
@@ -94,10 +89,7 @@ def variant(name: str):
             _apply(part, pick)
         yield
     finally:
-        gemv_configs.GEMV_CONFIGS.clear()
-        gemv_configs.GEMV_CONFIGS.update(configs)
-        gemv_configs.GEMV_SLOWER.clear()
-        gemv_configs.GEMV_SLOWER.update(slower)
+        gemv_policy.set_policy(policy)
         decode_attention._pick_num_splits = pick
         decode_attention.MERGED_SPLIT_TILES = merged_tiles
         decode_attention.PDL_EARLY_KV = early_kv
@@ -135,25 +127,21 @@ def graph_replay_us(llm, replays: int = 200) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("llama-3.2-1b", "smollm2-135m"), required=True)
+    parser.add_argument("--shape", choices=list(MATRIX), required=True)
     parser.add_argument("--variants", nargs="+", default=["default", "default"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
-    import transformers
-
     shape = f"{args.shape}-shape"
     run = types.SimpleNamespace(input_len=512, output_len=256, batch1_input_len=128,
                                 batch1_output_len=256, window_steps=64, profile_steps=30,
                                 top_kernels=6)  # fmt: skip
     bandwidth = decode_profile.streaming_bandwidth()
     torch.cuda.empty_cache()
-    params = decode_profile.shapes()[shape]
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:
-        config = transformers.LlamaConfig(**params, architectures=["LlamaForCausalLM"])
-        config.save_pretrained(model_dir)
+        hf_config(args.shape).save_pretrained(model_dir)
         llm = decode_profile.build_engine(model_dir, run, Fusions.from_env())
         for name in args.variants:
             with variant(name):

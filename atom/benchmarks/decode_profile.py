@@ -42,33 +42,35 @@ import time
 
 import torch
 
+from atom.benchmarks.model_shapes import SMOLLM2_135M  # noqa: F401 (other benchmarks')
 from atom.fusions import Fusions, names
-
-SMOLLM2_135M = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def shapes() -> dict[str, dict]:
-    from atom.benchmarks.offline_throughput import LLAMA_32_1B
+# the shapes --profile-kernels and --ablate measure unless --shapes names others
+KERNEL_SHAPES = ("llama-3.2-1b", "smollm2-135m")
 
-    return {"llama-3.2-1b-shape": LLAMA_32_1B, "smollm2-135m-shape": SMOLLM2_135M}
+
+def shapes() -> dict[str, dict]:
+    """'<name>-shape' -> config fields, every shape of model_shapes.MATRIX."""
+    from atom.benchmarks.model_shapes import MATRIX
+
+    return {f"{name}-shape": fields for name, (_, fields) in MATRIX.items()}
+
+
+def selected_shapes(names: list[str] | None, default=KERNEL_SHAPES) -> list[str]:
+    """The shape names to run: `names` (all of the matrix when empty), else `default`."""
+    from atom.benchmarks.model_shapes import MATRIX
+
+    if names is None:
+        return list(default)
+    unknown = [name for name in names if name not in MATRIX]
+    if unknown:
+        raise SystemExit(f"unknown shapes {unknown}; known: {list(MATRIX)}")
+    return list(names) or list(MATRIX)
 
 
 def streaming_bandwidth(gib: int = 4) -> dict[str, float]:
@@ -311,8 +313,34 @@ def print_top_kernels(label: str, record: dict) -> None:
         print(f"  {us:>8.1f} us {count:>6.1f}x  {name}", file=sys.stderr)
 
 
+def print_policy(shape: str, report: list[dict]) -> None:
+    """The GEMV policy's choice per batch-1 linear layer shape, and why."""
+    print(f"\n{shape}: GEMV policy (atom/kernels/gemv_policy.py)", file=sys.stderr)
+    for row in report:
+        choice = "unfused" if row["choice"] == "unfused" else f"Triton {tuple(row['choice'])}"
+        print(f"  {row['site']:<28}{choice:<26}{row['source']:<9}{row['reason']}",
+              file=sys.stderr)  # fmt: skip
+
+
+def policy_record() -> dict:
+    """What the process's GEMV policy decided since it was (re)built: per site, and the
+    time its trials took."""
+    from atom.kernels import gemv_policy
+
+    policy = gemv_policy.current_policy()
+    report = policy.report()
+    return dict(
+        gemv_policy=report,
+        gemv_sites_fused=sum(row["choice"] != "unfused" for row in report),
+        gemv_sites=len(report),
+        gemv_trial_s=round(policy.spent_s, 3),
+        gemv_compile_s=round(policy.compile_s, 2),
+    )
+
+
 def run(args) -> int:
-    import transformers
+    from atom.benchmarks.model_shapes import hf_config
+    from atom.kernels import gemv_policy
 
     if args.ablate_throughput and not (args.ablate or args.profile_kernels):
         throughput_ablation(args)
@@ -327,14 +355,18 @@ def run(args) -> int:
             gpu=torch.cuda.get_device_name(),
         )
     )
+    if getattr(args, "matrix", False):
+        from atom.benchmarks.shape_matrix import run_matrix
+
+        run_matrix(args, bandwidth)
+        return 0
     configs = configurations(args.ablate)
     if args.ablate and args.configs:  # a subset of the ablation, in its order
         configs = [(label, fusions) for label, fusions in configs if label in args.configs]
     suggested = {}
-    for shape, params in shapes().items():
-        if args.shapes and shape.split("-shape")[0] not in args.shapes:
-            continue
-        config = transformers.LlamaConfig(**params, architectures=["LlamaForCausalLM"])
+    for name in selected_shapes(args.shapes):
+        shape, config = f"{name}-shape", hf_config(name)
+        gemv_policy.set_policy(None)  # a fresh policy (the disk cache stays): its report
         records = []
         with tempfile.TemporaryDirectory() as model_dir:
             config.save_pretrained(model_dir)
@@ -342,6 +374,8 @@ def run(args) -> int:
             for label, fusions in configs:
                 record = measure(llm, shape, fusions, args, bandwidth)
                 record["config"] = label
+                if label == "default":
+                    record.update(policy_record())
                 emit(record)
                 records.append((label, record))
             llm.engine.shutdown()
@@ -352,6 +386,8 @@ def run(args) -> int:
         for label, record in records:
             if label in ("baseline", "all", "default"):
                 print_top_kernels(label, record)
+            if "gemv_policy" in record:
+                print_policy(shape, record["gemv_policy"])
         if args.ablate:
             base = baseline_ms(records)
             suggested[shape] = [

@@ -178,8 +178,8 @@ def instrumented(clock: PhaseClock):
         return call
 
     def note_scheduled(fn):
-        def call(self):
-            batch = fn(self)
+        def call(self, *args, **kwargs):
+            batch = fn(self, *args, **kwargs)
             if batch is not None:
                 clock.decode_only &= batch.is_decode_only
             return batch

@@ -4,8 +4,10 @@ For every batch-1 linear layer of the Llama-3.2-1B and SmolLM2-135M shapes (bf16
 token) this times the unfused path the engine runs today (cuBLAS ``F.linear`` plus atom's
 separate ``rms_norm`` / ``silu_and_mul`` kernels: what a fusion replaces) against the
 one-row Triton GEMV (atom/kernels/gemv.py ``_gemv_row_kernel``) over a grid of launch
-geometries, and prints the best geometry per layer as a ready-to-paste GEMV_CONFIGS
-(atom/kernels/gemv_configs.py). GPU only, one process, about 2-3 minutes on an H200
+geometries, and prints the best geometry per layer as a GEMV_CONFIGS dict (a diagnostic:
+the engine measures its own tiles and choices, atom/kernels/gemv_policy.py; a geometry that
+wins here can join that module's `candidates`). GPU only, one process, about 2-3 minutes on
+an H200
 (``--budget-s`` bounds it: once spent, the refinement stages are skipped).
 
 Layers (`layer`), each keyed as in GEMV_CONFIGS by (in_features, weight rows, silu_mul,
@@ -450,8 +452,7 @@ def summarize(sweep: Sweep, layers: list[Layer], models: dict[str, dict]) -> dic
 def paste_block(table: dict, notes: dict, slower: set = frozenset()) -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     lines = [
-        f"# paste over GEMV_CONFIGS in atom/kernels/gemv_configs.py (gemv_sweep, {gpu}, "
-        f"{time.strftime('%Y-%m-%d')})",
+        f"# the best tiles (gemv_sweep, {gpu}, {time.strftime('%Y-%m-%d')})",
         "GEMV_CONFIGS: dict[tuple[int, int, bool, bool, bool], tuple[int, int, int, int]] = {",
     ]
     for key, value in table.items():

@@ -3,11 +3,16 @@
     python -m atom.benchmarks.offline_throughput --num-prompts 256 --input-len 512 --output-len 256
     python -m atom.benchmarks.offline_throughput --profile-kernels   # batch-1 kernels per step
     python -m atom.benchmarks.offline_throughput --ablate            # each fusion on / off
+    python -m atom.benchmarks.offline_throughput --shapes            # the batch-1 shape matrix
 
 Random weights in the Llama-3.2-1B shape (bf16, CUDA), random prompt token ids,
 ignore_eos. Prints one JSON line per measurement and a summary with the ratios.
 `--profile-kernels` and `--ablate` measure batch-1 decode of the Llama-3.2-1B and
-SmolLM2-135M shapes kernel by kernel instead (atom/benchmarks/decode_profile.py).
+SmolLM2-135M shapes kernel by kernel instead (atom/benchmarks/decode_profile.py), or of
+the shapes `--shapes` names. `--shapes` alone (names or none: every shape of
+atom/benchmarks/model_shapes.py) runs the shape matrix instead: batch-1 decode with the
+defaults and with every fusion off per shape, side by side, with each one's fraction of
+the weight-read limit (atom/benchmarks/shape_matrix.py).
 """
 
 from __future__ import annotations
@@ -21,28 +26,7 @@ import time
 
 import torch
 
-LLAMA_32_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    tie_word_embeddings=True,
-    bos_token_id=128000,
-    eos_token_id=128001,
-)
+from atom.benchmarks.model_shapes import LLAMA_32_1B  # noqa: F401 (other benchmarks')
 
 
 def emit(record: dict) -> None:
@@ -222,7 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the throughput workload with every fusion off and with the defaults",
     )
     kernels.add_argument(
-        "--shapes", nargs="*", default=None, help="llama-3.2-1b and/or smollm2-135m (default both)"
+        "--shapes",
+        nargs="*",
+        default=None,
+        help="shapes of atom/benchmarks/model_shapes.py (llama-3.2-1b llama-3.2-3b llama-3.1-8b "
+        "qwen2.5-7b smollm2-135m qwen2.5-1.5b llama-2-13b; none named: all). Alone: the "
+        "batch-1 shape matrix (defaults vs all-off); with --profile-kernels / --ablate: "
+        "the shapes they measure (default llama-3.2-1b smollm2-135m)",
     )
     kernels.add_argument(
         "--configs",
@@ -237,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
-    if args.profile_kernels or args.ablate or args.ablate_throughput:
+    args.matrix = args.shapes is not None and not (
+        args.profile_kernels or args.ablate or args.ablate_throughput
+    )
+    if args.matrix or args.profile_kernels or args.ablate or args.ablate_throughput:
         from atom.benchmarks import decode_profile
 
         return decode_profile.run(args)

@@ -2,8 +2,8 @@
 shorten a chain of batch-1 GEMVs replayed from one CUDA graph?
 
 Each layer runs the one-row GEMVs of the Llama-3.2-1B (16 layers) or SmolLM2-135M (30
-layers) shape with the tiles of atom/kernels/gemv_configs.py, each reading the previous
-one's output. The variants: PDL (`gdc_launch_dependents` first, `gdc_wait` before the first
+layers) shape with gemv_config's tiles (the GEMV policy's, else the heuristic's), each
+reading the previous one's output. The variants: PDL (`gdc_launch_dependents` first, `gdc_wait` before the first
 dependent access), PDL with the first weight tile loaded before the wait (the weight never
 depends on the previous kernel), the prefetch alone, and PDL with a non-PDL torch kernel
 in each layer. One JSON line each: device us per chain, the ratio against the plain chain

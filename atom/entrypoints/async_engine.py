@@ -8,7 +8,9 @@ the running batch at the next step (continuous batching); when none is alive the
 sleeps until a command wakes it.
 
 Step outputs travel back with `loop.call_soon_threadsafe`, once per step and event loop,
-into each request's asyncio queue (`RequestStream`).
+into each request's asyncio queue (`RequestStream`). A request that failed alone ends
+with finish reason "error" like any other output; the thread stops only when `step`
+raises (a device fault: docs/architecture.md, "Failure containment").
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed or stopped; the request cannot complete."""
+
+
+class RequestFailedError(RuntimeError):
+    """This one request failed (finish reason "error"); the engine serves the others.
+    The message is for the client: what failed, never a traceback."""
 
 
 class RequestStream:
@@ -184,8 +191,10 @@ class AsyncEngine:
             with frozen_heap():  # collections while it serves skip the start-up heap
                 self._serve()
         except BaseException as error:
-            logger.exception("the engine thread failed; failing every live request")
+            # Only a device fault or an engine bookkeeping error gets here (LLMEngine.step
+            # contains the failures of single requests): /health turns 503 at once.
             self.error = error
+            logger.exception("the engine thread failed; failing every live request")
         finally:
             with self._lock:
                 self._accepting = False

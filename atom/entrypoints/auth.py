@@ -1,9 +1,13 @@
 """API-key authentication: `--api-key KEY` (or `ATOM_API_KEY`).
 
-With a key, every `/v1/*` request needs `Authorization: Bearer KEY`; otherwise it is a 401
-in OpenAI's error shape. /health, /metrics, /version and the tokenizer endpoints stay
-open, as in vLLM. Without a key the server is open, as before. Keys are compared in
-constant time.
+With a key, every `/v1/*` request, and the API's own description (`/docs`, `/redoc`,
+`/openapi.json`), needs `Authorization: Bearer KEY`; otherwise it is a 401 in OpenAI's
+error shape. /health, /metrics, /version and the tokenizer endpoints stay open, as in
+vLLM. Without a key the server is open, as before.
+
+The scheme is case-insensitive (`bearer`, `BEARER`: RFC 7235). The key is compared as
+UTF-8 bytes against the header's raw bytes, in constant time, so a non-ASCII key matches
+a client that sends it in UTF-8 (the decoded header would be latin-1).
 """
 
 from __future__ import annotations
@@ -14,18 +18,36 @@ from fastapi import FastAPI, Request
 
 from atom.entrypoints.openai_errors import INVALID_REQUEST, OpenAIError, error_response
 
+# Paths that need the key: the API, and what describes it (FastAPI's generated pages).
+_PROTECTED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
+
+
+def _needs_key(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in _PROTECTED_PREFIXES)
+
+
+def _bearer_token(request: Request) -> bytes | None:
+    """The raw bytes after `Bearer ` in the Authorization header, or None."""
+    for name, value in request.headers.raw:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer":
+                return token.strip()
+            return None
+    return None
+
 
 def require_api_key(app: FastAPI, api_key: str | None) -> None:
     if not api_key:
         return
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode("utf-8")
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if request.method == "OPTIONS" or not request.url.path.startswith("/v1"):
+        if request.method == "OPTIONS" or not _needs_key(request.url.path):
             return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        given = _bearer_token(request)
+        if given is None or not hmac.compare_digest(given, expected):
             error = OpenAIError(
                 "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                 status=401,

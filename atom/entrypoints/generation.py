@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from atom.entrypoints.async_engine import AsyncEngine, RequestStream
+from atom.entrypoints.async_engine import AsyncEngine, RequestFailedError, RequestStream
 
 _INCOMPLETE = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
 
@@ -65,6 +65,20 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.token_ids)
 
+    def tokens_for(self, length: int) -> int:
+        """The fewest leading output tokens whose text holds the first `length` characters
+        (all of them without a tokenizer)."""
+        if self.tokenizer is None or length <= 0:
+            return 0 if self.tokenizer is not None else len(self.token_ids)
+        low, high = 1, len(self.token_ids)  # binary search: a prefix's text only grows
+        while low < high:
+            middle = (low + high) // 2
+            if len(self._decode(self.token_ids[:middle])) >= length:
+                high = middle
+            else:
+                low = middle + 1
+        return high
+
     def finish(self) -> None:
         if self.tokenizer is None:
             return
@@ -99,6 +113,9 @@ class TextDelta:
     logprobs: list | None = None  # Logprob of each of token_ids, when asked for
     prompt_logprobs: list | None = None  # on the first delta, when asked for
     queue_seconds: float | None = None  # on the first delta: arrival to first step
+    # Set when a stop string cut the text: the output tokens that make up the text; those
+    # sent in earlier deltas past it are to be dropped (a stop string spanning tokens).
+    num_kept_tokens: int | None = None
 
 
 async def text_deltas(
@@ -114,7 +131,14 @@ async def text_deltas(
     sent = 0  # characters of detokenizer.text already yielded
     try:
         async for output in stream if outputs is None else outputs:
+            if output.finish_reason == "error":
+                raise RequestFailedError(
+                    f"the request failed in the engine ({output.error}); the server log "
+                    "has the details"
+                )
             before = len(detokenizer.text)
+            # A detokenizer that raises fails this request alone (a 500 or an error event
+            # for its client, then its abort in `finally`); the engine never sees it.
             detokenizer.add(output.new_token_ids)
             if output.finished:
                 detokenizer.finish()
@@ -127,9 +151,15 @@ async def text_deltas(
             )
             if cut is not None:
                 engine.abort(stream, reason="stop")
-                yield TextDelta(
-                    text[sent:cut], output.new_token_ids, len(detokenizer.token_ids), "stop", **extras
-                )  # fmt: skip
+                # The tokens (and their logprobs) end with the one that completes text[:cut]:
+                # those past the cut belong to the stop string, which the text leaves out.
+                kept = detokenizer.tokens_for(cut)
+                new = output.new_token_ids
+                keep = max(0, len(new) - (len(detokenizer.token_ids) - kept))
+                if extras["logprobs"] is not None:
+                    extras["logprobs"] = extras["logprobs"][:keep]
+                count = len(detokenizer.token_ids)
+                yield TextDelta(text[sent:cut], new[:keep], count, "stop", num_kept_tokens=kept, **extras)  # fmt: skip
                 return
             if output.finished:
                 yield TextDelta(

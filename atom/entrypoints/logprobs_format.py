@@ -20,6 +20,8 @@ class TokenTexts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        # Special tokens keep their text in `tokens`, but the response text skips them.
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -47,7 +49,9 @@ class CompletionLogprobs:
             text = self.texts(token_id)
             tokens.append(text)
             offsets.append(self.offset)
-            self.offset += len(text)
+            # offsets index the choice's text, which decodes without special tokens
+            if token_id not in self.texts.special_ids:
+                self.offset += len(text)
             if entry is None:
                 values.append(None)
                 tops.append(None)

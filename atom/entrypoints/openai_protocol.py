@@ -10,6 +10,7 @@ a feature atom does not have (tools) is refused with a 400 that says so.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -25,7 +26,7 @@ from pydantic import (
 )
 
 from atom.entrypoints.request_limits import current_limits
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,8 @@ class SamplingRequest(_UnicodeChecked):
             raise ValueError("must map token ids (as strings) to numbers")
         for bias in value.values():
             _number(bias)
+            if isinstance(bias, float) and not math.isfinite(bias):  # NaN: no silent -100
+                raise ValueError(f"biases must be finite numbers, got {bias}")
         return value
 
     @model_validator(mode="after")
@@ -245,6 +248,11 @@ class SamplingRequest(_UnicodeChecked):
         """Raises ValueError (a 400) for values SamplingParams refuses. `options`: the
         endpoint's own SamplingParams fields (logprobs, prompt_logprobs, best_of)."""
         response_format = self.response_format
+        requested = self.requested_max_tokens
+        if requested is not None and self.min_tokens > requested:  # refused, as vLLM does
+            raise SamplingParamError(
+                "min_tokens", f"must be at most max_tokens ({requested}), got {self.min_tokens}"
+            )
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -253,6 +261,7 @@ class SamplingRequest(_UnicodeChecked):
             ignore_eos=self.ignore_eos,
             seed=self.seed,
             n=self.n,
+            # max_tokens left out: all the context leaves, which may be less than min_tokens
             min_tokens=min(self.min_tokens, max_tokens),
             stop_token_ids=list(self.stop_token_ids or []),
             presence_penalty=self.presence_penalty or 0.0,
@@ -323,6 +332,11 @@ class CompletionRequest(SamplingRequest):
         ):
             raise ValueError("must not be empty")
         return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens as the client gave it (None: the rest of the context)."""
+        return self.max_tokens
 
     @property
     def prompts(self) -> list[str | list[int]]:

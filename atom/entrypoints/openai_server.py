@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server: `python -m atom.entrypoints.openai_server [--model ...]`.
 
-    GET  /health                liveness (503 once the engine thread has died)
+    GET  /health                liveness (503 once the engine thread has died: a device fault)
     GET  /v1/models             the one served model
     POST /v1/completions        prompt text or token ids; stream with SSE
     POST /v1/chat/completions   messages through the model's chat template; stream with SSE
@@ -8,7 +8,8 @@
     POST /tokenize, /detokenize vLLM's tokenizer endpoints; GET /version
     GET  /metrics               Prometheus text format (prometheus_client)
 
---api-key KEY (or ATOM_API_KEY) makes /v1/* require `Authorization: Bearer KEY`.
+--api-key KEY (or ATOM_API_KEY) makes /v1/*, /docs and /openapi.json require
+`Authorization: Bearer KEY` (atom/entrypoints/auth.py).
 
 One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
 batch as they arrive. Listens on loopback only unless --host says otherwise. Request
@@ -212,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=envs.api_key(),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $ATOM_API_KEY; none: open)",
+        help="require 'Authorization: Bearer KEY' on /v1/*, /docs and /openapi.json "
+        "(default: $ATOM_API_KEY; none: open)",
     )
     return parser
 

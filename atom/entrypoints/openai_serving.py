@@ -33,7 +33,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from atom.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from atom.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
 from atom.entrypoints.generation import TextDelta, text_deltas
 from atom.entrypoints.grammar_compile import GrammarCompilePool
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
@@ -43,7 +48,7 @@ from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRe
 from atom.entrypoints.request_limits import AdmissionBudget, Reservation, ServerLimits
 from atom.model_engine.grammar_limits import check_schema
 from atom.model_engine.structured_output import InvalidGrammarError
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import SamplingParamError, SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -330,9 +335,10 @@ class OpenAIServing:
                     "this model was loaded without a tokenizer: send token ids", param="prompt"
                 )
             return self.llm.tokenize(prompt)
-        vocab = self.llm.hf_config.vocab_size
-        if not all(0 <= t < vocab for t in prompt):
-            raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        try:
+            check_token_ids("prompt", prompt, self.llm.hf_config.vocab_size)
+        except SamplingParamError as error:
+            raise OpenAIError(str(error), param=error.param) from None
         return prompt
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
@@ -376,9 +382,11 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         try:
-            return request.sampling_params(max_tokens, **options)
-        except ValueError as error:
-            raise OpenAIError(str(error)) from None
+            params = request.sampling_params(max_tokens, **options)
+            params.check_token_ids(self.llm.hf_config.vocab_size)  # before the engine sees them
+        except ValueError as error:  # SamplingParamError names the field
+            raise OpenAIError(str(error), param=getattr(error, "param", None)) from None
+        return params
 
     async def _check_grammar(self, params: SamplingParams) -> None:
         """An invalid json_schema, or one over the grammar limits, is a 400 before anything
@@ -534,12 +542,17 @@ class OpenAIServing:
                 result.logprobs += delta.logprobs or []
                 result.prompt_logprobs = result.prompt_logprobs or delta.prompt_logprobs
                 result.finish_reason = delta.finish_reason or result.finish_reason
+                if delta.num_kept_tokens is not None:  # a stop string cut the text
+                    del result.token_ids[delta.num_kept_tokens :]
+                    del result.logprobs[delta.num_kept_tokens :]
             return results
 
         try:
             return await _unless_disconnected(raw, gather())
         except EngineDeadError as error:
             raise _engine_dead(error) from None
+        except RequestFailedError as error:  # this request alone: the engine goes on
+            raise OpenAIError(str(error), status=500, type=SERVER_ERROR) from None
         finally:
             self._abort(streams)
 
@@ -550,7 +563,7 @@ class OpenAIServing:
             try:
                 async for event in events:
                     yield event
-            except EngineDeadError as error:
+            except (EngineDeadError, RequestFailedError) as error:
                 yield _sse(error_body(str(error), SERVER_ERROR))
             except Exception:
                 # Headers are sent: report in the stream, the trace only in the log.

@@ -19,14 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 import atom
 from atom.entrypoints.openai_errors import NOT_FOUND, OpenAIError
-from atom.entrypoints.openai_protocol import ChatMessage
+from atom.entrypoints.openai_protocol import ChatMessage, _UnicodeChecked
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_UnicodeChecked):  # a lone surrogate is a 400, not a tokenizer crash
     model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = None
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    # no messages: a chat template has nothing to render (a 400, not its IndexError)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 

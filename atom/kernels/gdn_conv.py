@@ -1,7 +1,8 @@
 """Causal depthwise conv1d + SiLU over the mixed q/k/v channels of a GDN layer.
 
 out[t, c] = silu(sum_j weight[c, j] * x[t - (K - 1) + j, c]), x before position 0 taken from
-the sequence's conv state: the last K - 1 inputs it has seen (zeros at its start).
+the sequence's conv state: the last K - 1 inputs it has seen (zeros at its start). SiLU is
+the config's `hidden_act`; any other is refused at load (atom/models/registry.py).
 
 Shapes: x ``[T, C]``; weight ``[C, K]``; conv_state ``[num_state_slots + 1, K - 1, C]`` in the
 model dtype, one row per state slot (atom/model_engine/state_slots.py), row -1 scratch for

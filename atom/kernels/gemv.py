@@ -8,7 +8,8 @@ is a kernel of its own; these kernels read the weight in one pass and write the 
 ``gemv_rms_norm`` also folds the RMSNorm before the layer (and its residual add) into the
 GEMV: each program normalises the input row itself, so a decoder layer's two norms launch
 nothing of their own. Used only with their Fusions switches (atom/fusions.py), at one row
-(batch-1 decode): more rows run the torch references (F.linear: cuBLAS, which a tl.dot
+(batch-1 decode), on the shapes where the GEMV policy measured them faster
+(atom/kernels/gemv_policy.py): more rows run the torch references (F.linear: cuBLAS, which a tl.dot
 GEMV for 2..16 rows lost to in the H200 ablation; that kernel is gone).
 
 Shapes and dtypes:
@@ -33,8 +34,9 @@ converted through shared memory, with barriers, every chunk). A small BLOCK_N gi
 programs (several per SM) to hide the memory latency without a split-K pass; NUM_STAGES > 1
 pipelines the K loop's loads through shared memory (cp.async: Triton pipelines no other
 loads than a dot's by itself, so num_stages alone changes nothing). Tiles, warps and stages
-come from ``gemv_config``: the per-shape table of atom/kernels/gemv_configs.py (filled from
-``python -m atom.benchmarks.gemv_sweep`` on the H200), else a heuristic.
+come from ``gemv_config``: the tile the GEMV policy measured for the shape at engine start
+(atom/kernels/gemv_policy.py, which also decides whether a layer runs this kernel at
+all), else a heuristic. ``python -m atom.benchmarks.gemv_sweep`` searches a wider grid.
 
 With the norm: x (+ residual) rounded to x's dtype as rms_norm does (program 0 writes
 x + residual, the next layer's residual stream); no prologue pass: the K loop that reads x
@@ -68,7 +70,6 @@ from dataclasses import dataclass
 import torch
 
 from atom.kernels import use_triton
-from atom.kernels.gemv_configs import GEMV_CONFIGS, GEMV_SLOWER
 from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
 from atom.kernels.pdl import pdl_launch, pdl_release, pdl_wait_and_release
 from atom.kernels.rmsnorm import rms_norm_reference
@@ -247,26 +248,39 @@ class GemvConfig:
 _NUM_SMS = 132
 
 
-def gemv_config(
-    in_features: int, out_features: int, silu_mul: bool, norm: bool, on_gpu: bool = True
-) -> GemvConfig:
-    """The launch geometry for a weight [out_features, in_features] (out_features counts the
-    weight's rows: 2 * intermediate with ``silu_mul``). On the GPU: GEMV_CONFIGS's entry for
-    (in_features, out_features, silu_mul, norm, True) when there is one (the H200 sweep's
-    best), else a heuristic."""
+def heuristic_config(in_features: int, out_features: int, silu_mul: bool) -> GemvConfig:
+    """A launch geometry from the shape alone: the largest BLOCK_N that still gives ~8
+    programs per SM, and ~8 KB of weight per tile (32 elements per thread of 4 warps)."""
     rows = out_features // 2 if silu_mul else out_features
-    if not on_gpu:  # the interpreter pays per program: few, big ones
-        return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
-    entry = GEMV_CONFIGS.get((in_features, out_features, silu_mul, norm, True))
-    if entry is not None:
-        return GemvConfig(*entry)
-    # The largest BLOCK_N that still gives ~8 programs per SM, and ~8 KB of
-    # weight per tile (32 elements per thread of 4 warps).
     block_n = 16
     while block_n > 1 and triton.cdiv(rows, block_n) < 8 * _NUM_SMS:
         block_n //= 2
     block_k = max(128, min(2048, 4096 // block_n, triton.next_power_of_2(in_features)))
     return GemvConfig(block_n, block_k, 4, 2 if in_features > block_k else 1)
+
+
+def gemv_config(
+    in_features: int,
+    out_features: int,
+    silu_mul: bool,
+    norm: bool,
+    on_gpu: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+    rope: bool = False,
+) -> GemvConfig:
+    """The launch geometry for a weight [out_features, in_features] (out_features counts the
+    weight's rows: 2 * intermediate with ``silu_mul``). On the GPU: the tile the GEMV policy
+    measured for this shape (atom/kernels/gemv_policy.py), else ``heuristic_config``."""
+    rows = out_features // 2 if silu_mul else out_features
+    if not on_gpu:  # the interpreter pays per program: few, big ones
+        return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
+    from atom.kernels.gemv_policy import GemvSite, chosen_tile
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    site = GemvSite(in_features, out_features, silu_mul, norm, dtype_name, rope)
+    tile = chosen_tile(site, device or torch.device("cuda"))
+    return tile if tile is not None else heuristic_config(in_features, out_features, silu_mul)
 
 
 def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -278,14 +292,6 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(1) == 1
         and weight.stride(1) == 1
     )
-
-
-def gemv_wins(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False, norm: bool = False) -> bool:  # fmt: skip
-    """Where a fusion switch should use the GEMV: ``fits_gemv`` (one row), and not a shape
-    the H200 sweep measured slower than the unfused cuBLAS path (GEMV_SLOWER)."""
-    if not fits_gemv(x, weight):
-        return False
-    return (weight.shape[1], weight.shape[0], silu_mul, norm, True) not in GEMV_SLOWER
 
 
 def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -> dict:
@@ -335,7 +341,8 @@ def _launch(
     assert weight.shape[1] == x.shape[1]
     in_features, out_features = x.shape[1], out.shape[1]
     if config is None:
-        config = gemv_config(in_features, weight.shape[0], silu_mul, norm is not None, x.is_cuda)
+        config = gemv_config(in_features, weight.shape[0], silu_mul, norm is not None,
+                             x.is_cuda, x.dtype, x.device, rope is not None)  # fmt: skip
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, None)
     if residual is None:  # never read
         residual = residual_out = x

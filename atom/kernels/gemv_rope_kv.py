@@ -110,10 +110,11 @@ def _rope_kv_epilogue(
     tl.store(v_cache_ptr + cache + HEAD_DIM // 2, y2, mask=written & ~rotated)
 
 
-def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, rope: RopeKV, norm: tuple | None = None):  # fmt: skip
+def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, rope: RopeKV, norm: tuple | None = None, config=None):  # fmt: skip
     """q [1, Hq * D] of ``x @ weight.T`` with k and v written to the caches (see the module
     docstring). ``norm`` = (residual or None, norm weight, eps): the RMSNorm (and residual
-    add) first, as ``gemv_rms_norm``; then returns (q, x + residual, or x)."""
+    add) first, as ``gemv_rms_norm``; then returns (q, x + residual, or x). ``config`` (a
+    GemvConfig) overrides ``gemv_config`` (the GEMV policy's trial)."""
     from atom.kernels import gemv
 
     if not use_triton(x):
@@ -121,11 +122,12 @@ def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, rope: RopeKV, norm: tupl
     assert rope.fits(x, weight), "one token, fused q | k | v rows, caches of x's dtype"
     q = torch.empty(1, rope.num_q_heads * rope.head_dim, dtype=x.dtype, device=x.device)
     if norm is None:
-        gemv._launch(x, weight, q, silu_mul=False, rope=rope)
+        gemv._launch(x, weight, q, silu_mul=False, config=config, rope=rope)
         return q
     residual, norm_weight, eps = norm
     residual_out = None if residual is None else torch.empty_like(x)
-    gemv._launch(x, weight, q, False, (residual, norm_weight, eps, residual_out), rope=rope)
+    norm_args = (residual, norm_weight, eps, residual_out)
+    gemv._launch(x, weight, q, False, norm_args, config, rope=rope)
     return q, x if residual is None else residual_out
 
 

@@ -11,7 +11,8 @@ Shapes and dtypes (T tokens, k experts per token, E experts, hidden H, intermedi
 
     out[t] = sum_j topk_weights[t, j] * down[e] @ act(gate_up[e] @ x[t]),  e = topk_ids[t, j]
     act(gate | up) = SiLU(gate) * up; with swiglu_limit L (DeepSeek-V4) gate is clamped to
-    at most L and up to [-L, L] first.
+    at most L and up to [-L, L] first. SiLU only: a config with another `hidden_act` is
+    refused at load (atom/models/registry.py).
 
 The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph capturable):
 1. ``_moe_align_kernel`` (one program): pair p = t * k + j goes to its expert's segment of
@@ -23,6 +24,8 @@ The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph ca
    both the gate and the up GEMM against its expert's weights and writes act(gate | up) in
    x's dtype, [T * k, I] by pair.
 3. ``_moe_down_kernel``: the down GEMM of those rows times the routing weight, [T * k, H].
+   With ``weight_before_down`` (DeepSeek-V4.1's order) step 2 multiplies its activation by
+   the routing weight (rounded to x's dtype) and step 3 only runs the GEMM.
 4. The sum over k (torch).
 Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
 past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
@@ -177,6 +180,7 @@ def _moe_gate_up_kernel(
     x_ptr,  # [T, H]
     gate_up_ptr,  # [E, 2I, H]
     out_ptr,  # [T * k, I] act(gate | up) by pair
+    topk_weights_ptr,  # [T * k], read with WEIGHT_FIRST
     sorted_pairs_ptr,
     block_experts_ptr,
     num_padded_ptr,
@@ -190,6 +194,7 @@ def _moe_gate_up_kernel(
     INTERMEDIATE: tl.constexpr,
     TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,  # act * routing weight (then rounded), for the down GEMM
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32), else "tf32" (unused for bf16)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -234,8 +239,12 @@ def _moe_gate_up_kernel(
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = silu * up
+    if WEIGHT_FIRST:
+        weight = tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0).to(tl.float32)
+        act = act.to(dtype).to(tl.float32) * weight[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    tl.store(out, (silu * up).to(dtype), mask=is_pair[:, None] & n_mask[None, :])
+    tl.store(out, act.to(dtype), mask=is_pair[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -254,6 +263,7 @@ def _moe_down_kernel(
     stride_out,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,  # the gate/up kernel applied the routing weight already
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -284,8 +294,10 @@ def _moe_down_kernel(
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
 
     dtype = out_ptr.dtype.element_ty
-    weight = tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0).to(tl.float32)
-    y = acc.to(dtype).to(tl.float32) * weight[:, None]
+    y = acc
+    if not WEIGHT_FIRST:
+        weight = tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0).to(tl.float32)
+        y = acc.to(dtype).to(tl.float32) * weight[:, None]
     out = out_ptr + pair_rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out, y.to(dtype), mask=is_pair[:, None] & n_mask[None, :])
 
@@ -320,12 +332,13 @@ def fused_moe(
     down_proj: torch.Tensor,
     swiglu_limit: float | None = None,
     tiles: MoeTiles | None = None,
+    weight_before_down: bool = False,
 ) -> torch.Tensor:
     """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
     torch reference otherwise. No host sync; fixed buffer sizes for a given T."""
     if not use_triton(x):
         return routed_experts_reference(
-            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit
+            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
         )
     num_tokens, hidden = x.shape
     num_experts, two_intermediate, _ = gate_up_proj.shape
@@ -351,6 +364,7 @@ def fused_moe(
         x,
         gate_up_proj,
         hidden_states,
+        topk_weights.reshape(-1),
         sorted_pairs,
         block_experts,
         num_padded,
@@ -364,6 +378,7 @@ def fused_moe(
         INTERMEDIATE=intermediate,
         TOP_K=top_k,
         HAS_LIMIT=swiglu_limit is not None,
+        WEIGHT_FIRST=weight_before_down,
         DOT_PRECISION=precision,
         BLOCK_M=tiles.block_m,
         BLOCK_N=block_n,
@@ -387,6 +402,7 @@ def fused_moe(
         per_pair.stride(0),
         HIDDEN=hidden,
         INTERMEDIATE=intermediate,
+        WEIGHT_FIRST=weight_before_down,
         DOT_PRECISION=precision,
         BLOCK_M=tiles.block_m,
         BLOCK_N=block_n,
@@ -417,10 +433,12 @@ def routed_experts_reference(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     swiglu_limit: float | None = None,
+    weight_before_down: bool = False,
 ) -> torch.Tensor:
     """Pure-torch routed experts: the (token, k) pairs sorted by expert, one GEMM pair per
     expert segment (work proportional to T * k). Reads the segment sizes on the host, so it
-    is not CUDA-graph capturable; ``fused_moe`` is."""
+    is not CUDA-graph capturable; ``fused_moe`` is. ``weight_before_down``: the weight
+    multiplies the activation (rounded to x's dtype) instead of the down GEMM's output."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(x)
     if num_tokens == 0:
@@ -437,7 +455,10 @@ def routed_experts_reference(
             continue
         rows = slice(start, start + count)
         hidden = swiglu_reference(F.linear(x[tokens[rows]], gate_up_proj[expert]), swiglu_limit)
-        y = F.linear(hidden, down_proj[expert]) * weights[rows]
+        if weight_before_down:
+            y = F.linear((hidden * weights[rows]).to(x.dtype), down_proj[expert])
+        else:
+            y = F.linear(hidden, down_proj[expert]) * weights[rows]
         # one add per expert, in expert order, like HF (one index_add_ over all the pairs
         # rounds a bf16 sum differently)
         out.index_add_(0, tokens[rows], y.to(x.dtype))

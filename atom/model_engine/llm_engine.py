@@ -15,6 +15,12 @@ from atom.config import Config
 from atom.gc_heap import frozen_heap
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.distributed_runner import DistributedRunner
+from atom.model_engine.failures import (
+    RequestFailed,
+    client_message,
+    describe,
+    is_device_fault,
+)
 from atom.model_engine.logprobs import Logprob
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
@@ -29,10 +35,12 @@ from atom.model_engine.state_slots import StateSlots
 from atom.model_engine.structured_output import GrammarBackend, accept_tokens
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
-from atom.sampling_params import SamplingParams
+from atom.sampling_params import SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+_BATCH_STAGE = "the step (model forward or sampler)"
+_DEVICE_FAULT = "the device failed"
 
 
 @dataclass
@@ -48,6 +56,7 @@ class StepOutput:
     prompt_logprobs: list[Logprob | None] | None = None
     num_cached_tokens: int = 0  # prefix-cache hits, set on the first output
     queue_seconds: float | None = None  # arrival to first step, set on the first output
+    error: str | None = None  # finish_reason "error": why (for the client; no traceback)
 
 
 @dataclass
@@ -180,6 +189,9 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         self._num_structured = 0  # live structured-output requests
         self._num_planned = 0  # live requests whose params need a SamplingPlan
+        # Groups of requests of a failed step, each retried in a step of its own until
+        # the request that makes the step fail is alone (failures.py); empty: normal steps.
+        self._suspects: list[list[Sequence]] = []
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and free the rendezvous port."""
@@ -251,11 +263,7 @@ class LLMEngine:
         token_ids = self.tokenize(prompt)
         if not token_ids or (isinstance(prompt, str) and not prompt):
             raise ValueError("prompt is empty")
-        vocab = self.hf_config.vocab_size
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
-        ):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        check_token_ids("prompt", token_ids, self.hf_config.vocab_size)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, more than max_model_len - 1 "
@@ -301,9 +309,7 @@ class LLMEngine:
             )
         if params.structured and self.tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer")
-        vocab = self.hf_config.vocab_size
-        if params.logit_bias and not all(t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        params.check_token_ids(self.hf_config.vocab_size)
         if params.min_tokens:
             stops = set(params.stop_token_ids)
             if not params.ignore_eos:
@@ -353,20 +359,27 @@ class LLMEngine:
         With asynchronous scheduling (CUDA default) step N+1 is scheduled and launched
         before step N's tokens are read, so the host works while the device computes;
         otherwise each step completes before `step` returns.
+
+        A failure is contained (atom/model_engine/failures.py): the requests it is traced
+        to finish with reason "error" (their StepOutput carries the message) and the
+        others go on. Only a device fault, or an error in the engine's own bookkeeping
+        (scheduler, block manager), is raised.
         """
         start = time.perf_counter()
         outputs = []
         speculator = self.speculator
         if self._in_flight is not None and speculator is not None:
             if speculator.needs_tokens(self._in_flight[0]):  # proposals need them now
-                in_flight, self._in_flight = self._in_flight, None
-                outputs = self._complete(*in_flight)
-        if self._in_flight is not None and self._num_structured:
-            # A grammar's next mask needs the token in flight: no overlap for now.
-            in_flight, self._in_flight = self._in_flight, None
-            outputs += self._complete(*in_flight)
+                outputs = self._complete_in_flight()
+        if self._in_flight is not None and (self._num_structured or self._suspects):
+            # A grammar's next mask needs the token in flight: no overlap for now. While
+            # failed requests are isolated, every step completes before the next.
+            outputs += self._complete_in_flight()
+        only = self._suspect_group()
         with profiling.stage("schedule"):
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(only)
+        if only is not None and batch is None:
+            self._suspects.pop(0)  # none of them can run now: they rejoin the others
         launched = None
         if batch is not None:
             batch.needs_sampling_plan = self._num_planned > 0
@@ -374,45 +387,137 @@ class LLMEngine:
             for seq in batch.grown or ():  # newly admitted sequences are among them
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = now
-            if self.speculator is not None:
-                with profiling.stage("propose"):
-                    self.speculator.propose(batch)
-            launched = (batch, self.model_runner.launch(batch))
+            try:
+                if self.speculator is not None:
+                    with profiling.stage("propose"):
+                        self.speculator.propose(batch)
+                launched = (batch, self.model_runner.launch(batch))
+            except Exception as error:  # noqa: BLE001 - contained below, or raised
+                return outputs + self._launch_failed(batch, error, only is not None)
             self.scheduler.on_launch(batch)
         # a verify step completes at once: the next step's proposals need its tokens
         keep_in_flight = (
-            launched is not None and self.async_scheduling and batch.draft_token_ids is None
+            launched is not None
+            and self.async_scheduling
+            and batch.draft_token_ids is None
+            and not self._suspects
         )
         in_flight, self._in_flight = self._in_flight, None  # not left set if it raises
-        try:
-            if in_flight is not None:
-                outputs += self._complete(*in_flight)
-                in_flight = None
-            if launched is not None and not keep_in_flight:
-                outputs += self._complete(*launched)
-        except BaseException:
-            # The tokens of the step read (and of the step launched after it, whose inputs
-            # come from them) are lost: finish those requests rather than emit placeholders.
-            self._fail([step[0] for step in (in_flight, launched) if step is not None])
-            raise
+        if in_flight is not None:
+            completed, read = self._complete_or_fail(in_flight, launched)
+            outputs += completed
+            if not read:
+                launched = None  # its requests failed with the step it depended on
+        if launched is not None and not keep_in_flight:
+            outputs += self._complete_or_fail(launched)[0]
+            if only is not None:
+                self._suspects.pop(0)  # the group ran without failing: acquitted
         if launched is not None:
             if keep_in_flight:
                 self._in_flight = launched
             self.stats.record(batch, time.perf_counter() - start)
         return outputs
 
-    def _fail(self, batches) -> None:
-        """Finish every live request of `batches` with reason "error", freeing its blocks
-        and dropping the placeholders of tokens that will never arrive."""
-        for batch in batches:
-            for seq in batch.seqs:
-                if seq.is_finished:
-                    continue
-                while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
-                    seq.token_ids.pop()
-                seq.pending_token = None
-                self.scheduler.finish(seq, FinishReason.ERROR)
-                self.requests.pop(seq.seq_id, None)
+    def _complete_in_flight(self) -> list[StepOutput]:
+        in_flight, self._in_flight = self._in_flight, None
+        return self._complete_or_fail(in_flight)[0]
+
+    def _complete_or_fail(self, step, later=None) -> tuple[list[StepOutput], bool]:
+        """Read `step`'s tokens: (outputs, True). If that fails (not a device fault), the
+        step's tokens are lost: its requests fail, and so do those of `later` (the step
+        launched after it, whose inputs come from them), neither retried: (outputs, False)."""
+        try:
+            return self._complete(*step), True
+        except Exception as error:
+            if is_device_fault(error):
+                self._fail([step[0]] + ([later[0]] if later else []), _DEVICE_FAULT)
+                raise
+            logger.exception("reading a step's tokens failed; failing its requests")
+            batches = [step[0]] + ([later[0]] if later else [])
+            return self._fail(batches, client_message("reading the step's tokens", error)), False
+
+    def _launch_failed(self, batch, error: Exception, isolating: bool) -> list[StepOutput]:
+        """The launch of `batch` raised (nothing of it was counted as computed): fail the
+        requests it is traced to; the others run again from where they were.
+        `isolating`: `batch` was the first group of `_suspects`."""
+        if is_device_fault(error):
+            self._fail([batch] + ([self._in_flight[0]] if self._in_flight else []), _DEVICE_FAULT)  # fmt: skip
+            raise error
+        outputs = []
+        if self._in_flight is not None:  # the step before: its tokens are good
+            outputs = self._complete_in_flight()
+        # A half-launched step may have assigned or counted sampling-state rows: rebuilt.
+        state = getattr(self.model_runner, "sampling_state", None)
+        if state is not None:
+            state.release(s.seq_id for s in batch.seqs)
+        live = [s for s in batch.seqs if not s.is_finished]
+        if isolating:
+            self._suspects.pop(0)  # the group being isolated failed: split below
+        if isinstance(error, RequestFailed):
+            culprits = [s for s in live if s.seq_id in set(error.seq_ids)]
+            return outputs + self._fail_seqs(culprits, client_message(error.stage, error.cause))
+        if len(live) <= 1 or not self._can_isolate():
+            logger.error("a step failed; failing its %d request(s)", len(live), exc_info=error)
+            return outputs + self._fail_seqs(live, client_message(_BATCH_STAGE, error))
+        # Batch-wide (the forward, the sampler): retry the requests in halves, each step
+        # alone, until the one that makes the step fail is alone (then it fails).
+        logger.warning(
+            "a step of %d requests failed (%s); isolating the request it is traced to",
+            len(live),
+            describe(error),
+            exc_info=error,
+        )
+        half = len(live) // 2
+        self._suspects[:0] = [live[:half], live[half:]]
+        return outputs
+
+    def _can_isolate(self) -> bool:
+        """Whether a failed step may be retried in parts: one process (no ranks that went
+        ahead with the step), no speculative state that the step advanced, and no
+        per-sequence state (a recurrent state, a window ring) that a half-run forward may
+        have advanced; paged KV is rewritten in place by the retry."""
+        return (
+            self.speculator is None
+            and not isinstance(self.model_runner, DistributedRunner)
+            and self.block_manager.state_slots is None
+        )
+
+    def _suspect_group(self) -> set[Sequence] | None:
+        """The running requests of the group being isolated, or None (a normal step)."""
+        while self._suspects:
+            group = {s for s in self._suspects[0] if not s.is_finished}
+            if group:
+                return group
+            self._suspects.pop(0)
+        return None
+
+    def _fail(self, batches, message: str) -> list[StepOutput]:
+        """Finish every live request of `batches` with reason "error"."""
+        seqs = {id(s): s for batch in batches for s in batch.seqs if not s.is_finished}
+        return self._fail_seqs(list(seqs.values()), message)
+
+    def _fail_seqs(self, seqs, message: str) -> list[StepOutput]:
+        """Finish `seqs` with reason "error": their blocks, state slot, sampling-state row
+        and grammar are freed, the placeholders of tokens that will never arrive dropped.
+        Returns their last StepOutputs (no tokens; `error` says why)."""
+        outputs = []
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            while seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                seq.token_ids.pop()
+            seq.pending_token = None
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            self.requests.pop(seq.seq_id, None)
+            self._release(seq)
+            logger.warning("request %d failed: %s", seq.seq_id, message)
+            outputs.append(
+                StepOutput(seq.seq_id, [], True, FinishReason.ERROR.value, error=message)
+            )
+        state = getattr(self.model_runner, "sampling_state", None)
+        if state is not None and outputs:
+            state.release(o.seq_id for o in outputs)
+        return outputs
 
     def _complete(self, batch, handle) -> list[StepOutput]:
         tokens = handle.result()
@@ -428,20 +533,34 @@ class LLMEngine:
                     seq.prompt_logprobs.update(enumerate(entries, start=first))
             rows = step_logprobs.sampled(tokens)
             sampled_logprobs = {id(batch.sampled[row][0]): lp for row, lp in rows.items()}
+        failed = []
         if self._num_structured:
             live = [(s, t) for (s, _), t in zip(batch.sampled, tokens, strict=True)]
-            for seq in accept_tokens([(s, t) for s, t in live if not s.is_finished]):
+            refused, failure = accept_tokens([(s, t) for s, t in live if not s.is_finished])
+            for seq in refused:
                 logger.warning("request %d: the grammar refused token", seq.seq_id)
+            if failure is not None:  # its matcher raised: that request fails, not the step
+                ids = set(failure.seq_ids)
+                message = client_message(failure.stage, failure.cause)
+                failed = self._fail_seqs([s for s, _ in live if s.seq_id in ids], message)
         updated = self.scheduler.on_complete(batch, tokens)
         emitted = batch.emitted
-        outputs = []
+        positions = None  # id(seq) -> position of the token this step sampled
+        outputs = failed
         for seq in updated:
             finished = seq.is_finished
             if finished:
                 self.requests.pop(seq.seq_id, None)
                 self._release(seq)
             reason = seq.finish_reason.value if finished else None
-            new = emitted[seq.seq_id] if emitted is not None else [seq.last_token_id]
+            if emitted is not None:
+                new = emitted[seq.seq_id]
+            else:
+                new = [seq.token_ids[-1]]
+                if new[0] == PLACEHOLDER_TOKEN:  # the next step (asynchronous) follows it
+                    if positions is None:
+                        positions = {id(s): position for s, position in batch.sampled}
+                    new = [seq.token_ids[positions[id(seq)]]]
             self.stats.generated_tokens += len(new)
             output = StepOutput(seq.seq_id, new, finished, reason)
             if seq.logprobs is not None:

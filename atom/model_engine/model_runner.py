@@ -31,6 +31,7 @@ from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.fusions import Fusions
+from atom.kernels import gemv_policy
 from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
@@ -124,9 +125,12 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = config.cuda_graph_batch_sizes or default_batch_sizes(config.max_num_seqs)
             sizes = [s for s in sizes if s <= config.max_num_seqs]
+            # the batch-1 graph's warm-up forward decides the GEMV policy's sites
+            gemv_policy.current_policy().start_engine()
             self.graphs = [self._decode_graphs(slot, sizes) for slot in self.slots]
             for graphs in self.graphs:
                 graphs.capture()
+            logger.info("GEMV policy: %s", gemv_policy.current_policy().summary())
         self.verify_graphs: list[VerifyGraphs] | None = None
         if self.graphs is not None and config.speculative_method is not None:
             self.verify_graphs = self._capture_verify_graphs(

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from atom.kernels import sampling as kernels
+from atom.model_engine.failures import guard_each
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN
 
 NULL_ROW = 0
@@ -155,17 +156,14 @@ class SamplingState:
         do not fit (then None is returned and `build_tensors` makes them directly)."""
         if not seqs:
             return StagedBuilds(0, 0, 0, 0, 0)
+        # Checked per request before anything is written: a bad row fails its request
+        # alone (failures.py), never an index out of the vocabulary on the device.
+        guard_each("the sampling-state setup", [(seq,) for seq in seqs], self._check_row)
         prompts, outputs, biases, stops = [], [], [], []
         for seq in seqs:
             p = seq.sampling_params
             prompts.append(seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else ())  # fmt: skip
-            output = seq.token_ids[seq.num_prompt_tokens :]
-            if PLACEHOLDER_TOKEN in output:
-                raise SamplingStateError(
-                    f"request {seq.seq_id}: its sampling state is rebuilt while a token is "
-                    "still in flight"
-                )
-            outputs.append(output)
+            outputs.append(seq.token_ids[seq.num_prompt_tokens :])
             biases.append(p.logit_bias or {})
             stops.append(p.all_stop_token_ids if p.min_tokens else ())
         sizes = [sum(len(x) for x in group) for group in (prompts, outputs, biases, stops)]
@@ -201,6 +199,36 @@ class SamplingState:
             entries[at : at + n, 2] = ids
             at += n
         return StagedBuilds(len(seqs), *sizes)
+
+    def _check_row(self, seq) -> None:
+        """Raise if a row of `seq` would index outside the vocabulary or hold a token
+        still in flight."""
+        if PLACEHOLDER_TOKEN in seq.token_ids[seq.num_prompt_tokens :]:
+            raise SamplingStateError(
+                f"request {seq.seq_id}: its sampling state is rebuilt while a token is "
+                "still in flight"
+            )
+        p, vocab = seq.sampling_params, self.vocab_size
+        for name, ids in (
+            ("logit_bias", p.logit_bias or ()),
+            ("stop_token_ids", p.all_stop_token_ids if p.min_tokens else ()),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise SamplingStateError(
+                    f"request {seq.seq_id}: {name} holds token id {bad[0]}, outside the "
+                    f"vocabulary [0, {vocab})"
+                )
+
+    def release(self, seq_ids) -> None:
+        """Forget the rows of `seq_ids` (a failed step may have assigned them without
+        building them, or counted tokens that never arrived): rebuilt when they sample."""
+        for seq_id in seq_ids:
+            row = self._row_of.pop(seq_id, None)
+            if row is not None:
+                self._owner[row] = None
+                self._free.append(row)
+        self.epoch += 1  # cached maps of sampling rows to state rows go stale
 
     def build_tensors(self, seqs: list):
         """(StagedBuilds, ints, floats, entries, values) as device tensors, for builds too

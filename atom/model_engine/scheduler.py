@@ -94,7 +94,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- scheduling ------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, only: set[Sequence] | None = None) -> ScheduledBatch | None:
+        """The next step's batch. `only`: schedule none but these running sequences and
+        admit nothing (the engine isolating a failed step's requests, failures.py)."""
         budget = self.max_num_batched_tokens
         chosen: dict[Sequence, int] = {}  # insertion order = batch order
         bm = self.block_manager
@@ -108,6 +110,8 @@ class Scheduler:
         for seq in decodes + prefills:
             if budget == 0:
                 break
+            if only is not None and seq not in only:
+                continue
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -128,8 +132,9 @@ class Scheduler:
             chosen[seq] = num_new
             budget -= num_new
 
-        # After a preemption memory is tight: admit nothing new this step.
-        preempted = self.num_preemptions != preemptions_before
+        # After a preemption memory is tight: admit nothing new this step (nor while
+        # the engine isolates a failed step's requests).
+        preempted = self.num_preemptions != preemptions_before or only is not None
         while (
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):

@@ -18,6 +18,8 @@ import json
 import numpy as np
 import torch
 
+from atom.model_engine.failures import RequestFailed, guard_each
+
 
 class InvalidGrammarError(ValueError):
     """The json_schema of a request cannot be compiled (the server answers 400)."""
@@ -57,13 +59,19 @@ class GrammarBackend:
 
 def fill_bitmask(seqs: list, out: np.ndarray) -> None:
     """Fill `out` [S, ceil(V / 32)] int32 (a staged numpy view) with the allowed-token bits
-    of the sampling rows; unconstrained rows allow everything."""
+    of the sampling rows; unconstrained rows allow everything. A matcher that raises fails
+    its own request (RequestFailed), not the step's others."""
     out.fill(-1)
     bitmask = torch.from_numpy(out)
-    for row, seq in enumerate(seqs):
-        matcher = getattr(seq, "grammar", None)
-        if matcher is not None and not matcher.is_terminated():
-            matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill(seq, row: int) -> None:
+        if not seq.grammar.is_terminated():
+            seq.grammar.fill_next_token_bitmask(bitmask, row)
+
+    constrained = [
+        (s, row) for row, s in enumerate(seqs) if getattr(s, "grammar", None) is not None
+    ]
+    guard_each("the grammar matcher", constrained, fill)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -74,11 +82,18 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill_(~allowed, float("-inf"))
 
 
-def accept_tokens(seqs_and_tokens) -> list:
-    """Advance each constrained sequence's matcher; returns those whose token it refused."""
+def accept_tokens(seqs_and_tokens) -> tuple[list, RequestFailed | None]:
+    """Advance each constrained sequence's matcher: (the sequences whose token it refused,
+    RequestFailed naming those whose matcher raised, or None)."""
     refused = []
-    for seq, token in seqs_and_tokens:
+
+    def accept(seq, token: int) -> None:
         matcher = seq.grammar
         if matcher is not None and not matcher.is_terminated() and not matcher.accept_token(token):
             refused.append(seq)
-    return refused
+
+    try:
+        guard_each("the grammar matcher", seqs_and_tokens, accept)
+    except RequestFailed as failure:
+        return refused, failure
+    return refused, None

@@ -227,7 +227,10 @@ class HyperHead(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float):
+    """down(silu(gate) * up), gate clamped to at most `limit` and up to [-limit, limit];
+    `limit` None: no clamp (V4.1 with swiglu_limit <= 0; HF V4 clamps at any limit)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float | None):
         super().__init__()
         self.limit = limit
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
@@ -235,8 +238,10 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
         return self.down_proj(F.silu(gate) * up)
 
 

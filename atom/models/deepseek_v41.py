@@ -46,12 +46,10 @@ from atom.kernels.v41_engram import (
 )
 from atom.models.deepseek_v4 import (
     DeepseekCausalLM,
-    FP32RMSNorm,
     HyperConnection,
     SwiGLUMLP,
     _inv_freq,
     collapse,
-    expand,
     grouped_output,
     load_checkpoint,
 )
@@ -81,6 +79,30 @@ def _latest(ids, layer_idx: int) -> int | None:
 TRITON_ENGRAM = False  # see Engram.forward
 
 
+# Rounding points: the reference's order of operations (as many ops as V4's; in fp32 the
+# same results bit for bit). V4 (HF) multiplies the norm weight in fp32 and expands the mHC
+# streams in the model dtype; the V4.1 reference does neither (docs/architecture.md).
+class RMSNorm(nn.Module):
+    """Normalised in fp32, rounded to the input dtype, then times the weight (held in the
+    model's dtype, as the reference holds it): ``weight * normed.to(dtype)``."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def expand(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor:
+    """post_k * out + sum_j comb[j, k] * streams_j in fp32 (the reference), cast once."""
+    mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
+    return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(streams.dtype)
+
+
 class Compressor(nn.Module):
     def __init__(self, config, ratio: int):
         super().__init__()
@@ -89,7 +111,7 @@ class Compressor(nn.Module):
         self.wgate = (
             nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
         )
-        self.norm = FP32RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
 
 class Indexer(nn.Module):
@@ -100,7 +122,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
         if owns_keys:
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
-            self.k_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
         q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
@@ -118,10 +140,10 @@ class DeepseekV41Attention(nn.Module):
         self.o_groups = config.o_groups
         hidden, heads_dim = config.hidden_size, self.num_heads * self.head_dim
         self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
-        self.q_norm = FP32RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
         self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
-        self.kv_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.wo_a = nn.Linear(
             heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, bias=False
         )
@@ -138,13 +160,13 @@ class DeepseekV41Attention(nn.Module):
     def _finish(self, latent: torch.Tensor, group_positions: torch.Tensor):
         """Pre-RoPE latents [G, D] at their groups' first positions -> (entries, keys)."""
         cos, sin = (t[group_positions] for t in self.tables["compress"])
-        latent = self.compressor.norm(latent)
+        # pooled in fp32: cast to the model's dtype before the norm, as the reference does
+        latent = self.compressor.norm(latent.to(self.wkv.weight.dtype))
         entries = rope(latent[:, None, :], cos, sin)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
-            wk = self.indexer.wk  # the latent is fp32 when pooled; wk is in the model's dtype
-            keys = rope(self.indexer.k_norm(wk(latent.to(wk.weight.dtype)))[:, None, :], cos, sin)
+            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)
             keys = keys[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
@@ -182,7 +204,9 @@ class DeepseekV41MoE(nn.Module):
         )
         if config.scoring_func != "sqrtsoftplus":
             raise ValueError(f"DeepSeek-V4.1: scoring_func {config.scoring_func!r} (sqrtsoftplus)")
-        self.top_k, self.limit = config.num_experts_per_tok, config.swiglu_limit
+        # the reference clamps routed and shared experts only at a positive limit
+        limit = config.swiglu_limit
+        self.top_k, self.limit = config.num_experts_per_tok, limit if limit > 0 else None
         self.gate_temp, self.norm_topk = config.gate_temp, config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.gate = nn.Module()
@@ -201,10 +225,10 @@ class DeepseekV41MoE(nn.Module):
         if self.norm_topk and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        limit = self.limit if self.limit > 0 else None
         routed = routed_experts(
-            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, limit
-        )
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
+            weight_before_down=True,  # the reference weights an expert's input to w2
+        )  # fmt: skip
         return routed + self.shared_experts(x)
 
 
@@ -311,8 +335,8 @@ class DeepseekV41DecoderLayer(nn.Module):
         super().__init__()
         self.attn = DeepseekV41Attention(config, layer_idx, tables, max_model_len)
         self.ffn = DeepseekV41MoE(config)
-        self.attn_norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn_norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
         self.ffn_hc = HyperConnection(config)
         self.engram = None
@@ -348,7 +372,7 @@ class DeepseekV41Model(nn.Module):
             DeepseekV41DecoderLayer(config, i, self.tables, max_model_len)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = FP32RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hashes = EngramHashes(config, token_map) if config.engram_layer_ids else None
         _link_sources(config, [layer.attn.attn for layer in self.layers])
 

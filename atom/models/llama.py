@@ -18,7 +18,8 @@ from torch import nn
 from atom.attention.mha import MHAAttention
 from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
 from atom.forward_context import current_fusions
-from atom.kernels.gemv import gemv_rms_norm, gemv_silu_and_mul, gemv_wins
+from atom.kernels.gemv import gemv_rms_norm, gemv_silu_and_mul
+from atom.kernels.gemv_policy import use_gemv
 from atom.kernels.gemv_rope_kv import gemv_rope_kv
 from atom.kernels.pdl import latency_bound
 from atom.models.layers import (
@@ -104,7 +105,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_proj.weight
-        if _fused_kernels_on(x) and current_fusions().gemv_silu and gemv_wins(x, weight, True):
+        if _fused_kernels_on(x) and current_fusions().gemv_silu and use_gemv(x, weight, True):
             return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
@@ -124,14 +125,18 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
             and attention.qkv_proj.bias is None
-            and gemv_wins(hidden, qkv_weight, norm=True)
             and norm.weight.dtype == hidden.dtype
         ):
             return super().forward(positions, hidden, residual)
         # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it,
-        # where that GEMV wins (gemv_wins); else the norm kernel and the MLP as without it.
+        # where the GEMV policy measured that GEMV faster (use_gemv: with the RoPE + KV
+        # epilogue where that runs); else the norm kernels and the MLP as without it.
         rope = attention.attn.rope_kv(positions, attention.rotary, attention.num_heads)
-        if rope is not None and rope.fits(hidden, qkv_weight):  # Fusions.gemv_rope_kv
+        if rope is not None and not rope.fits(hidden, qkv_weight):
+            rope = None
+        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope):
+            return super().forward(positions, hidden, residual)
+        if rope is not None:  # Fusions.gemv_rope_kv
             norm_args = (residual, norm.weight, norm.eps)
             q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args)
             hidden = attention.attend_cached(q)
@@ -140,7 +145,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             hidden = attention.attend(positions, qkv)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight
-        if not gemv_wins(hidden, gate_up, silu_mul=True, norm=True):
+        if not use_gemv(hidden, gate_up, silu_mul=True, norm=True):
             hidden, residual = norm(hidden, residual)
             return mlp(hidden), residual
         hidden, residual = gemv_rms_norm(

@@ -25,7 +25,8 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v41_text",
     "qwen3_next",
 )
-# Model types read straight from config.json (no released transformers has their class).
+# Model types read straight from config.json (no released transformers has their class);
+# their tokenizer is built from tokenizer.json / tokenizer_config.json alone.
 NATIVE_MODEL_TYPES = ("deepseek_v41_text",)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -125,6 +126,10 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     kwargs = {"local_files_only": True}
     if spec.gguf_file is not None:
         kwargs["gguf_file"] = spec.gguf_file
+    elif _native_model_type(spec.directory) is not None:
+        # AutoTokenizer would instantiate config.json's model type, which transformers lacks:
+        # a blank config makes it build from tokenizer.json / tokenizer_config.json alone.
+        kwargs["config"] = PretrainedConfig()
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.directory, **kwargs)
     except Exception as e:

@@ -22,6 +22,7 @@ def routed_experts(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     swiglu_limit: float | None = None,
+    weight_before_down: bool = False,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` as ``[T, H]`` in x's dtype.
 
@@ -29,10 +30,10 @@ def routed_experts(
     integer ids in [0, E); gate_up_proj [E, 2I, H] (gate rows then up rows); down_proj
     [E, H, I]. An expert is ``down @ (SiLU(gate) * up)`` with ``gate, up = gate_up @ x``; with
     ``swiglu_limit`` (DeepSeek-V4) gate is clamped to at most the limit and up to
-    [-limit, limit] before the activation.
+    [-limit, limit] before the activation. ``weight_before_down`` (DeepSeek-V4.1): the weight
+    multiplies the activation, the input of ``down`` (same result, other rounding points).
     """
+    args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
     if x.is_cuda:
-        return fused_moe(x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
-    return routed_experts_reference(
-        x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit
-    )
+        return fused_moe(*args, weight_before_down=weight_before_down)
+    return routed_experts_reference(*args, weight_before_down=weight_before_down)

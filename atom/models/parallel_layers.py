@@ -19,13 +19,15 @@ from torch import nn
 
 from atom.distributed import TensorParallelGroup, shard_range
 from atom.forward_context import current_fusions
-from atom.kernels.gemv import gemv, gemv_wins
+from atom.kernels.gemv import gemv
+from atom.kernels.gemv_policy import use_gemv
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear; on CUDA with `Fusions.gemv_linear` and one row (batch-1 decode), the
-    Triton GEMV of atom/kernels/gemv.py instead where it wins (`gemv_wins`)."""
-    if bias is None and x.is_cuda and current_fusions().gemv_linear and gemv_wins(x, weight):
+    Triton GEMV of atom/kernels/gemv.py instead where the GEMV policy measured it faster
+    for this shape (atom/kernels/gemv_policy.py `use_gemv`)."""
+    if bias is None and x.is_cuda and current_fusions().gemv_linear and use_gemv(x, weight):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
 

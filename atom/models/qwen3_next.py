@@ -3,7 +3,8 @@ a `save_pretrained` directory loads; per-expert checkpoint names load too).
 
 - hybrid stack: `layer_types[i]` is "linear_attention" (a GDN layer, per-sequence state in a
   state slot) or "full_attention" (gated attention on the shared page table, like MHA);
-  the cache and the state are the gdn backend's (atom/attention/gdn.py).
+  the cache and the state are the gdn backend's (atom/attention/gdn.py); a stack with no
+  linear layer runs on the mha backend (no state).
 - gated attention: q_proj yields per head the query and an output gate (sigmoid); q/k
   RMSNorm over the head dim; partial neox rope (`partial_rotary_factor`).
 - GDN: in_proj_qkvz / in_proj_ba in HF's per-k-head grouped order, causal depthwise conv
@@ -31,6 +32,7 @@ from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.models.layers import RMSNorm, rope_parameters
+from atom.models.loader import ModelLoadError
 from atom.models.moe import routed_experts
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -248,12 +250,21 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    attention_backend = "gdn"  # full-attention layers paged like MHA, GDN layers in state slots
+    attention_backend = "gdn"  # an instance with no GDN layer sets "mha" (see __init__)
 
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()
         self.validate_tensor_parallel(config, 1 if tp is None else tp.world_size)
         self.config = config
+        # Full-attention layers are paged like MHA, GDN layers keep state slots (the gdn
+        # backend); a stack with no GDN layer holds no state: plain MHA, as HF runs it.
+        layer_types = config.layer_types[: config.num_hidden_layers]
+        if "full_attention" not in layer_types:  # the KV cache is sized by attention layers
+            raise ModelLoadError(
+                f"qwen3_next: layer_types {layer_types} has no full_attention layer; a "
+                "stack of linear_attention layers only is not supported"
+            )
+        self.attention_backend = "gdn" if "linear_attention" in layer_types else "mha"
         max_position = max_position or config.max_position_embeddings
         self.model = Qwen3NextModel(config, max_position)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

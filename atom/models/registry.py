@@ -6,6 +6,7 @@ from atom.models.deepseek_v2 import DeepseekV2ForCausalLM
 from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
 from atom.models.deepseek_v41 import DeepseekV41ForCausalLM
 from atom.models.llama import LlamaForCausalLM
+from atom.models.loader import ModelLoadError
 from atom.models.qwen3_next import Qwen3NextForCausalLM
 
 MODELS = {
@@ -29,11 +30,29 @@ BY_MODEL_TYPE = {
 }
 
 
+# Every family here runs SiLU (the MLPs, the fused MoE kernel, Qwen3-Next's GDN conv and
+# gates), as all their released checkpoints do; HF's ACT2FN spells it both ways.
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+def check_activation(config) -> None:
+    """Refuse a `hidden_act` the model code does not run (it would give other tokens than
+    HF with no error)."""
+    act = getattr(config, "hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{getattr(config, 'model_type', None)}: config.json hidden_act {act!r} is not "
+            f"supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+        )
+
+
 def model_class(config):
+    """The model class of `config`; refuses an architecture or a `hidden_act` it lacks."""
     archs = list(getattr(config, "architectures", None) or [])
     archs += [BY_MODEL_TYPE.get(getattr(config, "model_type", None), "")]
     for arch in archs:
         if arch in MODELS:
+            check_activation(config)
             return MODELS[arch]
     raise ValueError(
         f"unsupported architecture {archs[:-1] or getattr(config, 'model_type', None)!r}; supported: {', '.join(MODELS)}"

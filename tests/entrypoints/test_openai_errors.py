@@ -152,8 +152,8 @@ def test_engine_failure_fails_requests_and_health(model_dir, monkeypatch):
     server, stop = run_server(llm, MODEL)
     try:
 
-        def broken_launch(batch):
-            raise RuntimeError("device lost")
+        def broken_launch(batch):  # a device fault: only those stop the engine (issue 29)
+            raise RuntimeError("CUDA error: device lost")
 
         monkeypatch.setattr(llm.engine.model_runner, "launch", broken_launch)
         status, body = raw_request(server, "POST", *_completion())

@@ -35,17 +35,6 @@ def server(model_dir):
     stop()
 
 
-def _known_tokenize_500(case) -> bool:
-    """The two /tokenize 500s issue 29 item 3 fixes on another branch ({"messages": []} and
-    a lone surrogate in the prompt). Remove this exclusion once that branch is merged."""
-    if case.path != "/tokenize" or not isinstance(case.body, dict):
-        return False
-    if case.body.get("messages") == []:
-        return True
-    prompt = case.body.get("prompt")
-    return isinstance(prompt, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in prompt)
-
-
 def test_no_server_errors(server):
     """Every operation, valid and invalid bodies: never a 5xx."""
     # schemathesis's pytest plugin (schema.parametrize with a fixture) breaks on pytest 9,
@@ -65,8 +54,6 @@ def test_no_server_errors(server):
                 suppress_health_check=list(HealthCheck),
             )
             def fuzz(case):
-                if _known_tokenize_500(case):
-                    return
                 case.call_and_validate(base_url=server.url, checks=[not_a_server_error], timeout=60)
 
             try:

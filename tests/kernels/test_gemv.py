@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from atom.kernels import gemv_configs
 from atom.kernels.gemv import (
     GemvConfig,
     fits_gemv,
@@ -116,15 +115,23 @@ def test_one_row_gemv_matches_linear(in_features, out_features, config, dtype, d
             assert torch.equal(new_residual, expected_residual)
 
 
-def test_gemv_config_table_then_heuristic(monkeypatch):
-    """A shape in GEMV_CONFIGS gets its measured geometry, any other the heuristic's."""
-    from atom.kernels import gemv as gemv_module
+def test_gemv_config_policy_tile_then_heuristic(tmp_path):
+    """A shape the GEMV policy measured gets the tile it chose, any other the heuristic's."""
+    from atom.kernels import gemv_policy
 
-    key = (2048, 8192, True, False, True)
-    # the heuristic's shapes below are measured in the real table: a table of one entry
-    monkeypatch.setattr(gemv_module, "GEMV_CONFIGS", {key: (2, 1024, 8, 4)})
-    assert config_for(*key[:4]) == GemvConfig(2, 1024, 8, 4)
-    assert config_for(*key[:4], on_gpu=False) != GemvConfig(2, 1024, 8, 4)  # the interpreter's
+    site = gemv_policy.GemvSite(2048, 8192, True, False, "bfloat16")
+    policy = gemv_policy.GemvPolicy("measure", None)
+    device = torch.device("cuda")
+    key = ("cuda-less", "triton", "torch", 2048, 8192, True, False, "bfloat16", True)
+    policy._key = lambda s, d: key if s == site else ("other",)  # no device to name here
+    policy.choices[key] = gemv_policy.GemvChoice(GemvConfig(2, 1024, 8, 4), "made up", "measured")
+    previous = gemv_policy.set_policy(policy)
+    try:
+        assert config_for(2048, 8192, True, False, device=device) == GemvConfig(2, 1024, 8, 4)
+        assert config_for(2048, 8192, True, False, on_gpu=False) != GemvConfig(2, 1024, 8, 4)
+        assert config_for(2048, 8192, True, True, device=device) != GemvConfig(2, 1024, 8, 4)
+    finally:
+        gemv_policy.set_policy(previous)
     for in_features, out_features in [(576, 576), (8192, 2048), (2048, 128256), (64, 8)]:
         config = config_for(in_features, out_features, False, False)
         assert config.block_n in (1, 2, 4, 8, 16) and 128 <= config.block_k <= 2048
@@ -135,27 +142,32 @@ def test_gemv_config_table_then_heuristic(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_one_row_gemv_table_entries_on_gpu():
-    """Every measured entry of GEMV_CONFIGS (pasted from the sweep) computes its shape right."""
+def test_one_row_gemv_policy_candidates_on_gpu():
+    """Every tile the GEMV policy may choose computes its shape right, for the layers of
+    the benchmark's shape matrix and two others (bf16)."""
+    from atom.kernels.gemv_policy import GemvSite, candidates
+
     generator = torch.Generator("cuda").manual_seed(0)
-    for (k, n, silu_mul, norm, _), entry in gemv_configs.GEMV_CONFIGS.items():
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=generator)
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator)
-        weight /= k**0.5
-        config = GemvConfig(*entry)
-        if norm:
-            norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-            args = (x, torch.randn_like(x), norm_weight, 1e-5, weight, silu_mul)
-            got = gemv_rms_norm(*args, config=config)[0]
-            expected = gemv_rms_norm_reference(*args)[0]
-        elif silu_mul:
-            got, expected = (
-                gemv_silu_and_mul(x, weight, config),
-                gemv_silu_and_mul_reference(x, weight),
-            )
-        else:
-            got, expected = gemv(x, weight, config), gemv_reference(x, weight)
-        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=f"{k}x{n} {entry}")
+    shapes = [(2048, 3072), (576, 960), (4096, 6144), (3584, 4608), (896, 1152), (5120, 7680)]
+    shapes += [(2048, 16384), (4096, 28672), (8192, 2048), (14336, 4096), (18944, 3584)]
+    for k, n in shapes:
+        for silu_mul, norm in ((False, False), (True, False), (False, True), (True, True)):
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+            weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+            weight /= k**0.5
+            for config in candidates(GemvSite(k, n, silu_mul, norm, "bfloat16")):
+                if norm:
+                    norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+                    args = (x, torch.randn_like(x), norm_weight, 1e-5, weight, silu_mul)
+                    got = gemv_rms_norm(*args, config=config)[0]
+                    expected = gemv_rms_norm_reference(*args)[0]
+                elif silu_mul:
+                    got = gemv_silu_and_mul(x, weight, config)
+                    expected = gemv_silu_and_mul_reference(x, weight)
+                else:
+                    got, expected = gemv(x, weight, config), gemv_reference(x, weight)
+                msg = f"{k}x{n} silu={silu_mul} norm={norm} {config}"
+                torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=msg)
 
 
 @pytest.mark.gpu
@@ -247,16 +259,3 @@ def test_gemv_sweep_search_finds_the_fastest(monkeypatch, capsys):
     summaries = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                  if '"summary"' in line]  # fmt: skip
     assert len(summaries) == 7 and all(r["best_speedup"] == 10.0 for r in summaries)
-
-
-def test_gemv_wins_skips_the_shapes_the_sweep_measured_slower(monkeypatch):
-    """A shape in GEMV_SLOWER keeps the cuBLAS path even with a fusion on, and so do several
-    rows (the kernel takes one); the same shape with another epilogue takes the GEMV."""
-    from atom.kernels import gemv as gemv_module
-
-    x, weight = torch.randn(1, 64), torch.randn(96, 64)
-    monkeypatch.setattr(gemv_module, "GEMV_SLOWER", {(64, 96, True, True, True)})
-    assert not gemv_module.gemv_wins(x, weight, silu_mul=True, norm=True)
-    assert gemv_module.gemv_wins(x, weight, silu_mul=True)
-    assert not gemv_module.gemv_wins(torch.randn(2, 64), weight, silu_mul=True)
-    assert not gemv_module.gemv_wins(torch.randn(1, 64).half(), weight)  # dtypes differ

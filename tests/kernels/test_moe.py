@@ -94,6 +94,30 @@ def test_fused_moe_matches_reference(
     torch.testing.assert_close(args[0], x_before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_weight_before_down_matches_a_per_pair_loop(dtype):
+    """DeepSeek-V4.1's order: each pair's activation times its routing weight (rounded to
+    x's dtype) goes into the down GEMM. Triton and the reference against a hand loop; in
+    fp16 the rounding differs from the weight applied after the down GEMM."""
+    args = _inputs(21, 6, 3, 48, 40, dtype, 5, skew=True)
+    x, weights, ids, gate_up, down = args
+    expected = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            act = moe.swiglu_reference(x[t] @ gate_up[e].T, 0.5)
+            expected[t] += (down[e] @ (act * weights[t, j]).to(dtype)).float()
+    reference = moe.routed_experts_reference(*args, 0.5, weight_before_down=True)
+    fused = moe.fused_moe(*args, 0.5, weight_before_down=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 4e-3
+    for out in (reference, fused):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    if dtype == torch.float16:
+        after = moe.routed_experts_reference(*args, 0.5)
+        assert not torch.equal(after, reference)
+
+
 def test_fused_moe_tiles_and_no_tokens():
     args = _inputs(9, 8, 2, 64, 32, torch.float32, 3)
     expected = moe.routed_experts_reference(*args)

@@ -158,6 +158,27 @@ def test_candidate_reference_breaks_block_ties_by_the_lower_block():
     )
 
 
+def test_two_level_topk_ties_do_not_depend_on_width_or_batch():
+    """Row 0 of a tie-heavy batch, alone and padded to a wider row (invisible entries, as a
+    larger max_model_len gives the decode rows): the same blocks and the same ids, Triton
+    and references alike, each the lower index among equal scores."""
+    scores, num_visible, visible = _scores_with_ties(4, 37, 11)
+    wide = torch.nn.functional.pad(scores, (0, 91), value=float("-inf"))
+    wide_visible = torch.nn.functional.pad(visible, (0, 91), value=False)
+    for blocks_of, topk_of in ((candidate_blocks, two_level_topk),
+                               (candidate_blocks_reference, two_level_topk_reference)):  # fmt: skip
+        picks = []
+        for s, v, n in ((scores, visible, num_visible), (scores[:1], visible[:1], num_visible[:1]),
+                        (wide[:1], wide_visible[:1], num_visible[:1])):  # fmt: skip
+            blocks = blocks_of(s, n, 3, 4)
+            picks.append((blocks[0, :37].tolist(), topk_of(s, v, 6, blocks)[0].tolist()))
+        assert picks[0] == picks[1] == picks[2]
+    row = scores[0].tolist()  # the rule by hand inside the candidate blocks
+    inside = [i for i, keep in enumerate(picks[0][0]) if keep]
+    ranked = sorted((-row[i], i) for i in inside)
+    assert picks[0][1] == [i for _, i in ranked[:6]]
+
+
 @pytest.mark.gpu
 def test_two_level_topk_long_rows_on_gpu():
     """A 64K-entry row and a decode batch of 64 on the H200: still exact."""

@@ -162,3 +162,49 @@ def test_indexer_topk_decode_matches_reference(device, positions, max_entries, t
     got = indexer_topk_decode(*args)
     assert torch.equal(got, expected), (got, expected)
     assert (got[-1] == -1).all()
+
+
+def _rule_topk(scores: torch.Tensor, topk: int) -> list[list[int]]:
+    """The tie rule by hand: visible (finite) scores, best first, the lower id among equals."""
+    picks = []
+    for row in scores.tolist():
+        ranked = sorted((-s, i) for i, s in enumerate(row) if s != float("-inf"))
+        chosen = [i for _, i in ranked[:topk]]
+        picks.append(chosen + [-1] * (min(topk, len(row)) - len(chosen)))
+    return picks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_indexer_topk_decode_exact_ties_pick_the_lower_entry(device):
+    """Exact ties at the cut (keys opposite to every head's query: ReLU gives exact zeros,
+    and repeated keys): the Triton scores + choice follow the rule, and a row's picks do not
+    depend on the rows beside it or on the padded width (max_entries)."""
+    from atom.kernels.v4_indexer import index_scores_decode_reference
+
+    torch.manual_seed(3)
+    heads, dim, ratio, block_size, topk = 4, 32, 4, 16, 6
+    positions = torch.tensor([47, 47, 30], device=device)  # 12, 12 and 7 visible entries
+    context_lens = (positions + 1).int()
+    q = torch.randn(1, heads, dim, device=device).abs().expand(3, -1, -1).contiguous()
+    weights = torch.tensor([[1.0, 0.5, -0.25, 2.0]], device=device).expand(3, -1).contiguous()
+    keys = torch.randn(12, dim, device=device).abs()
+    keys[[0, 2, 3, 5, 7, 8, 10]] *= -1  # every head's dot negative: score exactly 0
+    keys[9] = keys[4]  # an exact positive tie too
+    tables = torch.arange(1, 4, device=device).int()[None].expand(3, -1).contiguous()
+    pool = torch.randn(5, block_size // ratio, dim, device=device)
+    pool.view(-1, dim)[block_size // ratio : block_size // ratio + 12] = keys
+    tables[1] = tables[0]  # rows 0 and 1: the same sequence, the same query
+    picks = []
+    for max_entries in (12, 64):
+        args = (q, weights, pool, tables, positions, context_lens, ratio, block_size, topk,
+                max_entries)  # fmt: skip
+        scores = index_scores_decode_reference(*args[:8], max_entries)
+        assert (scores[0, :12] == 0).sum() >= 7
+        got = indexer_topk_decode(*args)
+        assert got.tolist() == _rule_topk(scores, topk), (got, scores)
+        assert torch.equal(got, indexer_topk_decode_reference(*args))
+        one = indexer_topk_decode(q[:1], weights[:1], pool, tables[:1], positions[:1],
+                                  context_lens[:1], ratio, block_size, topk, max_entries)  # fmt: skip
+        assert torch.equal(one[0], got[0]) and torch.equal(got[1], got[0])
+        picks.append(got[0].tolist())
+    assert picks[0] == picks[1]

@@ -179,7 +179,11 @@ def test_full_chunked_prefill_and_preemption_batched():
 # active). The bounds are the figures measured on the H200 (docs/benchmarks.md) with margin;
 # the test prints them.
 # H200 2026-12-01 (eager and graphs alike): tiny-minimal 0.958 / 0.267, tiny-full
-# 0.656 / 0.615; bf16 on CPU (torch references) 0.958 / 0.267 and 0.667 / 0.696.
+# 0.656 / 0.615; bf16 on CPU (torch references) 0.958 / 0.267 and 0.667 / 0.696. With the
+# reference's rounding points (issue 28: norm weight after the cast, fp32 mHC expand,
+# routing weight before w2, latent cast before its norm), bf16 on CPU: 0.917 / 0.459 and
+# 0.688 / 0.367 (teacher-forced mean |logit error| / max|logit| unchanged: 0.021, 0.058);
+# the H200 figures are to be measured again.
 BF16_BOUNDS = {"tiny-minimal": (0.90, 0.35), "tiny-full": (0.60, 0.80)}  # agreement, regret
 
 
@@ -232,7 +236,8 @@ def test_fp32_agreement_of_the_golden_tokens_is_one():
 
 # bf16 on CPU (torch references), max |logit - golden| / max |golden| at the last prompt
 # token over the four prompts: measured 0.288 (tiny-full, 2026-12-01; fake quantisation
-# turns bf16 noise into whole FP8/FP4 steps); bound 1.5x.
+# turns bf16 noise into whole FP8/FP4 steps), 0.325 with the reference's rounding points
+# (issue 28); bound 0.45.
 BF16_CPU_LAST_LOGIT_GAP = 0.45
 
 

@@ -290,8 +290,8 @@ def test_a_step_whose_results_fail_finishes_its_requests_without_placeholders(
     engine.step()  # step 1: the victim's prefill (read at once unless asynchronous)
     assert (engine._in_flight is not None) == async_scheduling
 
-    def broken(self):
-        raise RuntimeError("device lost")
+    def broken(self):  # a device fault: raised after failing the requests (issue 29)
+        raise RuntimeError("CUDA error: device lost")
 
     monkeypatch.setattr(model_runner.StepHandle, "result", broken)
     with pytest.raises(RuntimeError, match="device lost"):

@@ -70,19 +70,21 @@ def test_gpu_time_counts_overlapping_kernels_once():
 
 def test_decode_ab_variants_apply_and_restore(monkeypatch):
     """Each A/B variant changes its one choice inside its block and leaves the module
-    tables, the split policy and the PDL knobs as they were after it."""
+    GEMV policy, the split policy and the PDL knobs as they were after it."""
     import torch
 
     from atom.benchmarks import decode_ab
-    from atom.kernels import decode_attention, gemv_configs
+    from atom.kernels import decode_attention, gemv_policy
 
     monkeypatch.setenv("ATOM_PDL_KERNELS", "all")
-    configs, slower = dict(gemv_configs.GEMV_CONFIGS), set(gemv_configs.GEMV_SLOWER)
+    policy = gemv_policy.current_policy()
     pick = decode_attention._pick_num_splits
     q = torch.empty(1, 32, 64)  # CPU: the policy itself answers 1, splits8 answers 8
-    with decode_ab.variant("mlp_norm_fused"):
-        assert decode_ab.MLP_NORM_1B not in gemv_configs.GEMV_SLOWER
-        assert gemv_configs.GEMV_CONFIGS[decode_ab.MLP_NORM_1B] == (8, 128, 1, 1)
+    x, weight = torch.randn(1, 64), torch.randn(96, 64)
+    with decode_ab.variant("gemv_fused"):
+        assert gemv_policy.use_gemv(x, weight, silu_mul=True, norm=True)
+    with decode_ab.variant("gemv_unfused"):
+        assert not gemv_policy.use_gemv(x, weight)
     with decode_ab.variant("splits8"):
         assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
     with decode_ab.variant("pdl_small"):
@@ -92,7 +94,7 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
         assert decode_attention.MERGED_SPLIT_TILES == 1
         assert decode_attention._pick_num_splits(q, 8, 784, 64) == 8
     assert decode_attention.MERGED_SPLIT_TILES == 2 and "ATOM_PDL_RELEASE" not in os.environ
-    assert gemv_configs.GEMV_CONFIGS == configs and gemv_configs.GEMV_SLOWER == slower
+    assert gemv_policy.current_policy() is policy
     assert decode_attention._pick_num_splits is pick
     assert os.environ["ATOM_PDL_KERNELS"] == "all"
     assert decode_ab.fusions_of("pdl").pdl and decode_ab.fusions_of("decode_merge").decode_merge
@@ -102,3 +104,32 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
     with pytest.raises(SystemExit, match="unknown variant"):
         with decode_ab.variant("nope"):
             pass
+
+
+def test_shape_matrix_selection_and_table(capsys):
+    """`offline_throughput --shapes`: the named shapes (all of them when none is named),
+    each a config atom builds; one table row per shape from its four measurements."""
+    from atom.benchmarks import decode_profile, model_shapes, shape_matrix
+
+    names = decode_profile.selected_shapes([])
+    assert names[:5] == ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b",
+                         "smollm2-135m"] and len(names) == 7  # fmt: skip
+    assert decode_profile.selected_shapes(None) == list(decode_profile.KERNEL_SHAPES)
+    with pytest.raises(SystemExit, match="unknown shapes"):
+        decode_profile.selected_shapes(["gpt-5"])
+    assert model_shapes.hf_config("qwen2.5-7b").model_type == "qwen2"
+    assert model_shapes.hf_config("llama-3.1-8b").intermediate_size == 14336
+    step = dict(default=2.0, default_end=2.0, all_off=3.0, all_off_end=3.0)
+    records = {
+        label: dict(decode_ms_per_step=ms, weight_read_limit_ms=1.5, weight_bytes=6e9,
+                    gemv_sites_fused=2, gemv_sites=6)
+        for label, ms in step.items()
+    }  # fmt: skip
+    row = shape_matrix.matrix_row("llama-3.1-8b", records)
+    assert row["default_tok_s"] == 500.0 and row["all_off_tok_s"] == 333.3
+    assert row["default_over_all_off"] == 1.5 and row["default_of_limit"] == 0.75
+    assert row["all_off_of_limit"] == 0.5 and row["gemv_sites_fused"] == "2/6"
+    shape_matrix.print_matrix([row])
+    assert capsys.readouterr().err.splitlines()[-1].split() == [
+        "llama-3.1-8b", "500", "333", "1.500", "0.75", "0.50", "667", "2/6"
+    ]  # fmt: skip

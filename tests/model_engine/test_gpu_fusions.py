@@ -55,3 +55,46 @@ def test_fusions_give_the_tokens_of_the_unfused_engine(tiny_model_dirs, kv_cache
         a = fused.generate([prompt], GREEDY, use_tqdm=False)[0]
         b = plain.generate([prompt], GREEDY, use_tqdm=False)[0]
         assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("mode", ["measure", "fused", "unfused"])
+def test_every_gemv_policy_choice_keeps_the_unfused_tokens(tmp_path, mode):
+    """A Llama shape outside the benchmark matrix (hidden 1024, MLP 2816, 4 layers, vocab
+    32000; fp32, random weights): the defaults give the greedy tokens of the engine with
+    every fusion off, whatever the GEMV policy chose (measured, every site Triton, none),
+    at batch 1 (the GEMV's graphs). Measured choices are cached: a second start reads them
+    all from the file and times nothing."""
+    import transformers
+
+    from atom.kernels import gemv_policy
+    from tests.engine_support import vocab_prompts
+
+    model_dir = tmp_path / "model"
+    transformers.LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    ).save_pretrained(model_dir)  # fmt: skip
+    cache = str(tmp_path / "gemv_policy.json")
+    common = dict(device="cuda", dtype="float32", load_format="dummy", num_kvcache_blocks=512,
+                  max_num_seqs=4, skip_tokenizer_init=True)  # fmt: skip
+    previous = gemv_policy.set_policy(gemv_policy.GemvPolicy(mode, cache))
+    try:
+        fused = build_llm(str(model_dir), fusions=Fusions(), **common)
+        report = gemv_policy.current_policy().report()
+        plain = build_llm(str(model_dir), fusions=Fusions.none(), **common)
+        for prompt in vocab_prompts(5, [1, 17, 130], 32000):
+            a = fused.generate([prompt], GREEDY, use_tqdm=False)[0]
+            b = plain.generate([prompt], GREEDY, use_tqdm=False)[0]
+            assert a.token_ids == b.token_ids
+        if mode == "measure":
+            assert len(report) >= 5 and all(row["source"] == "measured" for row in report)
+            gemv_policy.set_policy(gemv_policy.GemvPolicy(mode, cache))  # the next start
+            again = build_llm(str(model_dir), fusions=Fusions(), **common)
+            assert again.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids == a.token_ids
+            policy = gemv_policy.current_policy()
+            assert [row["source"] for row in policy.report()] == ["cached"] * len(report)
+            assert policy.spent_s == 0.0
+            assert [r["choice"] for r in policy.report()] == [r["choice"] for r in report]
+    finally:
+        gemv_policy.set_policy(previous)

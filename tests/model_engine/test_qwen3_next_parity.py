@@ -68,6 +68,18 @@ VARIANTS = {
         mlp_only_layers=[1],
         norm_topk_prob=False,
     ),
+    # no GDN layer at all (full, full): no state slots, the MHA backend
+    "c": dict(
+        num_hidden_layers=2,
+        layer_types=[FULL, FULL],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=16,
+    ),
 }
 
 
@@ -118,11 +130,40 @@ def _tokens(llm, prompts=PROMPTS):
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("kind", list(VARIANTS))
+@pytest.mark.parametrize("kind", ["a", "b"])
 def test_greedy_matches_hf(qwen3_next_dirs, kind):
     llm = build_llm(qwen3_next_dirs[kind], num_kvcache_blocks=64, max_model_len=256)
     assert all(isinstance(slot.backend, GDNBackend) for slot in llm.engine.model_runner.slots)
     assert _tokens(llm) == _hf(qwen3_next_dirs[kind])
+
+
+def test_no_linear_attention_layer_matches_hf(qwen3_next_dirs):
+    """Only full-attention layers (it used to crash on the state slot of a sequence that
+    holds none): HF's tokens, whole and in chunks of 7 with preemptions."""
+    path = qwen3_next_dirs["c"]
+    expected = _hf(path)
+    llm = build_llm(path, num_kvcache_blocks=64, max_model_len=256)
+    assert llm.engine.block_manager.state_slots is None
+    assert _tokens(llm) == expected
+    llm = build_llm(path, max_num_batched_tokens=7, max_num_seqs=4, num_kvcache_blocks=9,
+                    max_model_len=144)  # fmt: skip
+    assert _tokens(llm) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    # no state: prefix caching stays on and a repeated prompt reuses its blocks
+    llm = build_llm(path, num_kvcache_blocks=64, max_model_len=256, enable_prefix_caching=True)
+    assert _tokens(llm) == expected and _tokens(llm) == expected
+    assert llm.engine.block_manager.prefix_hit_blocks > 0
+
+
+def test_no_full_attention_layer_is_refused(tmp_path):
+    """Only GDN layers: refused at load, naming layer_types (it crashed sizing the cache)."""
+    from atom.models.loader import ModelLoadError
+
+    kwargs = dict(COMMON, **VARIANTS["a"])
+    kwargs.update(num_hidden_layers=2, layer_types=[LIN, LIN])
+    transformers.Qwen3NextConfig(**kwargs).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="layer_types .* no full_attention layer"):
+        build_llm(str(tmp_path), load_format="dummy", num_kvcache_blocks=8)
 
 
 def test_chunked_prefill_and_preemption(qwen3_next_dirs):

@@ -8,7 +8,18 @@ import transformers
 from atom.distributed import TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.fusions import Fusions
+from atom.kernels import gemv as gemv_module
+from atom.kernels import gemv_policy
 from atom.models import llama
+
+
+@pytest.fixture(autouse=True)
+def fused_gemv_policy():
+    """Every one-row layer takes the Triton GEMV (ATOM_GEMV_POLICY=fused): these tests
+    check the fused paths' outputs, whatever a timed trial would choose."""
+    previous = gemv_policy.set_policy(gemv_policy.GemvPolicy("fused"))
+    yield
+    gemv_policy.set_policy(previous)
 
 
 def _random_layer(seed: int) -> llama.LlamaDecoderLayer:
@@ -39,11 +50,16 @@ def test_fused_layer_matches_unfused(monkeypatch, fusion, first_layer, num_token
     dense = AttentionMetadata(None, None, None, None, num_tokens, False)  # no cache: SDPA
     with torch.no_grad(), forward_context(dense, Fusions.none()):
         expected = layer(positions, hidden, residual)
-    calls = []
+    calls, launches = [], []
     monkeypatch.setattr(llama, "_fused_kernels_on", lambda x: calls.append(x) or True)
+    real_launch = gemv_module._launch
+    monkeypatch.setattr(
+        gemv_module, "_launch", lambda *a, **k: launches.append(a) or real_launch(*a, **k)
+    )
     with torch.no_grad(), forward_context(dense, Fusions.only(fusion)):
         got = layer(positions, hidden, residual)
     assert calls, "the fused path did not run"
+    assert bool(launches) == (num_tokens == 1), "one row runs the Triton GEMV, more rows not"
     torch.testing.assert_close(got[0], expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=1e-6)
 

@@ -1,0 +1,155 @@
+"""The GEMV policy's trial (atom/kernels/gemv_policy.py): the candidate tiles of a layer
+shape, its unfused and fused paths as callables of the weight, and the CUDA-graph timer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from atom.kernels.gemv import (
+    GemvConfig,
+    gemv,
+    gemv_rms_norm,
+    gemv_silu_and_mul,
+    heuristic_config,
+)
+from atom.kernels.gemv_rope_kv import RopeKV, gemv_rope_kv
+
+EPS = 1e-5
+TOLERANCE = 2e-2  # a candidate whose output differs from the unfused one never wins
+
+
+@dataclass(frozen=True)
+class GemvSite:
+    """A batch-1 linear layer's shape: weight [rows, in_features] (rows = 2 * intermediate
+    with the SiLU * up epilogue), with or without the RMSNorm prologue."""
+
+    in_features: int
+    rows: int
+    silu_mul: bool
+    norm: bool
+    dtype: str  # "bfloat16", "float32", ...
+    rope: bool = False  # q/k/v rows with RoPE and the KV write in the epilogue (gemv_rope_kv)
+
+    def label(self) -> str:
+        parts = [f"{self.in_features}x{self.rows}"]
+        parts += ["silu"] * self.silu_mul + ["norm"] * self.norm + ["rope_kv"] * self.rope
+        return "+".join(parts) + f" {self.dtype}"
+
+
+def candidates(site: GemvSite) -> list[GemvConfig]:
+    """A few tiles per shape: one or two output rows per program (many programs, the
+    weight streamed once) with K chunks of up to 1024, 1 to 8 warps, and the heuristic's
+    choice (atom/kernels/gemv.py); with the norm prologue also 2 and 4 rows over narrower
+    chunks (each program reads x, the residual and the norm weight again). The winners of
+    the H200 sweep on the 1B and 135M shapes are of this family (gemv_sweep,
+    docs/benchmarks.md); on the H200 these tiles stream the 7-13B shapes' large matrices
+    at 85-96% of a streaming read, where the heuristic's wider tiles reached about half."""
+    block_k = max(64, min(1024, 1 << math.ceil(math.log2(max(site.in_features, 1)))))
+    rows = site.rows // 2 if site.silu_mul else site.rows
+    out = [
+        GemvConfig(1, block_k, 1 if site.silu_mul else 2, 1),
+        GemvConfig(1, block_k, 4, 1),
+        GemvConfig(min(2, rows), block_k, 8, 1),
+        heuristic_config(site.in_features, site.rows, site.silu_mul),
+    ]
+    if site.norm:  # each program re-reads x (+ residual, norm weight): fewer, wider ones
+        out += [GemvConfig(min(2, rows), min(512, block_k), 2, 1),
+                GemvConfig(min(4, rows), min(256, block_k), 4, 1)]  # fmt: skip
+    return list(dict.fromkeys(out))
+
+
+def cuda_seconds_per_call(run: Callable, weights: list, calls: int, replays: int) -> float:
+    """Median over ``replays`` replays of one CUDA graph of ``calls`` calls rotating over
+    ``weights``, per call (the in-graph launch gaps included, as in the decode graph)."""
+    calls = max(calls, len(weights))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            run(weights[i % len(weights)])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph
+    return statistics.median(times) / calls
+
+
+class TrialInputs:
+    """x, a residual and a norm weight for one site, and its two paths as callables of
+    the weight. A rope site's trial uses the step's RopeKV with no cache slot (-1)."""
+
+    def __init__(self, site: GemvSite, weight: torch.Tensor, rope: RopeKV | None = None):
+        self.site = site
+        generator = torch.Generator(weight.device).manual_seed(0)
+        k, dtype, device = site.in_features, weight.dtype, weight.device
+        self.x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
+        self.residual = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
+        self.norm_weight = torch.ones(k, device=device, dtype=dtype)
+        self.rope = None
+        if rope is not None:  # nothing written: the trial must not touch the cache
+            self.rope = dataclasses.replace(
+                rope, slot_mapping=torch.full_like(rope.slot_mapping, -1)
+            )
+
+    def unfused(self):
+        from atom.kernels.activation import silu_and_mul
+        from atom.kernels.rmsnorm import rms_norm
+        from atom.kernels.rotary_kv import rotary_kv_write
+
+        site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+        rope = self.rope
+
+        def run(weight):
+            h = rms_norm(x, norm_weight, EPS, residual)[0] if site.norm else x
+            out = F.linear(h, weight)
+            if rope is not None:
+                q_size, kv_size = (
+                    rope.num_q_heads * rope.head_dim,
+                    rope.num_kv_heads * rope.head_dim,
+                )
+                q, k, v = out.split([q_size, kv_size, kv_size], dim=-1)
+                heads = (rope.num_q_heads, rope.num_kv_heads, rope.num_kv_heads)
+                q, k, v = (
+                    t.view(1, n, rope.head_dim) for t, n in zip((q, k, v), heads, strict=True)
+                )
+                q = rotary_kv_write(rope.positions, q, k, v, rope.cos, rope.sin, rope.k_cache,
+                                    rope.v_cache, rope.slot_mapping)  # fmt: skip
+                return q.reshape(1, q_size)
+            return silu_and_mul(out) if site.silu_mul else out
+
+        run.config = None  # the unfused path
+        return run
+
+    def fused(self, config: GemvConfig):
+        site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+        rope = self.rope
+
+        def run(weight):
+            if rope is not None:
+                norm = (residual, norm_weight, EPS) if site.norm else None
+                return gemv_rope_kv(x, weight, rope, norm, config)
+            if site.norm:
+                return gemv_rms_norm(x, residual, norm_weight, EPS, weight, site.silu_mul, config)
+            if site.silu_mul:
+                return gemv_silu_and_mul(x, weight, config)
+            return gemv(x, weight, config)
+
+        run.config = config  # which candidate (a test's timer reads it)
+        return run
+
+
+def first_output(result) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
