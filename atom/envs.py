@@ -30,3 +30,16 @@ def torch_profiler_dir() -> str | None:
 def api_key() -> str | None:
     """`ATOM_API_KEY`: the server's API key when --api-key is not given (none: open)."""
     return os.environ.get("ATOM_API_KEY") or None
+
+
+def grammar_cache_bytes() -> int:
+    """`ATOM_GRAMMAR_CACHE_MB`: the compiled-grammar cache's bound (default 512 MiB, as
+    vLLM's; least recently used grammars are evicted past it)."""
+    value = os.environ.get("ATOM_GRAMMAR_CACHE_MB", "512").strip() or "512"
+    try:
+        megabytes = float(value)
+    except ValueError:
+        raise ValueError(f"ATOM_GRAMMAR_CACHE_MB={value!r} is not a number of MiB") from None
+    if megabytes <= 0:
+        raise ValueError(f"ATOM_GRAMMAR_CACHE_MB={value!r} must be positive")
+    return int(megabytes * (1 << 20))

@@ -124,12 +124,16 @@ class AsyncEngine:
         return stream
 
     async def add_requests(
-        self, requests: list[tuple[list[int], SamplingParams]]
+        self,
+        requests: list[tuple[list[int], SamplingParams]],
+        streams: list[RequestStream] | None = None,
     ) -> list[RequestStream]:
         """Queue several requests in one engine command (one step boundary for all, not
-        one each), all or none: if the engine refuses one, none stays queued."""
+        one each), all or none: if the engine refuses one, none stays queued. `streams`:
+        made beforehand by the caller (one per request), e.g. to be read before admission."""
         loop = asyncio.get_running_loop()
-        streams = [RequestStream(loop) for _ in requests]
+        if streams is None:
+            streams = [RequestStream(loop) for _ in requests]
         admitted: Future[None] = Future()
 
         def add() -> None:
@@ -213,6 +217,10 @@ class AsyncEngine:
                 command, done = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if done is not None and not done.set_running_or_notify_cancel():
+                # Its caller was cancelled first (the client left during admission): the
+                # command is not run, and its future takes no result.
+                continue
             if refuse:
                 if done is not None:
                     done.set_exception(EngineDeadError("the engine is not running"))

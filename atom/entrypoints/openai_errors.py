@@ -48,7 +48,8 @@ def error_body(
 
 def error_response(error: OpenAIError) -> JSONResponse:
     body = error_body(error.message, error.type, error.param, error.code)
-    return JSONResponse(body, status_code=error.status)
+    # e.g. Retry-After on a 503 (request_limits.ServerBusyError)
+    return JSONResponse(body, status_code=error.status, headers=getattr(error, "headers", None))
 
 
 def _field_path(loc: tuple) -> str:

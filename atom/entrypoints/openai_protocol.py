@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from atom.entrypoints.request_limits import current_limits
 from atom.sampling_params import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -308,6 +309,8 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
+        _within_limits(value)  # first: a list of millions is refused by its length alone
+
         def token_list(item: Any) -> bool:
             return isinstance(item, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in item
@@ -344,6 +347,19 @@ class CompletionRequest(SamplingRequest):
         if all(isinstance(t, int) for t in prompt):
             return [list(prompt)]
         return list(prompt)
+
+
+def _within_limits(prompt: Any) -> None:
+    """The server's cap on a prompt list's length (request_limits.py), checked before
+    its members are."""
+    if not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return  # a string or one prompt of token ids: max_model_len bounds it
+    limit = current_limits().max_prompts_per_request
+    if len(prompt) > limit:
+        raise ValueError(
+            f"{len(prompt)} prompts; this server takes at most {limit} per request "
+            f"(--max-prompts-per-request)"
+        )
 
 
 class TextPart(BaseModel):

@@ -13,7 +13,9 @@
 
 One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
 batch as they arrive. Listens on loopback only unless --host says otherwise. Request
-bodies over --max-request-body-mb get a 413. Ctrl-C (SIGINT) or SIGTERM ends open streams
+bodies over --max-request-body-mb get a 413; what one request may ask (prompts, samples,
+json_schema cost) and how many samples wait server-wide are bounded by the flags in
+request_limits.py (README: Server limits). Ctrl-C (SIGINT) or SIGTERM ends open streams
 with an error event, then the process exits with status 0.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -50,6 +53,12 @@ from atom.entrypoints.openai_serving import (
     ClientDisconnected,
     OpenAIServing,
 )
+from atom.entrypoints.request_limits import (
+    RequestLimitsContext,
+    ServerLimits,
+    add_limit_args,
+    limits_from_args,
+)
 from atom.entrypoints.request_size import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from atom.entrypoints.tokenizer_endpoints import add_tokenizer_routes
 from atom.model_engine.data_parallel import build_engine
@@ -67,18 +76,22 @@ def create_app(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     api_key: str | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The ASGI app over `engine`; the engine thread runs for the app's lifespan.
     `max_request_bytes`: larger bodies get a 413 (atom/entrypoints/request_size.py).
+    `limits`: per-request caps and the admission bound (atom/entrypoints/request_limits.py).
     `api_key`: /v1/* then needs `Authorization: Bearer <api_key>` (atom/entrypoints/auth.py)."""
     async_engine = AsyncEngine(engine)
     registry = MetricsRegistry(async_engine, model_name)
-    serving = OpenAIServing(async_engine, model_name, registry.requests)
+    limits = limits or ServerLimits()
+    serving = OpenAIServing(async_engine, model_name, registry.requests, limits)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        await serving.start()
         try:
             yield
         finally:
@@ -87,7 +100,10 @@ def create_app(
 
     app = FastAPI(title="atom", lifespan=lifespan)
     app.state.engine = async_engine
+    app.state.serving = serving
     install_error_handlers(app)
+    # Inside the size cap (the last added runs first): it reads only what the cap allows.
+    app.add_middleware(RequestLimitsContext, limits=limits)
     app.add_middleware(RequestSizeLimit, max_bytes=max_request_bytes)
     require_api_key(app, api_key)
 
@@ -190,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_BYTES / (1 << 20),
         help="larger request bodies get a 413 before they are read (MiB)",
     )
+    add_limit_args(parser)
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
@@ -208,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        limits = limits_from_args(args)
         sock = bind_socket(args.host, args.port)  # first: a busy port fails before the load
         engine = build_engine(config_from_args(args))  # data parallelism: replicas
     except (ValueError, ModelLoadError, OSError, RendezvousError, WorkerFailedError) as error:
@@ -222,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         model_name,
         max_request_bytes=int(args.max_request_body_mb * (1 << 20)),
         api_key=args.api_key,
+        limits=limits,
     )
     server = Server(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     try:
@@ -230,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()  # tensor-parallel ranks and the rendezvous store go with it
     if server.stop_signal is not None:
         print(f"atom: shut down ({server.stop_signal})", file=sys.stderr, flush=True)
+    if app.state.serving.grammar_pool.busy:
+        # An abandoned grammar compile still runs in xgrammar's C++ on a daemon thread;
+        # interpreter teardown under it can abort the process, and it cannot be stopped.
+        sys.stdout.flush()
+        os._exit(0)
     return 0
 
 

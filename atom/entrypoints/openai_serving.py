@@ -6,7 +6,12 @@ one JSON body or Server-Sent Events (`data: {chunk}` lines, then `data: [DONE]`)
 
 Tokenization and chat templating run on worker threads, not on the event loop: a
 megabytes-long prompt takes seconds to tokenize, and /health and every open stream
-must keep answering meanwhile. A request's prompts join the engine in one command.
+must keep answering meanwhile. A request's prompts join the engine in one command, up
+to its share of the engine; the rest follow as its earlier samples finish.
+
+What one request may ask is bounded (request_limits.py: prompts, prompts x n, samples
+queued server-wide, json_schema size, depth and counts, compile time), and a client that
+leaves while its request is still being prepared or admitted aborts it at once.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -34,10 +40,13 @@ from atom.entrypoints.async_engine import (
     RequestStream,
 )
 from atom.entrypoints.generation import TextDelta, text_deltas
+from atom.entrypoints.grammar_compile import GrammarCompilePool
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.entrypoints.request_limits import AdmissionBudget, Reservation, ServerLimits
+from atom.model_engine.grammar_limits import check_schema
 from atom.model_engine.structured_output import InvalidGrammarError
 from atom.sampling_params import SamplingParamError, SamplingParams, check_token_ids
 
@@ -51,8 +60,20 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: RequestMetrics | None = None):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        metrics: RequestMetrics | None = None,
+        limits: ServerLimits | None = None,
+    ):
         self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.admission = AdmissionBudget(self.limits.max_queued_samples)
+        # One request's samples in the engine at once (request_limits.py).
+        self.samples_in_engine = self.limits.max_samples_in_engine_per_request or max(
+            1, engine.engine.config.max_num_seqs
+        )
         self.metrics = metrics
         self.llm = engine.engine
         self.tokenizer = self.llm.tokenizer
@@ -63,10 +84,23 @@ class OpenAIServing:
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="atom-tokenizer"
         )
+        grammar = self.limits.grammar
+        self.grammar_pool = GrammarCompilePool(grammar.compile_threads, grammar.compile_timeout_s)
+
+    async def start(self) -> None:
+        """Build the grammar backend before serving (a fraction of a second), so neither
+        a first structured request nor the engine thread ever builds it."""
+        if self.tokenizer is None:
+            return
+        try:
+            await asyncio.wrap_future(self.grammar_pool.submit(self.llm.grammar_backend))
+        except Exception:  # noqa: BLE001 - structured requests will report it
+            logger.exception("could not build the grammar backend (xgrammar)")
 
     def close(self) -> None:
-        """Drop queued tokenization work (the server is stopping)."""
+        """Drop queued tokenization and compile work (the server is stopping)."""
         self._tokenizer_threads.shutdown(wait=False, cancel_futures=True)
+        self.grammar_pool.close()
 
     async def _off_loop(self, function: Callable, *args):
         """`function(*args)` on a tokenizer thread (the Rust tokenizer releases the GIL)."""
@@ -76,19 +110,22 @@ class OpenAIServing:
     # -- /v1/completions -------------------------------------------------------------------
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self._check_model(request.model)
+        reservation = self._reserve(len(request.prompts), request.n)
+        try:
+            response = await self._completions(request, raw, reservation)
+        except BaseException:
+            reservation.release()
+            raise
+        if not request.stream:
+            reservation.release()  # a stream gives its samples back when its body ends
+        return response
+
+    async def _completions(
+        self, request: CompletionRequest, raw: Request, reservation: Reservation
+    ) -> Response:
         stop = self._stop_strings(request)
-        prompt_ids = await self._off_loop(self._all_prompt_ids, request.prompts)
-        # echo with max_tokens 0: the prompt (and its logprobs) only; one token is
-        # generated and dropped, as vLLM does.
+        prompt_ids, _, streams = await _unless_disconnected(raw, self._prepare_completion(request))
         echo_only = request.echo and request.max_tokens == 0
-        options = dict(logprobs=request.logprobs, best_of=request.best_of)
-        if request.echo and request.logprobs is not None:
-            options["prompt_logprobs"] = request.logprobs
-        # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
-        max_tokens = 1 if echo_only else request.max_tokens
-        params = [
-            self._sampling_params(request, len(ids), max_tokens, **options) for ids in prompt_ids
-        ]
         n = request.n
         echoes = [
             self._echo_text(p, ids) if request.echo else ""
@@ -97,8 +134,6 @@ class OpenAIServing:
         ]
         echo_ids = [ids for ids in prompt_ids for _ in range(n)]
         usage = Usage(sum(len(ids) for ids in prompt_ids))
-        await self._check_grammar(params[0])
-        streams = await self._add_requests(prompt_ids, params)
         head = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name)
         texts = self.token_texts
         k = request.logprobs
@@ -132,7 +167,7 @@ class OpenAIServing:
                         {**head, "object": "text_completion", "choices": [], "usage": usage.body()}
                     )
 
-            return self._event_stream(events(), streams)
+            return self._event_stream(events(), streams, reservation)
 
         results = await self._collect(streams, stop, usage, raw)
         choices = []
@@ -163,19 +198,36 @@ class OpenAIServing:
         self._check_model(request.model)
         if self.tokenizer is None:
             raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
+        reservation = self._reserve(1, request.n)
+        try:
+            response = await self._chat(request, raw, reservation)
+        except BaseException:
+            reservation.release()
+            raise
+        if not request.stream:
+            reservation.release()  # a stream gives its samples back when its body ends
+        return response
+
+    async def _chat(
+        self, request: ChatCompletionRequest, raw: Request, reservation: Reservation
+    ) -> Response:
         stop = self._stop_strings(request)
-        ids = await self._off_loop(self._render_chat, request.template_messages())
         k = request.top_logprobs or 0
-        params = self._sampling_params(
-            request,
-            len(ids),
-            request.requested_max_tokens,
-            prompt_param="messages",
-            logprobs=k if request.logprobs else None,
-        )
+
+        async def prepare():
+            ids = await self._off_loop(self._render_chat, request.template_messages())
+            params = self._sampling_params(
+                request,
+                len(ids),
+                request.requested_max_tokens,
+                prompt_param="messages",
+                logprobs=k if request.logprobs else None,
+            )
+            await self._check_grammar(params)
+            return ids, await self._add_requests([ids], [params])
+
+        ids, streams = await _unless_disconnected(raw, prepare())
         usage = Usage(len(ids))
-        await self._check_grammar(params)
-        streams = await self._add_requests([ids], [params])
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
@@ -210,7 +262,7 @@ class OpenAIServing:
                         }
                     )
 
-            return self._event_stream(events(), streams)
+            return self._event_stream(events(), streams, reservation)
 
         results = await self._collect(streams, stop, usage, raw)
         choices = [
@@ -236,6 +288,36 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+
+    def _reserve(self, prompts: int, n: int) -> Reservation:
+        """Check prompts x n against --max-samples-per-request (400) and hold them in the
+        admission budget (503 when the server already holds --max-queued-samples)."""
+        samples = prompts * n
+        limit = self.limits.max_samples_per_request
+        if samples > limit:
+            raise OpenAIError(
+                f"{prompts} prompt(s) x n={n} asks for {samples} samples; this server takes "
+                f"at most {limit} per request (--max-samples-per-request)",
+                param="n",
+            )
+        return self.admission.reserve(samples)
+
+    async def _prepare_completion(self, request: CompletionRequest):
+        """Tokenize, check and admit a completion's prompts: (prompt ids, params, choices)."""
+        prompt_ids = await self._off_loop(self._all_prompt_ids, request.prompts)
+        # echo with max_tokens 0: the prompt (and its logprobs) only; one token is
+        # generated and dropped, as vLLM does.
+        echo_only = request.echo and request.max_tokens == 0
+        options = dict(logprobs=request.logprobs, best_of=request.best_of)
+        if request.echo and request.logprobs is not None:
+            options["prompt_logprobs"] = request.logprobs
+        # Omitted: OpenAI's default (16); explicit null: the rest of the context (vLLM).
+        max_tokens = 1 if echo_only else request.max_tokens
+        params = [
+            self._sampling_params(request, len(ids), max_tokens, **options) for ids in prompt_ids
+        ]
+        await self._check_grammar(params[0])
+        return prompt_ids, params, await self._add_requests(prompt_ids, params)
 
     def _stop_strings(self, request) -> list[str]:
         stop = request.stop_strings
@@ -307,14 +389,22 @@ class OpenAIServing:
         return params
 
     async def _check_grammar(self, params: SamplingParams) -> None:
-        """An invalid json_schema is a 400 before anything is queued (compiled off the
-        event loop; the engine's compile of the same schema is then a cache hit)."""
+        """An invalid json_schema, or one over the grammar limits, is a 400 before anything
+        is queued. Checked and compiled on the grammar pool, within its timeout; the
+        engine's compile of the same schema is then a hit in xgrammar's cache."""
         if not params.structured:
             return
         if self.tokenizer is None:
             raise OpenAIError("structured output needs the model's tokenizer")
+        limits = self.limits.grammar
+
+        def compile_checked():
+            if params.json_schema is not None:
+                check_schema(params.json_schema, limits)
+            return self.llm.grammar_backend().compile(params)
+
         try:
-            await asyncio.to_thread(lambda: self.llm.grammar_backend().compile(params))
+            await self.grammar_pool.run(compile_checked)
         except InvalidGrammarError as error:
             raise OpenAIError(str(error), param="response_format") from None
 
@@ -325,44 +415,85 @@ class OpenAIServing:
 
     # -- running requests ------------------------------------------------------------------
     async def _add_requests(self, prompt_ids, params) -> list[Choice]:
-        """Admit every prompt of a request, or none: one refused prompt aborts the rest.
+        """Admit a request's samples: the first at once, the rest as room frees up.
 
         Sample 0 of every prompt goes in one engine command (one step boundary, all or
-        none). n > 1: samples 1.. of a prompt are added once sample 0 has its first token,
-        so its prompt's KV blocks are in the prefix cache and they share them (choice
-        order: prompt by prompt, then sample by sample)."""
-        choices: list[Choice | None] = []
-        parents = []
-        streams: list[RequestStream] = []
+        none: one refused prompt aborts the rest). n > 1: samples 1.. of a prompt are added
+        once sample 0 has its first token, so its prompt's KV blocks are in the prefix
+        cache and they share them (choice order: prompt by prompt, then sample by sample).
+
+        A request holds at most `samples_in_engine` samples in the engine at once (waiting
+        or running); the others join as earlier ones finish, behind whatever other
+        clients queued meanwhile. So one large request cannot put all of its samples
+        ahead of a later small one (first come, first served per share, not per body)."""
+        loop = asyncio.get_running_loop()
+        admission = Admission(asyncio.Semaphore(self.samples_in_engine))
+        choices: list[Choice] = []
+        firsts: list[tuple[Choice, list[int], SamplingParams]] = []
+        later: list[tuple[Choice, list[int], SamplingParams]] = []
+        for ids, p in zip(prompt_ids, params, strict=True):
+            parent = Choice(RequestStream(loop), len(ids), admission=admission)
+            choices.append(parent)
+            firsts.append((parent, ids, p.for_sample(0)))
+            for i in range(1, p.n):
+                choice = Choice(RequestStream(loop), len(ids), admission=admission, parent=parent)
+                choices.append(choice)
+                later.append((choice, ids, p.for_sample(i)))
+        now, rest = firsts[: self.samples_in_engine], firsts[self.samples_in_engine :] + later
         try:
-            requests = [(ids, p.for_sample(0)) for ids, p in zip(prompt_ids, params, strict=True)]
-            first_streams = await self.engine.add_requests(requests)
-            streams.extend(first_streams)
-            for stream, ids, p in zip(first_streams, prompt_ids, params, strict=True):
-                parents.append((len(choices), ids, p))
-                choices.append(Choice(stream, len(ids)))
-                choices.extend([None] * (p.n - 1))
-            for index, ids, p in parents:
-                if p.n == 1:
-                    continue
-                parent = choices[index]
-                first = await anext(parent.stream)
-                parent.outputs = _replay(first, parent.stream)
-                samples = await self.engine.add_requests(
-                    [(ids, p.for_sample(i)) for i in range(1, p.n)]
-                )
-                streams.extend(samples)
-                for i, stream in enumerate(samples, start=1):
-                    choices[index + i] = Choice(stream, len(ids))
+            for choice, _, _ in now:
+                await choice.take_slot()  # free: the window is new
+            await self.engine.add_requests(
+                [(ids, p) for _, ids, p in now], [choice.stream for choice, _, _ in now]
+            )
         except BaseException as error:
-            for stream in streams:
-                self.engine.abort(stream)
+            self._abort(choices)
             if isinstance(error, ValueError):
                 raise OpenAIError(str(error)) from None
             if isinstance(error, EngineDeadError):
                 raise _engine_dead(error) from None
             raise
+        if rest:
+            admission.task = asyncio.ensure_future(self._admit_later(rest))
         return choices
+
+    async def _admit_later(self, pending: list[tuple[Choice, list[int], SamplingParams]]) -> None:
+        """Admit `pending` in order, each once its request has room (and, for samples
+        1.., once their sample 0 has a token); ready ones go in one command."""
+        queue = deque(pending)
+        batch: list = []
+        try:
+            while queue:
+                head = queue[0][0]
+                if head.parent is not None:
+                    await head.parent.started.wait()
+                await head.take_slot()
+                batch = [queue.popleft()]
+                while queue and queue[0][0].ready_now():
+                    await queue[0][0].take_slot()  # free: ready_now saw room
+                    batch.append(queue.popleft())
+                for choice, _, _ in batch:
+                    if choice.stream.finished:  # aborted while it waited
+                        choice.done()
+                batch = [item for item in batch if not item[0].stream.finished]
+                if batch:
+                    await self.engine.add_requests(
+                        [(ids, p) for _, ids, p in batch], [choice.stream for choice, _, _ in batch]
+                    )
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - handed to the request's readers
+            # Headers may be sent already: each sample not admitted ends with the error.
+            if isinstance(error, ValueError):
+                error = OpenAIError(str(error))
+            for choice, _, _ in [*batch, *queue]:
+                choice.stream._put(error)
+
+    def _abort(self, choices: list[Choice]) -> None:
+        """Stop admitting a request's samples and abort those admitted (idempotent)."""
+        for choice in choices:
+            choice.stop_admission()
+            self.engine.abort(choice.stream)
 
     async def _merged_deltas(
         self, streams: list[Choice], stop: list[str], usage: Usage
@@ -374,13 +505,15 @@ class OpenAIServing:
             timer = RequestTimer(self.metrics, choice.arrival)
             try:
                 async with aclosing(
-                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.outputs)
+                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.watched())
                 ) as deltas:
                     async for delta in deltas:
                         timer.observe(delta, choice.prompt_tokens)
                         queue.put_nowait((index, delta))
             except Exception as error:  # noqa: BLE001 - re-raised by the reader below
                 queue.put_nowait((index, error))
+            finally:
+                choice.done()
 
         tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:
@@ -421,10 +554,11 @@ class OpenAIServing:
         except RequestFailedError as error:  # this request alone: the engine goes on
             raise OpenAIError(str(error), status=500, type=SERVER_ERROR) from None
         finally:
-            for choice in streams:
-                self.engine.abort(choice.stream)
+            self._abort(streams)
 
-    def _event_stream(self, events: AsyncIterator[str], streams) -> StreamingResponse:
+    def _event_stream(
+        self, events: AsyncIterator[str], streams, reservation: Reservation
+    ) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
             try:
                 async for event in events:
@@ -435,13 +569,15 @@ class OpenAIServing:
                 # Headers are sent: report in the stream, the trace only in the log.
                 logger.exception("a stream failed")
                 yield _sse(error_body("internal server error", SERVER_ERROR))
+            finally:
+                reservation.release()
             yield "data: [DONE]\n\n"
 
         def abort_all() -> None:
             # Also covers a client that left before the body started (its generator,
             # never entered, has no `finally` to run).
-            for choice in streams:
-                self.engine.abort(choice.stream)
+            self._abort(streams)
+            reservation.release()
 
         return StreamingResponse(
             body(), media_type="text/event-stream", background=BackgroundTask(abort_all)
@@ -449,13 +585,57 @@ class OpenAIServing:
 
 
 @dataclass
+class Admission:
+    """The samples of one request in the engine: a window of slots, and the task that
+    admits the samples that wait for one."""
+
+    window: asyncio.Semaphore
+    task: asyncio.Task | None = None
+
+
+@dataclass
 class Choice:
-    """One choice's request: its stream, and its outputs if not read from the stream."""
+    """One choice's request: its stream (made before it is admitted), the admission it
+    takes a slot of, and its sample 0 if it is a later sample of the same prompt."""
 
     stream: RequestStream
     prompt_tokens: int = 0
-    outputs: AsyncIterator | None = None
+    admission: Admission | None = None
+    parent: Choice | None = None
     arrival: float = field(default_factory=time.monotonic)
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # its first output came
+    _holds_slot: bool = False
+
+    async def take_slot(self) -> None:
+        await self.admission.window.acquire()
+        self._holds_slot = True
+
+    def ready_now(self) -> bool:
+        """Whether it could be admitted without waiting."""
+        parent_ready = self.parent is None or self.parent.started.is_set()
+        return parent_ready and not self.admission.window.locked()
+
+    async def watched(self) -> AsyncIterator:
+        """The stream's outputs; marks `started` at the first."""
+        try:
+            async for output in self.stream:
+                self.started.set()
+                yield output
+        finally:
+            self.done()
+
+    def done(self) -> None:
+        """The choice ended (finished, stopped, failed or aborted): free its slot, and
+        let its other samples go in even if it never produced a token."""
+        self.started.set()
+        if self._holds_slot:
+            self._holds_slot = False
+            self.admission.window.release()
+
+    def stop_admission(self) -> None:
+        task = self.admission.task if self.admission is not None else None
+        if task is not None:
+            task.cancel()
 
 
 class RequestTimer:
@@ -491,14 +671,6 @@ class Collected:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
     finish_reason: str | None = None
-
-
-async def _replay(first, stream: RequestStream) -> AsyncIterator:
-    """`first` (already read from `stream`), then the rest of the stream."""
-    yield first
-    if not first.finished:
-        async for output in stream:
-            yield output
 
 
 class Usage:

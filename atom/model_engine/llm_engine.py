@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from atom import profiling
+from atom import envs, profiling
 from atom.config import Config
 from atom.gc_heap import frozen_heap
 from atom.model_engine.block_manager import BlockManager
@@ -184,6 +185,8 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight = None  # (batch, StepHandle) launched but not yet read
         self._grammar_backend: GrammarBackend | None = None  # made on first use
+        # The server builds it on its compile pool while the engine thread may ask too.
+        self._grammar_lock = threading.Lock()
         self._num_structured = 0  # live structured-output requests
         self._num_planned = 0  # live requests whose params need a SamplingPlan
         # Groups of requests of a failed step, each retried in a step of its own until
@@ -315,14 +318,20 @@ class LLMEngine:
         return params
 
     def grammar_backend(self) -> GrammarBackend:
-        """The xgrammar compiler over this engine's tokenizer (compiles are cached)."""
-        if self._grammar_backend is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs the model's tokenizer")
-            self._grammar_backend = GrammarBackend(
-                self.tokenizer, self.hf_config.vocab_size, self.scheduler.eos_token_ids
-            )
-        return self._grammar_backend
+        """The xgrammar compiler over this engine's tokenizer (compiles are cached, the
+        cache bounded by ATOM_GRAMMAR_CACHE_MB). Made once, under a lock: two first
+        callers on two threads share one."""
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer")
+                self._grammar_backend = GrammarBackend(
+                    self.tokenizer,
+                    self.hf_config.vocab_size,
+                    self.scheduler.eos_token_ids,
+                    cache_limit_bytes=envs.grammar_cache_bytes(),
+                )
+            return self._grammar_backend
 
     def abort(self, seq_id: int) -> bool:
         """Stop a request and free its blocks; False if it was unknown or already done."""

@@ -28,7 +28,9 @@ class InvalidGrammarError(ValueError):
 class GrammarBackend:
     """xgrammar over one tokenizer and vocabulary: compiles (cached) and makes matchers."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, cache_limit_bytes: int = -1):
+        """`cache_limit_bytes`: xgrammar's compiled-grammar cache evicts the least recently
+        used past it (-1: unlimited; the engine passes ATOM_GRAMMAR_CACHE_MB)."""
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -36,7 +38,9 @@ class GrammarBackend:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=1, cache_limit_bytes=cache_limit_bytes
+        )
 
     def compile(self, params):
         """The compiled grammar of a request's json_schema / json_object."""
