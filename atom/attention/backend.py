@@ -10,14 +10,39 @@ the backend needs; `derive_views` fills that view on the device after the slot's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from atom.forward_context import AttentionMetadata
 from atom.kernels.page_table import derive_slot_mapping, derive_slot_mapping_reference
+
+# Speculative decoding: how the memory a verify step wrote for rejected drafts is undone.
+# POSITIONS: all of it is addressed by position (paged KV, compressed entries), so moving
+# num_computed_tokens back past the rejected drafts makes the next step rewrite them.
+# STATE_SNAPSHOT: some of it is per-sequence state updated in place (state slots: window
+# rings, compressor rows, Engram history, GDN conv and delta-rule states); the drafting
+# sequences' rows are saved before the verify step, and a sequence that rejected a draft
+# gets them back and recomputes from where the step began
+# (atom/model_engine/speculative/state_rollback.py).
+POSITIONS = "positions"
+STATE_SNAPSHOT = "state_snapshot"
+
+
+@dataclass(frozen=True)
+class SpeculationSupport:
+    """A family's declaration for speculative decoding (one per backend class; issue 31's
+    AttentionFamily is meant to take it over as is)."""
+
+    rollback: str = POSITIONS  # POSITIONS or STATE_SNAPSHOT
+    # A step of several tokens per sequence (a verify step) can be captured in a CUDA
+    # graph (atom/model_engine/speculative/verify_graphs.py); False: verify steps run eagerly.
+    verify_graphs: bool = True
 
 
 class PagedAttentionBackend:
     """Paged KV cache addressed by slot = block_id * block_size + offset (MHA, MLA)."""
 
     name = "paged"
+    speculation = SpeculationSupport()
 
     def __init__(self):
         # Decode metadata holds the same views at a given padded size every step: reuse it.
@@ -41,6 +66,22 @@ class PagedAttentionBackend:
             max_seqlen_q=1,
             is_decode=True,
         )
+
+    def verify_graph_metadata(self, slot, size: int, rows_per_seq: int) -> AttentionMetadata:
+        """The metadata a multi-token CUDA graph (S = `size` sequences x `rows_per_seq`
+        tokens, verify_graphs.py) is captured with: the slot's fixed views."""
+        return AttentionMetadata(
+            slot_mapping=slot.slot_mapping[: size * rows_per_seq],
+            context_lens=slot.context_lens.device[:size],
+            block_tables=slot.page_table.device_rows[:size],
+            cu_seqlens_q=slot.cu_seqlens_q.device[: size + 1],
+            max_seqlen_q=rows_per_seq,
+            is_decode=False,
+        )
+
+    def pad_graph_rows(self, slot, start: int, end: int) -> None:
+        """Make this backend's own per-row buffers well-defined padding in rows
+        [start, end) of the device side (a multi-token graph replayed at a padded size)."""
 
     def build_metadata(self, slot, step, publish) -> AttentionMetadata:
         seqs = step.num_seqs

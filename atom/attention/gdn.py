@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from atom.attention.backend import PagedAttentionBackend
+from atom.attention.backend import STATE_SNAPSHOT, PagedAttentionBackend, SpeculationSupport
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels import gdn_chunk
@@ -59,7 +59,12 @@ class GDNAttentionMetadata(AttentionMetadata):
 class GDNBackend(PagedAttentionBackend):
     """The paged rows and slot mapping of every backend, plus state slots and fresh flags."""
 
+    _bounds_for: GDNAttentionMetadata | None = None  # a CUDA prefill step's, until flushed
+
     name = "gdn"
+    # Speculative decoding: the conv and delta-rule states are updated in place, so verify
+    # steps save and restore them; the varlen kernels read no host value (CUDA graphs).
+    speculation = SpeculationSupport(rollback=STATE_SNAPSHOT, verify_graphs=True)
 
     def buffer_specs(self, max_num_seqs: int, max_num_tokens: int) -> list[BufferSpec]:
         return [
@@ -77,15 +82,34 @@ class GDNBackend(PagedAttentionBackend):
     def build_metadata(self, slot, step, publish) -> GDNAttentionMetadata:
         base = super().build_metadata(slot, step, publish)
         seqs, padded = step.num_seqs, step.padded_seqs or step.num_seqs
-        on_gpu_prefill = not step.is_decode and slot.device.type == "cuda"
-        return GDNAttentionMetadata(
+        metadata = GDNAttentionMetadata(
             **vars(base),
             state_slots=publish(slot.state_slots, seqs, padded),
             state_fresh=publish(slot.state_fresh, seqs, padded),
-            chunk_bounds=chunk_bounds(base.cu_seqlens_q, step.num_tokens)
-            if on_gpu_prefill
-            else None,
         )
+        # CUDA prefill: the chunk bounds come from cu_seqlens once the flush has landed
+        # them (packed publication copies at the flush), in `derive_views`.
+        self._bounds_for = metadata if not step.is_decode and slot.device.type == "cuda" else None
+        return metadata
+
+    def derive_views(self, slot, num_tokens: int, num_rows: int, is_decode: bool) -> None:
+        super().derive_views(slot, num_tokens, num_rows, is_decode)
+        metadata, self._bounds_for = self._bounds_for, None
+        if metadata is not None:
+            metadata.chunk_bounds = chunk_bounds(metadata.cu_seqlens_q, num_tokens)
+
+    def verify_graph_metadata(self, slot, size: int, rows_per_seq: int) -> GDNAttentionMetadata:
+        # chunk_bounds None: the conv derives them inside the graph from cu_seqlens
+        base = super().verify_graph_metadata(slot, size, rows_per_seq)
+        return GDNAttentionMetadata(
+            **vars(base),
+            state_slots=slot.state_slots.device[:size],
+            state_fresh=slot.state_fresh.device[:size],
+        )
+
+    def pad_graph_rows(self, slot, start: int, end: int) -> None:
+        slot.state_slots.device[start:end].fill_(-1)  # padded rows touch the scratch slot
+        slot.state_fresh.device[start:end].zero_()
 
     def graph_metadata(self, slot, size: int) -> GDNAttentionMetadata:
         slot.state_slots.device.fill_(-1)  # padding at capture: touch only the scratch slot

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from atom.attention.backend import PagedAttentionBackend
+from atom.attention.backend import STATE_SNAPSHOT, PagedAttentionBackend, SpeculationSupport
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels.v4_attention import (
@@ -63,6 +63,10 @@ class V4Backend(PagedAttentionBackend):
     """The paged rows and slot mapping of every backend, plus the rows' state slots."""
 
     name = "v4"
+    # Speculative decoding: the window rings and compressor rows (and V4.1's Engram history)
+    # are written in place, so verify steps save and restore them; a multi-token step runs
+    # per sequence in torch with host reads (`prefill_sequences`): never in a CUDA graph.
+    speculation = SpeculationSupport(rollback=STATE_SNAPSHOT, verify_graphs=False)
 
     def buffer_specs(self, max_num_seqs: int, max_num_tokens: int) -> list[BufferSpec]:
         return [BufferSpec("state_slots", (max_num_seqs,), torch.int32, -1)]

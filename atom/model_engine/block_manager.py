@@ -202,6 +202,8 @@ class BlockManager:
             self.ref_counts[block_id] = 0
             self._push_freed(block_id)
             self._num_free += 1
+        if surplus > 0:
+            seq.block_trims += 1
         return max(surplus, 0)
 
     def register_computed(self, seq: Sequence) -> None:

@@ -35,6 +35,7 @@ from atom.model_engine.state_slots import StateSlots
 from atom.model_engine.structured_output import GrammarBackend, accept_tokens
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
+from atom.models.registry import model_class
 from atom.sampling_params import SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,8 @@ class LLMEngine:
             draft_runner = None
             if draft_hf is not None:
                 draft_runner = self._draft_runner(draft_hf)
-            self.speculator = make_decoder(config, self.max_model_len, draft_runner)
+            snapshots = getattr(self.model_runner, "state_snapshots", None)
+            self.speculator = make_decoder(config, self.max_model_len, draft_runner, snapshots)
             self.scheduler.lookahead = self.speculator.lookahead
         self.requests: dict[int, Sequence] = {}
         self.stats = EngineStats()
@@ -207,6 +209,16 @@ class LLMEngine:
             raise ValueError(
                 f"the draft model {path} has a vocabulary of {draft_hf.vocab_size} tokens, "
                 f"the target {self.hf_config.vocab_size}: speculation needs the same vocabulary"
+            )
+        backend = getattr(model_class(draft_hf), "attention_backend", "mha")
+        if backend != "mha":
+            # The draft's KV shares the target's block ids and is rolled back by position
+            # (draft_model.py): per-sequence state or a latent cache would need their own.
+            raise ValueError(
+                f"speculative_model {path} is a {getattr(draft_hf, 'model_type', backend)} "
+                f"model (attention backend {backend!r}); speculative_method='draft' needs a "
+                "draft of the Llama family (Llama, Qwen2: paged multi-head attention). "
+                "DeepSeek and Qwen3-Next models can be the target, not the draft"
             )
         if getattr(draft_hf, "max_position_embeddings", self.max_model_len) < self.max_model_len:
             raise ValueError(

@@ -41,6 +41,7 @@ from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import ARGMAX_MAX_ROWS, Sampler
 from atom.model_engine.sampling_state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.speculative.state_rollback import StateSnapshots, uses_state_snapshots
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.model_engine.step_handle import HostTokenPool, StepHandle
@@ -90,6 +91,11 @@ class ModelRunner:
         self.state_layers = getattr(self.model, "state_layers", [])
         uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
         self.num_state_slots = config.max_num_seqs if uses_state else 0
+        # Speculative decoding: the family's declaration (its backend's `speculation`); with
+        # a state-snapshot rollback the state rows get backup rows (state_rollback.py).
+        self.speculation = backend_for(self.model).speculation
+        self.snapshot_state = uses_state_snapshots(config, self.speculation, self.num_state_slots)
+        self.state_snapshots: StateSnapshots | None = None
         self.sampler = Sampler(greedy_argmax=config.fusions.greedy_argmax)
         # Penalties, logit_bias, min_tokens state of running requests, shared by the slots.
         self.sampling_state = SamplingState(config.max_num_seqs, hf_config.vocab_size, self.device)
@@ -132,11 +138,13 @@ class ModelRunner:
                 graphs.capture()
             logger.info("GEMV policy: %s", gemv_policy.current_policy().summary())
         self.verify_graphs: list[VerifyGraphs] | None = None
-        if self.graphs is not None and config.speculative_method is not None:
+        # (a family whose multi-token steps read the host has none: it verifies eagerly)
+        multi_token_graphs = self.graphs is not None and self.speculation.verify_graphs
+        if multi_token_graphs and config.speculative_method is not None:
             self.verify_graphs = self._capture_verify_graphs(
                 sizes, config.num_speculative_tokens + 1
             )
-        elif self.graphs is not None and catch_up_rows:
+        elif multi_token_graphs and catch_up_rows:
             self.verify_graphs = self._capture_verify_graphs(sizes, catch_up_rows)
         self.eager_forwards = 0  # forwards run outside CUDA graphs (tests, benchmarks)
 
@@ -214,6 +222,8 @@ class ModelRunner:
             if is_v4(layers):
                 state_bytes = v4_state_bytes(layers, self.num_state_slots, dtype)
             state_bytes += state_slots.state_bytes(self.state_layers, self.num_state_slots)
+            if self.snapshot_state:  # one backup row per slot (no scratch row)
+                state_bytes += state_bytes // (self.num_state_slots + 1) * self.num_state_slots
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -239,6 +249,9 @@ class ModelRunner:
         self.state = state_slots.allocate_state(
             self.state_layers, self.num_state_slots, self.device
         )
+        if self.snapshot_state:
+            tensors = state_slots.slot_tensors(self.model.attention_layers, self.state_layers)
+            self.state_snapshots = StateSnapshots(tensors, self.num_state_slots)
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",
             num_blocks,
@@ -447,11 +460,13 @@ class ModelRunner:
 
     def _verify_graph_size(self, index: int, batch: ScheduledBatch, step, plan) -> int | None:
         """The multi-token graph size a step replays at, or None (eager): a verify step
-        (target) or a catch-up step (draft runner) whose sequences have at most the
-        graph's tokens each, and that samples."""
+        (target), a catch-up step (draft runner) or, where rejected drafts roll back by
+        state snapshot, a recompute step (target: the kept tokens and the bonus token)
+        whose sequences have at most the graph's tokens each, and that samples."""
         if self.verify_graphs is None or batch.is_decode_only or not step.sampling_seqs:
             return None
-        if plan is not None or (batch.draft_token_ids is None and not self.catch_up_rows):
+        short_steps = self.catch_up_rows or self.snapshot_state
+        if plan is not None or (batch.draft_token_ids is None and not short_steps):
             return None
         return self.verify_graphs[index].fits(step.num_seqs, step.max_seqlen_q)
 

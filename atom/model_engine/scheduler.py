@@ -114,9 +114,12 @@ class Scheduler:
                 continue
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if self.lookahead is not None and seq.num_uncomputed_tokens == 1:
-                num_new = min(1 + self.lookahead(seq), budget)
+            uncomputed = seq.num_uncomputed_tokens
+            num_new = min(uncomputed, budget)
+            # drafts after the sequence's last token: a decode, or (speculation rolled back
+            # by state snapshot) the recompute of a few kept tokens; the proposer says
+            if self.lookahead is not None and uncomputed <= budget:
+                num_new = min(uncomputed + self.lookahead(seq), budget)
             while not bm.can_grow(seq, num_new):
                 victim = self.running[-1]
                 budget += chosen.pop(victim, 0)
@@ -174,9 +177,7 @@ class Scheduler:
             step=self._steps,
         )
         if self.lookahead is not None:
-            batch.num_draft_tokens = [
-                chosen[s] - 1 if s.num_uncomputed_tokens == 1 else 0 for s in seqs
-            ]
+            batch.num_draft_tokens = [max(0, chosen[s] - s.num_uncomputed_tokens) for s in seqs]
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

@@ -45,6 +45,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hits of the latest (re)admission
         self.block_table: list[int] = []
         self.block_version = 0  # bumped when the blocks are freed (page-table rows go stale)
+        # Bumped when BlockManager.trim returns tail blocks: a page table that did not see
+        # that step (the draft model's) cannot tell a regrown tail from the old one.
+        self.block_trims = 0
         self.block_hashes: list[int] = []  # chained hashes of full computed blocks
         self.state_slot: int | None = None  # per-sequence state (V4), owned like the blocks
         self.num_preemptions = 0

@@ -73,3 +73,16 @@ def allocate_state(layers, num_slots: int, device) -> list:
             setattr(layer, name, tensor)
             tensors.append(tensor)
     return tensors
+
+
+def slot_tensors(attention_layers, state_layers) -> list:
+    """Every bound per-slot tensor of a model (``[num_slots + 1, ...]`` each): the V4 / V4.1
+    layers' `state_shapes` (rings, compressor rows, Engram history) and the state layers'
+    `state_specs` (GDN conv and delta-rule states). Paged pools are not among them."""
+    tensors = []
+    for layer in attention_layers:
+        if hasattr(layer, "state_shapes"):
+            tensors += [getattr(layer, name) for name in layer.state_shapes()]
+    for layer in state_layers:
+        tensors += [getattr(layer, name) for name in layer.state_specs()]
+    return tensors

@@ -12,11 +12,20 @@ successor cannot draft, `needs_tokens` False, stays in flight as usual):
                                              # (device drafts come back with the result)
     scheduler.on_complete(batch, emitted)    # appends, stop/EOS checks inside the run
 
-KV rollback: the verify step wrote KV for every draft; a sequence that kept `a` of its
-`d` drafts moves `num_computed_tokens` back by `d - a`, so the next step overwrites the
-rejected slots. Blocks reserved for rejected drafts stay with the sequence while its next
-step needs them and return to the pool when it does not (`BlockManager.trim`, called by
-the scheduler); the page table only ever sees blocks that a forward writes.
+Rollback, as the model's family declares it (`SpeculationSupport.rollback`,
+atom/attention/backend.py):
+- positions (paged KV only): the verify step wrote KV for every draft; a sequence that
+  kept `a` of its `d` drafts moves `num_computed_tokens` back by `d - a`, so the next step
+  overwrites the rejected slots;
+- state snapshot (per-sequence state rows: DeepSeek-V4 / V4.1, Qwen3-Next): `propose`
+  saves the drafting sequences' state rows before the launch; a sequence that rejected
+  any draft gets them back and moves `num_computed_tokens` back to where the step began,
+  so its next step recomputes the kept tokens and the bonus token from the saved state
+  (state_rollback.py), with new drafts after them while the step stays within k + 1
+  tokens. One that kept every draft rolls nothing back.
+Blocks reserved for rejected drafts stay with the sequence while its next step needs them
+and return to the pool when it does not (`BlockManager.trim`, called by the scheduler);
+the page table only ever sees blocks that a forward writes.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from atom.config import Config
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 from atom.model_engine.speculative.proposers import DeviceDrafts, NgramProposer, Proposer
+from atom.model_engine.speculative.state_rollback import StateSnapshots
 from atom.model_engine.speculative.verify import accepted_tokens
 
 logger = logging.getLogger(__name__)
@@ -41,6 +51,7 @@ class SpeculationStats:
         self.accepted_tokens = 0
         self.emitted_tokens = 0  # tokens of drafting sequence-steps (accepted + 1 each)
         self.accepted_per_position = [0] * num_speculative_tokens  # draft j+1 kept
+        self.state_restores = 0  # sequence-steps whose state rows were restored (snapshot)
 
     @property
     def acceptance_rate(self) -> float:
@@ -56,19 +67,33 @@ class SpeculationStats:
 
 
 class SpeculativeDecoder:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int):
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_speculative_tokens: int,
+        max_model_len: int,
+        state_snapshots: StateSnapshots | None = None,
+    ):
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
+        # The target's state backups (families that roll back by state snapshot), or None.
+        self.state_snapshots = state_snapshots
         self.stats = SpeculationStats(num_speculative_tokens)
 
     def lookahead(self, seq: Sequence) -> int:
         """Drafts `seq` may verify this step: at most k, never past max_tokens or
-        max_model_len (the step emits drafts + 1 tokens at most)."""
+        max_model_len (the step emits drafts + 1 tokens at most). A decode drafts; so does,
+        after a state-snapshot rollback, the step that recomputes the kept tokens, within
+        k + 1 tokens in all (the verify steps' shape: their CUDA graphs; and a rejection
+        there leaves at most k + 1 tokens to recompute)."""
         if seq.pending_token is not None:  # its last token is still on the device
             return 0
+        uncomputed = len(seq) - seq.num_computed_tokens
+        if uncomputed > 1 and (self.state_snapshots is None or not seq.num_output_tokens):
+            return 0  # a prompt (or, rolled back by position, a recomputing sequence)
         limit = min(
-            self.k,
+            self.k + 1 - uncomputed,
             seq.sampling_params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - len(seq) - 1,
         )
@@ -106,6 +131,10 @@ class SpeculativeDecoder:
                 )
         batch.draft_token_ids = drafts
         batch.emitted = {}
+        if self.state_snapshots is not None:  # queued before the verify step's forward
+            self.state_snapshots.save(
+                [s.state_slot for s, d in zip(batch.seqs, drafts, strict=True) if d]
+            )
 
     def on_verified(self, batch: ScheduledBatch, result) -> list[list[int]]:
         """From the verify rows' (tokens, accepted) to each sampling sequence's new tokens;
@@ -120,13 +149,21 @@ class SpeculativeDecoder:
                 row += len(draft) + 1
         drafts = [batch.draft_token_ids[index[seq]] for seq, _ in batch.sampled]
         emitted = accepted_tokens(drafts, tokens, accepted)
+        restore = []  # state slots of sequences that rejected a draft (snapshot rollback)
         for (seq, position), draft, new in zip(batch.sampled, drafts, emitted, strict=True):
             if not draft or seq.status == SequenceStatus.FINISHED:
                 continue
             num_accepted = len(new) - 1
-            seq.num_computed_tokens -= len(draft) - num_accepted
+            if self.state_snapshots is None:
+                seq.num_computed_tokens -= len(draft) - num_accepted
+            elif num_accepted < len(draft):  # back to the step's start, state as saved
+                seq.num_computed_tokens -= batch.num_new_tokens[index[seq]]
+                restore.append(seq.state_slot)
             self.stats.record(len(draft), num_accepted)
             self.proposer.on_verified(seq, position, len(draft), num_accepted)
+        if restore:
+            self.state_snapshots.restore(restore)
+            self.stats.state_restores += len(restore)
         return emitted
 
 
@@ -141,7 +178,9 @@ def _uniform_decodes(batch: ScheduledBatch) -> bool:
     )
 
 
-def make_decoder(config: Config, max_model_len: int, draft_runner=None) -> SpeculativeDecoder:
+def make_decoder(
+    config: Config, max_model_len: int, draft_runner=None, state_snapshots=None
+) -> SpeculativeDecoder:
     k = config.num_speculative_tokens
     if config.speculative_method == "ngram":
         proposer = NgramProposer(config.ngram_min, config.ngram_max)
@@ -150,4 +189,4 @@ def make_decoder(config: Config, max_model_len: int, draft_runner=None) -> Specu
 
         proposer = DraftModelProposer(draft_runner, config.max_num_batched_tokens)
     logger.info("speculative decoding: %s, %d tokens per step", config.speculative_method, k)
-    return SpeculativeDecoder(proposer, k, max_model_len)
+    return SpeculativeDecoder(proposer, k, max_model_len, state_snapshots)

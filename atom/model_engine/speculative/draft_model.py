@@ -57,7 +57,9 @@ class _DraftView:
         self.token_ids = token_ids
         self.num_computed_tokens = num_computed
         self.block_table = seq.block_table  # the target's block ids
-        self.block_version = seq.block_version
+        # The draft runner's page table may miss the target step that trimmed the tail and
+        # see it regrown with other ids at the same length: a trim resends the row.
+        self.block_version = (seq.block_version, seq.block_trims)
         self.pending_token = pending
         self.sampling_params = _GREEDY
 

@@ -9,7 +9,10 @@ buffers, like the decode graphs, over S x R token rows. The slot stages and publ
 step eagerly (at its real size, tokens packed at the front) and derives the slot mapping;
 before a replay the padding of the buffers the graph reads is made well-defined on the
 device: context lengths 0 and cu_seqlens repeating the last value (zero-length queries:
-no attention work), slot mapping -1 (no KV write). Token rows past the step's tokens
+no attention work), slot mapping -1 (no KV write), and the backend's own rows (GDN: state
+slot -1, the scratch row). The backend gives the capture metadata
+(`verify_graph_metadata`); a family whose multi-token steps read the host (V4, V4.1:
+`SpeculationSupport.verify_graphs` False) has no such graphs and verifies eagerly. Token rows past the step's tokens
 compute garbage that no one reads; a step whose sequences have fewer than R tokens reads
 its sampled rows through the published logits indices. Sampling or verification
 (verify.py) runs eagerly on the replayed logits.
@@ -55,16 +58,8 @@ class VerifyGraphs:
         return self.batch_sizes[index]
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        slot = self.slot
-        tokens = size * self.rows_per_seq
-        return AttentionMetadata(
-            slot_mapping=slot.slot_mapping[:tokens],
-            context_lens=slot.context_lens.device[:size],
-            block_tables=slot.page_table.device_rows[:size],
-            cu_seqlens_q=slot.cu_seqlens_q.device[: size + 1],
-            max_seqlen_q=self.rows_per_seq,
-            is_decode=False,
-        )
+        """The slot's fixed views, with the backend's own (GDN: state slots, fresh flags)."""
+        return self.slot.backend.verify_graph_metadata(self.slot, size, self.rows_per_seq)
 
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * self.rows_per_seq
@@ -78,6 +73,7 @@ class VerifyGraphs:
         slot.slot_mapping.fill_(-1)
         slot.context_lens.device.fill_(0)
         slot.cu_seqlens_q.device.fill_(0)
+        slot.backend.pad_graph_rows(slot, 0, max(self.batch_sizes, default=0))
         pool = None
         try:
             for size in reversed(self.batch_sizes):
@@ -115,6 +111,7 @@ class VerifyGraphs:
         if padded_size > batch_size:
             slot.context_lens.device[batch_size:padded_size].fill_(0)
             slot.cu_seqlens_q.device[batch_size + 1 : padded_size + 1].fill_(num_tokens)
+            slot.backend.pad_graph_rows(slot, batch_size, padded_size)
             self.padded_replays += 1
         if padded_tokens > num_tokens:
             slot.slot_mapping[num_tokens:padded_tokens].fill_(-1)
