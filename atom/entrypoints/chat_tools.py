@@ -27,6 +27,11 @@ from atom.entrypoints.tool_parsers.base import (
 from atom.sampling_params import SamplingParamError
 
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+# Arrays and objects nested in one tool's schema. Checking a schema recurses (jsonschema's
+# meta-schema check overflowed Python's stack at ~200 levels: a 500), so deeper ones are
+# refused first. A forced tool_choice's schema then also meets the server's json_schema
+# limits when it is compiled (its size, depth and counts).
+MAX_TOOL_SCHEMA_DEPTH = 64
 
 
 class FunctionDefinition(BaseModel):
@@ -89,6 +94,12 @@ class MessageToolCall(BaseModel):
 def check_json_schema(schema: dict) -> None:
     """Raise ValueError when `schema` is not a JSON Schema (jsonschema's meta-schema check
     when it is installed, else the structure of `type`)."""
+    depth = _nesting_depth(schema)
+    if depth > MAX_TOOL_SCHEMA_DEPTH:
+        raise ValueError(
+            f"nested {depth} levels deep; a tool's schema may nest at most "
+            f"{MAX_TOOL_SCHEMA_DEPTH} levels"
+        )
     try:
         import jsonschema
     except ImportError:  # a runtime-only install: check what xgrammar would trip on
@@ -97,11 +108,25 @@ def check_json_schema(schema: dict) -> None:
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
+    except RecursionError:  # a deep stack already: refused, not a 500
+        raise ValueError("too deeply nested to check") from None
     except jsonschema.SchemaError as error:
         where = "/".join(str(part) for part in error.absolute_path)
         raise ValueError(
             f"not a valid JSON Schema: {error.message}" + (f" (at {where})" if where else "")
         ) from None
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (without recursion)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _check_types(schema: Any) -> None:

@@ -216,6 +216,13 @@ def _chat(**fields) -> dict:
     return {"model": SMOL, "messages": ASK, "max_tokens": 4, **fields}
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD_TOOL_REQUESTS = {
     "schema not valid JSON Schema": (
         _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
@@ -225,6 +232,10 @@ BAD_TOOL_REQUESTS = {
         _chat(
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"required": "x"}}}]
         ),
+        "tools[0].function.parameters",
+    ),
+    "schema nested too deep": (
+        _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(150)}}]),
         "tools[0].function.parameters",
     ),
     "unknown tool_choice name": (
