@@ -128,14 +128,15 @@ def test_sampled_forced_calls_still_validate(smol_server):
         messages=ASK,
         tools=TOOLS,
         tool_choice="required",
-        max_tokens=128,
+        max_tokens=80,
         temperature=1.0,
         seed=7,
-        n=3,
+        n=2,
     )
-    for choice in answer.choices:
-        if choice.finish_reason == "tool_calls":  # "length" may cut a long sample
-            assert _validated(choice.message.tool_calls)
+    finished = [c for c in answer.choices if c.finish_reason == "tool_calls"]
+    assert finished  # "length" may cut a long sample, not all of them
+    for choice in finished:
+        assert _validated(choice.message.tool_calls)
 
 
 def test_tool_result_sent_back_gets_an_answer(smol_server, smollm2_llm):
@@ -151,7 +152,7 @@ def test_tool_result_sent_back_gets_an_answer(smol_server, smollm2_llm):
     call = first.choices[0].message.tool_calls[0]
     history = [
         *ASK,
-        first.choices[0].message.model_dump(exclude_none=True),  # as the SDK user sends it
+        first.choices[0].message,  # the SDK's own object, as agent loops send it back
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'},
     ]
     answer = client.chat.completions.create(
