@@ -236,6 +236,25 @@ class RequiredCallsParser(ToolParser):
                 position += 1
 
 
+def template_messages(messages: list, template: str | None) -> list[dict]:
+    """Chat messages (openai_protocol.ChatMessage) as chat templates expect them: plain
+    strings; `developer` is OpenAI's newer name for `system`, which is the role templates
+    know. An assistant's calls go as `tool_calls`, or as JSON text in its content when
+    `template` never reads tool_calls."""
+    knows_calls = not isinstance(template, str) or "tool_calls" in template
+    rendered = []
+    for m in messages:
+        message: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        if m.tool_calls and knows_calls:
+            message["tool_calls"] = template_tool_calls(m.tool_calls)
+        elif m.tool_calls:
+            message["content"] = "\n".join(filter(None, [m.text, calls_as_text(m.tool_calls)]))
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        rendered.append(message)
+    return rendered
+
+
 def template_tool_calls(calls: list[MessageToolCall]) -> list[dict]:
     """An assistant message's calls as chat templates read them: arguments as an object
     (templates write them with `tojson`) when they are JSON."""

@@ -30,9 +30,8 @@ from atom.entrypoints.chat_tools import (
     ChatTool,
     MessageToolCall,
     ToolChoice,
-    calls_as_text,
     check_tool_request,
-    template_tool_calls,
+    template_messages,
     tool_constraint,
 )
 from atom.sampling_params import SamplingParamError, SamplingParams
@@ -463,22 +462,8 @@ class ChatCompletionRequest(SamplingRequest):
         return value
 
     def template_messages(self, template: str | None = None) -> list[dict]:
-        """Messages as chat templates expect them: plain strings; `developer` is OpenAI's
-        newer name for `system`, which is the role templates know. An assistant's calls go
-        as `tool_calls`, or as JSON text when `template` never reads tool_calls."""
-        knows_calls = not isinstance(template, str) or "tool_calls" in template
-        rendered = []
-        for m in self.messages:
-            message: dict = {"role": "system" if m.role == "developer" else m.role}
-            message["content"] = m.text
-            if m.tool_calls and knows_calls:
-                message["tool_calls"] = template_tool_calls(m.tool_calls)
-            elif m.tool_calls:
-                message["content"] = "\n".join(filter(None, [m.text, calls_as_text(m.tool_calls)]))
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            rendered.append(message)
-        return rendered
+        """Messages as chat templates expect them (chat_tools.template_messages)."""
+        return template_messages(self.messages, template)
 
     def template_options(self) -> dict:
         """The chat template's arguments besides the messages."""

@@ -181,12 +181,13 @@ class OpenAIServing:
         )
         usage = Usage(len(ids))
         await self._check_grammar(params, "tools" if request.structured_by_tools else None)
-        opens_reasoning = self.chat_format.reasoning is not None and self._opens_reasoning(ids)
-        outputs = [self.chat_format.output(request, opens_reasoning) for _ in range(request.n)]
         streams = await self._add_requests([ids], [params])
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
+        # Each choice's reader of reasoning and tool calls (chat_output.py).
+        opens_reasoning = self.chat_format.reasoning is not None and self._opens_reasoning(ids)
+        outputs = [self.chat_format.output(request, opens_reasoning) for _ in range(request.n)]
         texts = self.token_texts
 
         def logprobs_of(entries) -> dict | None:
