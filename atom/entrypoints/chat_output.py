@@ -89,6 +89,13 @@ class ChatOutput:
     _sent_calls: list[_SentCall] = field(default_factory=list)
     _called: bool = False
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The strings its parsers look for (to keep if they are special tokens)."""
+        return tuple(getattr(self.tools, "markers", ())) + tuple(
+            getattr(self.reasoning, "markers", ())
+        )
+
     def _split(self, text: str, final: bool) -> tuple[str | None, str, list[ToolCall]]:
         reasoning, content = None, text
         if self.reasoning is not None:

@@ -34,7 +34,7 @@ from atom.entrypoints.async_engine import (
     RequestStream,
 )
 from atom.entrypoints.chat_output import ChatFormat
-from atom.entrypoints.generation import TextDelta, text_deltas
+from atom.entrypoints.generation import TextDelta, special_marker_ids, text_deltas
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
@@ -188,6 +188,7 @@ class OpenAIServing:
         # Each choice's reader of reasoning and tool calls (chat_output.py).
         opens_reasoning = self.chat_format.reasoning is not None and self._opens_reasoning(ids)
         outputs = [self.chat_format.output(request, opens_reasoning) for _ in range(request.n)]
+        keep = special_marker_ids(self.tokenizer, outputs[0].markers)
         texts = self.token_texts
 
         def logprobs_of(entries) -> dict | None:
@@ -201,7 +202,7 @@ class OpenAIServing:
                 for index in range(len(streams)):
                     role = {"role": "assistant", "content": ""}
                     yield _sse(_chat_chunk(head, role, None, index=index))
-                async for index, delta in self._merged_deltas(streams, stop, usage):
+                async for index, delta in self._merged_deltas(streams, stop, usage, keep):
                     output = outputs[index]
                     parsed = output.delta(delta.text, final=delta.finish_reason is not None)
                     if parsed or (request.logprobs and delta.logprobs):
@@ -224,7 +225,7 @@ class OpenAIServing:
 
             return self._event_stream(events(), streams)
 
-        results = await self._collect(streams, stop, usage, raw)
+        results = await self._collect(streams, stop, usage, raw, keep)
         choices = [
             {
                 "index": index,
@@ -385,16 +386,24 @@ class OpenAIServing:
         return choices
 
     async def _merged_deltas(
-        self, streams: list[Choice], stop: list[str], usage: Usage
+        self, streams: list[Choice], stop: list[str], usage: Usage, keep_special=frozenset()
     ) -> AsyncIterator[tuple[int, TextDelta]]:
-        """(choice index, delta) of all streams as they come; counts completion tokens."""
+        """(choice index, delta) of all streams as they come; counts completion tokens.
+        `keep_special`: special token ids kept in the text (generation.py)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, choice: Choice) -> None:
             timer = RequestTimer(self.metrics, choice.arrival)
             try:
                 async with aclosing(
-                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.outputs)
+                    text_deltas(
+                        self.engine,
+                        choice.stream,
+                        self.tokenizer,
+                        stop,
+                        choice.outputs,
+                        keep_special,
+                    )
                 ) as deltas:
                     async for delta in deltas:
                         timer.observe(delta, choice.prompt_tokens)
@@ -417,12 +426,14 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()  # their text_deltas abort the requests
 
-    async def _collect(self, streams, stop, usage, raw: Request) -> list[Collected]:
+    async def _collect(
+        self, streams, stop, usage, raw: Request, keep_special=frozenset()
+    ) -> list[Collected]:
         """What each stream produced; a client that goes away aborts them."""
 
         async def gather() -> list[Collected]:
             results = [Collected() for _ in streams]
-            async for index, delta in self._merged_deltas(streams, stop, usage):
+            async for index, delta in self._merged_deltas(streams, stop, usage, keep_special):
                 result = results[index]
                 result.text += delta.text
                 result.token_ids += delta.token_ids

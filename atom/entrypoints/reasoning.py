@@ -18,6 +18,8 @@ START, END = "<think>", "</think>"
 
 
 class ThinkReasoningParser:
+    markers = (START, END)  # kept in the text if the tokenizer has them as special tokens
+
     def scan(self, text: str, final: bool, starts_inside: bool) -> tuple[str | None, str]:
         """(reasoning, or None when the output has none; content)."""
         body = 0

@@ -320,3 +320,44 @@ def test_parser_detected_from_the_chat_template():
     assert detect_tool_parser("<|im_start|>{{ message['content'] }}") is None
     assert detect_tool_parser("<tool_call> <|python_tag|>") is None  # ambiguous: none
     assert detect_tool_parser(None) is None
+
+
+def test_special_token_markers_are_kept_and_end_of_sequence_is_not(smollm2_tokenizer_dir):
+    """A tokenizer that has `<tool_call>` as a special token: detokenized as usual the
+    marker is gone and the call unreadable; with the parser's markers kept, the text holds
+    them (token by token as in one piece) and never the end-of-sequence token."""
+    path, _ = smollm2_tokenizer_dir
+    if path is None:
+        pytest.skip("needs the SmolLM2 tokenizer")
+    import transformers
+
+    from atom.entrypoints.generation import IncrementalDetokenizer, special_marker_ids
+    from atom.entrypoints.tool_parsers.hermes import HermesToolParser
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    begin, end = tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    body = tokenizer.encode('\n{"name": "f", "arguments": {"a": 1}}\n', add_special_tokens=False)
+    ids = tokenizer.encode("Sure.", add_special_tokens=False) + [begin, *body, end]
+    ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+
+    keep = special_marker_ids(tokenizer, HermesToolParser.markers)
+    assert keep == {begin, end}
+    assert special_marker_ids(tokenizer, ("Sure",)) == frozenset()  # not a special token
+
+    def detokenized(keep_special, one_by_one: bool) -> str:
+        detokenizer = IncrementalDetokenizer(tokenizer, keep_special)
+        for piece in [[t] for t in ids] if one_by_one else [ids]:
+            detokenizer.add(piece)
+        streamed = detokenizer.text
+        detokenizer.finish()
+        assert detokenizer.text.startswith(streamed)
+        return detokenizer.text
+
+    assert "<tool_call>" not in detokenized(frozenset(), one_by_one=False)
+    for one_by_one in (False, True):
+        text = detokenized(keep, one_by_one)
+        assert "<tool_call>" in text and "<|im_end|>" not in text
+        message = ChatOutput(HermesToolParser()).message(text)
+        assert message["content"] == "Sure."
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"a": 1}

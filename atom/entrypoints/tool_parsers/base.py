@@ -43,6 +43,9 @@ class ToolParser:
     """One output format. Subclasses set `name` and implement `scan`."""
 
     name: str = ""
+    # The format's markers: kept in the text when the tokenizer has them as special tokens
+    # (which detokenization otherwise leaves out).
+    markers: tuple[str, ...] = ()
 
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError

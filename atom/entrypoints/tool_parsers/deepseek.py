@@ -46,6 +46,7 @@ FENCE_OPEN, FENCE_CLOSE = "```json", "```"
 
 class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
+    markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def scan(self, text: str, final: bool) -> Scan:
         begin = text.find(CALLS_BEGIN)

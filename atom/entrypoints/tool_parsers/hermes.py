@@ -19,6 +19,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    markers = (START, END)
 
     def scan(self, text: str, final: bool) -> Scan:
         scan = Scan()

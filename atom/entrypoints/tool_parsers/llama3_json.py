@@ -20,6 +20,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
 
     def scan(self, text: str, final: bool) -> Scan:
         start = skip_whitespace(text, 0)
