@@ -402,7 +402,7 @@ class OpenAIServing:
                         self.tokenizer,
                         stop,
                         choice.outputs,
-                        keep_special,
+                        keep_special=keep_special,
                     )
                 ) as deltas:
                     async for delta in deltas:
