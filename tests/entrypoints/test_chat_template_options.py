@@ -159,3 +159,98 @@ def test_auto_tool_choice_uses_the_parser_the_template_shows():
     assert output().message(text)["content"] == text
     named = output(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
     assert named.message('{"a": 2}')["tool_calls"][0]["function"]["arguments"] == '{"a": 2}'
+
+
+# -- tool_choice "auto" read by --tool-call-parser, end to end ------------------------------
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+# A random model writes a Llama-3 style call only when made to: response_format forces the
+# JSON, and the server's llama3_json parser (not the forced-call path) must read it.
+LLAMA3_CALL = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "call",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "name": {"const": "get_weather"},
+                "parameters": CITY_TOOL["function"]["parameters"],
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def llama3_parser_server(model_dir):
+    server, stop = run_server(
+        build_llm(model_dir, max_model_len=MAX_MODEL_LEN), MODEL, tool_call_parser="llama3_json"
+    )
+    yield server
+    stop()
+
+
+def test_auto_tool_calls_read_by_the_server_parser(llama3_parser_server, reference):
+    import jsonschema
+
+    tokenizer = reference.tokenizer
+    # JSON allows whitespace anywhere, which a random model writes forever: banned here.
+    blanks = [i for i in range(len(tokenizer)) if not tokenizer.decode([i]).strip()]
+    client = llama3_parser_server.client()
+    options = dict(
+        model=MODEL,
+        messages=HELLO,
+        tools=[CITY_TOOL],
+        response_format=LLAMA3_CALL,
+        max_tokens=48,
+        temperature=0,
+        logit_bias={str(i): -100 for i in blanks},
+    )
+    answer = client.chat.completions.create(**options)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and choice.message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), CITY_TOOL["function"]["parameters"])
+
+    pieces, names = [], []
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **options):
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        assert not delta.content
+        for piece in delta.tool_calls or []:
+            assert piece.index == 0
+            names += [piece.function.name] if piece.function.name else []
+            pieces.append(piece.function.arguments or "")
+    assert names == ["get_weather"] and "".join(pieces) == call.function.arguments
+    assert finish == "tool_calls"
+    # The same request with tool_choice "none": the JSON stays text.
+    plain = client.chat.completions.create(tool_choice="none", **options).choices[0]
+    assert plain.message.content and not plain.message.tool_calls
+    assert json.loads(plain.message.content)["name"] == "get_weather"
+
+
+def test_server_flags_for_parsers():
+    from atom.entrypoints.openai_server import build_parser
+
+    args = build_parser().parse_args(
+        ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    )
+    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tool-call-parser", "nonsense"])
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        ChatFormat(None, tool_call_parser="nonsense")
