@@ -474,6 +474,10 @@ class ChatCompletionRequest(SamplingRequest):
         options["continue_final_message"] = self.continue_final_message
         return options
 
+    def sampling_params(self, max_tokens: int, **options) -> SamplingParams:
+        # A forced call's JSON without free whitespace (sampling_params.compact_json).
+        return super().sampling_params(max_tokens, compact_json=self.structured_by_tools, **options)
+
     @property
     def structured_by_tools(self) -> bool:
         """Whether tool_choice constrains the output (required, or a named function)."""

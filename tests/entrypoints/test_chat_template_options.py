@@ -254,3 +254,27 @@ def test_server_flags_for_parsers():
         build_parser().parse_args(["--tool-call-parser", "nonsense"])
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ChatFormat(None, tool_call_parser="nonsense")
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_calls_of_a_random_model_finish_and_validate(llama3_parser_server, tool_choice):
+    """Random weights write whatever the grammar allows; a forced call's JSON has no free
+    whitespace, so it finishes within max_tokens and its arguments validate."""
+    import jsonschema
+
+    answer = llama3_parser_server.client().chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        tools=[CITY_TOOL],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=64,
+        temperature=0,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), CITY_TOOL["function"]["parameters"])
