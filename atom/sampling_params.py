@@ -61,6 +61,8 @@ class SamplingParams:
     logprobs: None = off; k >= 0 = the sampled token's log-probability plus the top k.
     prompt_logprobs: None = off; k >= 0 = the same for every prompt token (echo).
     json_schema / json_object: constrain the output to JSON (xgrammar token bitmask).
+    compact_json: with json_schema, no whitespace between JSON tokens (the server's forced
+        tool calls: a model cannot stall writing whitespace until max_tokens).
     """
 
     temperature: float = 1.0
@@ -81,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     json_schema: dict | str | None = None
     json_object: bool = False
+    compact_json: bool = False
     # Set by the engine when it admits the request: stop_token_ids plus its
     # end-of-sequence ids (unless ignore_eos), the ids min_tokens masks.
     all_stop_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
@@ -179,6 +182,8 @@ class SamplingParams:
                 )
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
             raise ValueError("json_schema must be a JSON schema (a dict or its JSON text)")
+        if not isinstance(self.compact_json, bool):
+            raise ValueError(f"compact_json must be true or false, got {self.compact_json!r}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be true or false, got {self.json_object!r}")
         self.needs_sampling_plan = (

@@ -24,10 +24,16 @@ class IncrementalDetokenizer:
     the previous emission plus one window of context, holding text back while it ends in
     an incomplete UTF-8 sequence. `finish` reconciles with one full decode, so the final
     text equals the offline `LLM.generate` text.
+
+    Special tokens are left out of the text, except `keep_special` (ids): the markers a
+    chat answer's tool-call or reasoning parser reads, when the tokenizer marks them
+    special (chat_output.py). The others, end-of-sequence included, stay out.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, keep_special: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        # Skipped ids when some special tokens are kept (decoding then keeps all of them).
+        self._hidden = _special_ids(tokenizer) - keep_special if keep_special else None
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
@@ -37,10 +43,13 @@ class IncrementalDetokenizer:
         if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):  # fmt: skip
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=self._hidden is None)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if self._hidden is None:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        kept = [t for t in token_ids if t not in self._hidden]
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
 
     def add(self, token_ids: list[int]) -> None:
         start = len(self.token_ids)
@@ -50,6 +59,9 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             try:
                 for token_id in token_ids:
+                    if self._hidden is not None and token_id in self._hidden:
+                        start += 1
+                        continue
                     piece = self._stream.step(self._backend, token_id)
                     if piece:
                         self.text += piece
@@ -87,6 +99,22 @@ class IncrementalDetokenizer:
             self.text = full
 
 
+def _special_ids(tokenizer) -> frozenset[int]:
+    """Every id the tokenizer treats as special (`skip_special_tokens` leaves them out)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {i for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset(special | set(getattr(tokenizer, "all_special_ids", ())))
+
+
+def special_marker_ids(tokenizer, markers) -> frozenset[int]:
+    """The ids of `markers` (strings) that are single special tokens of `tokenizer`."""
+    if tokenizer is None or not markers:
+        return frozenset()
+    special = _special_ids(tokenizer)
+    ids = (tokenizer.convert_tokens_to_ids(marker) for marker in markers)
+    return frozenset(i for i in ids if isinstance(i, int) and i in special)
+
+
 class StopStrings:
     """Finds the first stop string in a growing text; knows how much text is safe to send
     (a tail that may be the start of a stop string is held back until it is not)."""
@@ -119,14 +147,20 @@ class TextDelta:
 
 
 async def text_deltas(
-    engine: AsyncEngine, stream: RequestStream, tokenizer, stop: list[str], outputs=None
+    engine: AsyncEngine,
+    stream: RequestStream,
+    tokenizer,
+    stop: list[str],
+    outputs=None,
+    keep_special: frozenset[int] = frozenset(),
 ) -> AsyncIterator[TextDelta]:
     """Yield a request's TextDeltas until it finishes; the last one has a finish_reason.
 
     `outputs`: the stream's StepOutputs if not the stream itself (e.g. with its first
-    output already read). Leaving early (the client went away) aborts the request.
+    output already read). `keep_special`: special token ids kept in the text. Leaving
+    early (the client went away) aborts the request.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(tokenizer, keep_special)
     stops = StopStrings(stop)
     sent = 0  # characters of detokenizer.text already yielded
     try:

@@ -39,12 +39,14 @@ from atom.entrypoints.async_engine import (
     RequestFailedError,
     RequestStream,
 )
-from atom.entrypoints.generation import TextDelta, text_deltas
+from atom.entrypoints.chat_output import ChatFormat
+from atom.entrypoints.generation import TextDelta, special_marker_ids, text_deltas
 from atom.entrypoints.grammar_compile import GrammarCompilePool
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.entrypoints.reasoning import prompt_opens_reasoning
 from atom.entrypoints.request_limits import AdmissionBudget, Reservation, ServerLimits
 from atom.model_engine.grammar_limits import check_schema
 from atom.model_engine.structured_output import InvalidGrammarError
@@ -84,6 +86,9 @@ class OpenAIServing:
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="atom-tokenizer"
         )
+        # Tool calls and reasoning in chat answers (chat_output.py); create_app sets the
+        # server's --tool-call-parser / --reasoning-parser.
+        self.chat_format = ChatFormat(self._chat_template())
         grammar = self.limits.grammar
         self.grammar_pool = GrammarCompilePool(grammar.compile_threads, grammar.compile_timeout_s)
 
@@ -215,7 +220,8 @@ class OpenAIServing:
         k = request.top_logprobs or 0
 
         async def prepare():
-            ids = await self._off_loop(self._render_chat, request.template_messages())
+            messages = request.template_messages(self._chat_template())
+            ids = await self._off_loop(self._render_chat, messages, request.template_options())
             params = self._sampling_params(
                 request,
                 len(ids),
@@ -223,7 +229,7 @@ class OpenAIServing:
                 prompt_param="messages",
                 logprobs=k if request.logprobs else None,
             )
-            await self._check_grammar(params)
+            await self._check_grammar(params, "tools" if request.structured_by_tools else None)
             return ids, await self._add_requests([ids], [params])
 
         ids, streams = await _unless_disconnected(raw, prepare())
@@ -231,6 +237,10 @@ class OpenAIServing:
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
         )
+        # Each choice's reader of reasoning and tool calls (chat_output.py).
+        opens_reasoning = self.chat_format.reasoning is not None and self._opens_reasoning(ids)
+        outputs = [self.chat_format.output(request, opens_reasoning) for _ in range(request.n)]
+        keep = special_marker_ids(self.tokenizer, outputs[0].markers)
         texts = self.token_texts
 
         def logprobs_of(entries) -> dict | None:
@@ -244,14 +254,17 @@ class OpenAIServing:
                 for index in range(len(streams)):
                     role = {"role": "assistant", "content": ""}
                     yield _sse(_chat_chunk(head, role, None, index=index))
-                async for index, delta in self._merged_deltas(streams, stop, usage):
-                    if delta.text or (request.logprobs and delta.logprobs):
-                        content = {"content": delta.text}
+                async for index, delta in self._merged_deltas(streams, stop, usage, keep):
+                    output = outputs[index]
+                    parsed = output.delta(delta.text, final=delta.finish_reason is not None)
+                    if parsed or (request.logprobs and delta.logprobs):
+                        parsed = parsed or {"content": ""}
                         yield _sse(
-                            _chat_chunk(head, content, None, logprobs_of(delta.logprobs), index)
+                            _chat_chunk(head, parsed, None, logprobs_of(delta.logprobs), index)
                         )
                     if delta.finish_reason:
-                        yield _sse(_chat_chunk(head, {}, delta.finish_reason, index=index))
+                        reason = output.finish_reason(delta.finish_reason)
+                        yield _sse(_chat_chunk(head, {}, reason, index=index))
                 if request.include_usage:
                     yield _sse(
                         {
@@ -264,13 +277,13 @@ class OpenAIServing:
 
             return self._event_stream(events(), streams, reservation)
 
-        results = await self._collect(streams, stop, usage, raw)
+        results = await self._collect(streams, stop, usage, raw, keep)
         choices = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": result.text},
+                "message": outputs[index].message(result.text),
                 "logprobs": logprobs_of(result.logprobs),
-                "finish_reason": result.finish_reason,
+                "finish_reason": outputs[index].finish_reason(result.finish_reason),
             }
             for index, result in enumerate(results)
         ]
@@ -341,12 +354,12 @@ class OpenAIServing:
             raise OpenAIError(str(error), param=error.param) from None
         return prompt
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], options: dict | None = None) -> list[int]:
+        """`options`: the template's other arguments (tools, add_generation_prompt...)."""
+        options = options or {"add_generation_prompt": True}
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-        except jinja2.TemplateError as error:  # e.g. "roles must alternate"
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
+        except (jinja2.TemplateError, ValueError) as error:  # e.g. "roles must alternate"
             raise OpenAIError(
                 f"the chat template refused the messages: {error}", param="messages"
             ) from None
@@ -388,10 +401,19 @@ class OpenAIServing:
             raise OpenAIError(str(error), param=getattr(error, "param", None)) from None
         return params
 
-    async def _check_grammar(self, params: SamplingParams) -> None:
-        """An invalid json_schema, or one over the grammar limits, is a 400 before anything
-        is queued. Checked and compiled on the grammar pool, within its timeout; the
-        engine's compile of the same schema is then a hit in xgrammar's cache."""
+    def _chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def _opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside `<think>` (reasoning.py)."""
+        return prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-8:]))
+
+    async def _check_grammar(self, params: SamplingParams, param: str | None = None) -> None:
+        """An invalid json_schema, or one over the grammar limits, is a 400 (naming `param`,
+        default response_format) before anything is queued. Checked and compiled on the
+        grammar pool, within its timeout; the engine's compile of the same schema is then a
+        hit in xgrammar's cache."""
         if not params.structured:
             return
         if self.tokenizer is None:
@@ -406,7 +428,7 @@ class OpenAIServing:
         try:
             await self.grammar_pool.run(compile_checked)
         except InvalidGrammarError as error:
-            raise OpenAIError(str(error), param="response_format") from None
+            raise OpenAIError(str(error), param=param or "response_format") from None
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         if isinstance(prompt, str):
@@ -496,16 +518,24 @@ class OpenAIServing:
             self.engine.abort(choice.stream)
 
     async def _merged_deltas(
-        self, streams: list[Choice], stop: list[str], usage: Usage
+        self, streams: list[Choice], stop: list[str], usage: Usage, keep_special=frozenset()
     ) -> AsyncIterator[tuple[int, TextDelta]]:
-        """(choice index, delta) of all streams as they come; counts completion tokens."""
+        """(choice index, delta) of all streams as they come; counts completion tokens.
+        `keep_special`: special token ids kept in the text (generation.py)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, choice: Choice) -> None:
             timer = RequestTimer(self.metrics, choice.arrival)
             try:
                 async with aclosing(
-                    text_deltas(self.engine, choice.stream, self.tokenizer, stop, choice.watched())
+                    text_deltas(
+                        self.engine,
+                        choice.stream,
+                        self.tokenizer,
+                        stop,
+                        choice.watched(),
+                        keep_special=keep_special,
+                    )
                 ) as deltas:
                     async for delta in deltas:
                         timer.observe(delta, choice.prompt_tokens)
@@ -530,12 +560,14 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()  # their text_deltas abort the requests
 
-    async def _collect(self, streams, stop, usage, raw: Request) -> list[Collected]:
+    async def _collect(
+        self, streams, stop, usage, raw: Request, keep_special=frozenset()
+    ) -> list[Collected]:
         """What each stream produced; a client that goes away aborts them."""
 
         async def gather() -> list[Collected]:
             results = [Collected() for _ in streams]
-            async for index, delta in self._merged_deltas(streams, stop, usage):
+            async for index, delta in self._merged_deltas(streams, stop, usage, keep_special):
                 result = results[index]
                 result.text += delta.text
                 result.token_ids += delta.token_ids

@@ -48,7 +48,9 @@ class GrammarBackend:
             if params.json_schema is not None:
                 schema = params.json_schema
                 text = schema if isinstance(schema, str) else json.dumps(schema)
-                return self.compiler.compile_json_schema(text)
+                return self.compiler.compile_json_schema(
+                    text, any_whitespace=not getattr(params, "compact_json", False)
+                )
             return self.compiler.compile_builtin_json_grammar()
         except (RuntimeError, ValueError, TypeError) as error:
             raise InvalidGrammarError(f"invalid json_schema: {error}") from None

@@ -168,10 +168,10 @@ def test_detokenizer_fault_fails_only_its_request(server, reference, monkeypatch
             fired.append(True)
             raise RuntimeError("secret internal detail")
 
-    def faulty_text_deltas(engine, stream, tokenizer, stop, outputs=None):
+    def faulty_text_deltas(engine, stream, tokenizer, stop, outputs=None, **options):
         if "<<fault>>" in stop:
             tokenizer = FaultyTokenizer(tokenizer)
-        return text_deltas(engine, stream, tokenizer, stop, outputs)
+        return text_deltas(engine, stream, tokenizer, stop, outputs, **options)
 
     monkeypatch.setattr(openai_serving, "text_deltas", faulty_text_deltas)
     (status, body), others = _run_with_others(
