@@ -4,7 +4,8 @@ Types are strict (no "16" for 16, no 1 for true) and ranges follow OpenAI's API 
 extensions: top_k, min_tokens, repetition_penalty, stop_token_ids, ignore_eos). Unknown
 top-level fields are ignored with one warning log line per request, as vLLM does
 (clients such as LangChain send extra fields); known fields keep strict validation, and
-a feature atom does not have (tools) is refused with a 400 that says so.
+a feature atom does not have (tools in /v1/completions, the deprecated `functions`) is
+refused with a 400 that says so. Tools in chat: chat_tools.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from pydantic import (
     model_validator,
 )
 
+from atom.entrypoints.chat_tools import (
+    ChatTool,
+    MessageToolCall,
+    ToolChoice,
+    calls_as_text,
+    check_tool_request,
+    template_tool_calls,
+    tool_constraint,
+)
 from atom.sampling_params import SamplingParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -157,10 +167,7 @@ class SamplingRequest(_UnicodeChecked):
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0  # vLLM's extension
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # vLLM's extension
     response_format: ResponseFormat | None = None
-    # Not implemented: accepted only at their no-op value.
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
+    functions: Any = None  # OpenAI's deprecated form of tools: refused
 
     @field_validator(
         "temperature",
@@ -174,18 +181,11 @@ class SamplingRequest(_UnicodeChecked):
     def _strict_number(cls, value: Any) -> Any:
         return _number(value)
 
-    @field_validator("tools", "functions", mode="before")
+    @field_validator("functions", mode="before")
     @classmethod
-    def _no_tools(cls, value: Any) -> Any:
+    def _no_functions(cls, value: Any) -> Any:
         if value not in (None, []):
-            raise ValueError("tool calling is not supported by atom; leave it out")
-        return value
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise ValueError('tool calling is not supported by atom; leave it out or use "none"')
+            raise ValueError('deprecated by OpenAI and not supported; send "tools" instead')
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -272,13 +272,16 @@ class SamplingRequest(_UnicodeChecked):
             }
             or None,
             json_object=response_format is not None and response_format.type == "json_object",
-            json_schema=(
-                response_format.json_schema.json_schema
-                if response_format is not None and response_format.type == "json_schema"
-                else None
-            ),
+            json_schema=self.structured_schema(),
             **options,
         )
+
+    def structured_schema(self) -> dict | None:
+        """The JSON schema the output must follow, or None."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_schema":
+            return response_format.json_schema.json_schema
+        return None
 
 
 class CompletionRequest(SamplingRequest):
@@ -289,11 +292,28 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     suffix: Any = None  # not implemented, as below
+    # Tools are a chat feature (a completion has no template to describe them).
+    tools: Any = None
+    tool_choice: Any = None
 
     @field_validator("suffix", mode="before")
     @classmethod
     def _not_implemented_here(cls, value: Any) -> Any:
         return _neutral_only(value, (None, 0, ""))
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        if value not in (None, []):
+            raise ValueError("tools are for /v1/chat/completions; leave them out here")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError('tools are for /v1/chat/completions; leave it out or use "none"')
+        return value
 
     @model_validator(mode="after")
     def _check_combinations(self) -> CompletionRequest:
@@ -354,13 +374,18 @@ class TextPart(BaseModel):
 
 class ChatMessage(_UnicodeChecked):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None  # None: an assistant's tool calls only
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
+    reasoning_content: StrictStr | None = None  # sent back by clients; templates drop it
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any) -> Any:
+        if value is None:
+            return value
         # One clear message instead of pydantic's error per member of the union.
         parts_ok = isinstance(value, list) and all(
             isinstance(p, dict) and p.get("type") == "text" for p in value
@@ -369,11 +394,36 @@ class ChatMessage(_UnicodeChecked):
             raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
         return _valid_unicode(value)  # here: one error, not one per union member
 
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content: required (only an assistant's tool calls may go without)")
+        return self
+
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+_TEMPLATE_ARGUMENTS = {
+    "messages",
+    "conversation",
+    "tools",
+    "documents",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "return_dict",
+    "chat_template",
+}
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -383,20 +433,80 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: StrictBool | None = None  # None: true
+    # vLLM's extensions: template variables (e.g. enable_thinking), and how the prompt ends
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError(
+                "continue_final_message: continues the last message, so it needs "
+                "add_generation_prompt set to false"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict | None) -> dict | None:
+        taken = sorted(set(value or {}) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the server; send them as fields")
+        return value
+
+    def template_messages(self, template: str | None = None) -> list[dict]:
         """Messages as chat templates expect them: plain strings; `developer` is OpenAI's
-        newer name for `system`, which is the role templates know."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text}
-            for m in self.messages
-        ]
+        newer name for `system`, which is the role templates know. An assistant's calls go
+        as `tool_calls`, or as JSON text when `template` never reads tool_calls."""
+        knows_calls = not isinstance(template, str) or "tool_calls" in template
+        rendered = []
+        for m in self.messages:
+            message: dict = {"role": "system" if m.role == "developer" else m.role}
+            message["content"] = m.text
+            if m.tool_calls and knows_calls:
+                message["tool_calls"] = template_tool_calls(m.tool_calls)
+            elif m.tool_calls:
+                message["content"] = "\n".join(filter(None, [m.text, calls_as_text(m.tool_calls)]))
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            rendered.append(message)
+        return rendered
+
+    def template_options(self) -> dict:
+        """The chat template's arguments besides the messages."""
+        options = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            options["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        options["add_generation_prompt"] = self.add_generation_prompt
+        options["continue_final_message"] = self.continue_final_message
+        return options
+
+    @property
+    def structured_by_tools(self) -> bool:
+        """Whether tool_choice constrains the output (required, or a named function)."""
+        return bool(self.tools) and self.tool_choice not in (None, "auto", "none")
+
+    def structured_schema(self) -> dict | None:
+        """response_format's schema, or the one tool_choice imposes (chat_tools.py)."""
+        check_tool_request(self.tools, self.tool_choice)
+        constraint = tool_constraint(
+            self.tools, self.tool_choice, self.parallel_tool_calls is not False
+        )
+        if constraint is None:
+            return super().structured_schema()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise SamplingParamError(
+                "response_format", "cannot be combined with a required or named tool_choice"
+            )
+        return constraint
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -40,6 +40,7 @@ from atom import envs
 from atom.entrypoints.anthropic_api import add_messages_routes
 from atom.entrypoints.async_engine import AsyncEngine
 from atom.entrypoints.auth import require_api_key
+from atom.entrypoints.chat_output import ChatFormat
 from atom.entrypoints.engine_args import add_engine_args, config_from_args
 from atom.entrypoints.metrics import CONTENT_TYPE, MetricsRegistry
 from atom.entrypoints.openai_errors import (
@@ -54,6 +55,7 @@ from atom.entrypoints.openai_serving import (
     ClientDisconnected,
     OpenAIServing,
 )
+from atom.entrypoints.reasoning import REASONING_PARSERS
 from atom.entrypoints.request_size import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
 from atom.entrypoints.responses_api import (
     DEFAULT_STORE_SIZE,
@@ -62,6 +64,7 @@ from atom.entrypoints.responses_api import (
     add_responses_routes,
 )
 from atom.entrypoints.tokenizer_endpoints import add_tokenizer_routes
+from atom.entrypoints.tool_parsers import TOOL_PARSERS
 from atom.model_engine.data_parallel import build_engine
 from atom.model_engine.llm_engine import LLMEngine
 from atom.model_engine.rendezvous import RendezvousError
@@ -78,14 +81,18 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     api_key: str | None = None,
     response_store: ResponseStore | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The ASGI app over `engine`; the engine thread runs for the app's lifespan.
     `max_request_bytes`: larger bodies get a 413 (atom/entrypoints/request_size.py).
     `api_key`: /v1/* then needs `Authorization: Bearer <api_key>` (atom/entrypoints/auth.py).
-    `response_store`: where /v1/responses keeps responses for previous_response_id."""
+    `response_store`: where /v1/responses keeps responses for previous_response_id.
+    `tool_call_parser`, `reasoning_parser`: how chat answers are read (chat_output.py)."""
     async_engine = AsyncEngine(engine)
     registry = MetricsRegistry(async_engine, model_name)
     serving = OpenAIServing(async_engine, model_name, registry.requests)
+    serving.chat_format = ChatFormat(serving._chat_template(), tool_call_parser, reasoning_parser)
     created = int(time.time())
 
     @asynccontextmanager
@@ -233,6 +240,20 @@ def build_parser(
         default=DEFAULT_STORE_TTL_S,
         help="seconds a stored response stays available",
     )
+    chat = parser.add_argument_group("chat output")
+    chat.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format of the model's tool calls, read under tool_choice auto "
+        "(default: from the chat template when it shows exactly one format)",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> off into reasoning_content (default: off)",
+    )
     return parser
 
 
@@ -260,6 +281,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         max_request_bytes=int(args.max_request_body_mb * (1 << 20)),
         api_key=args.api_key,
         response_store=store,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     server = Server(app, log_level=args.log_level, timeout_graceful_shutdown=5)
     try:

@@ -33,11 +33,13 @@ from atom.entrypoints.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from atom.entrypoints.chat_output import ChatFormat
 from atom.entrypoints.generation import TextDelta, text_deltas
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from atom.entrypoints.metrics import RequestMetrics
 from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from atom.entrypoints.reasoning import prompt_opens_reasoning
 from atom.model_engine.structured_output import InvalidGrammarError
 from atom.sampling_params import SamplingParamError, SamplingParams, check_token_ids
 
@@ -63,6 +65,9 @@ class OpenAIServing:
         self._tokenizer_threads = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="atom-tokenizer"
         )
+        # Tool calls and reasoning in chat answers (chat_output.py); create_app sets the
+        # server's --tool-call-parser / --reasoning-parser.
+        self.chat_format = ChatFormat(self._chat_template())
 
     def close(self) -> None:
         """Drop queued tokenization work (the server is stopping)."""
@@ -164,7 +169,8 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
         stop = self._stop_strings(request)
-        ids = await self._off_loop(self._render_chat, request.template_messages())
+        messages = request.template_messages(self._chat_template())
+        ids = await self._off_loop(self._render_chat, messages, request.template_options())
         k = request.top_logprobs or 0
         params = self._sampling_params(
             request,
@@ -174,7 +180,9 @@ class OpenAIServing:
             logprobs=k if request.logprobs else None,
         )
         usage = Usage(len(ids))
-        await self._check_grammar(params)
+        await self._check_grammar(params, "tools" if request.structured_by_tools else None)
+        opens_reasoning = self.chat_format.reasoning is not None and self._opens_reasoning(ids)
+        outputs = [self.chat_format.output(request, opens_reasoning) for _ in range(request.n)]
         streams = await self._add_requests([ids], [params])
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
@@ -193,13 +201,16 @@ class OpenAIServing:
                     role = {"role": "assistant", "content": ""}
                     yield _sse(_chat_chunk(head, role, None, index=index))
                 async for index, delta in self._merged_deltas(streams, stop, usage):
-                    if delta.text or (request.logprobs and delta.logprobs):
-                        content = {"content": delta.text}
+                    output = outputs[index]
+                    parsed = output.delta(delta.text, final=delta.finish_reason is not None)
+                    if parsed or (request.logprobs and delta.logprobs):
+                        parsed = parsed or {"content": ""}
                         yield _sse(
-                            _chat_chunk(head, content, None, logprobs_of(delta.logprobs), index)
+                            _chat_chunk(head, parsed, None, logprobs_of(delta.logprobs), index)
                         )
                     if delta.finish_reason:
-                        yield _sse(_chat_chunk(head, {}, delta.finish_reason, index=index))
+                        reason = output.finish_reason(delta.finish_reason)
+                        yield _sse(_chat_chunk(head, {}, reason, index=index))
                 if request.include_usage:
                     yield _sse(
                         {
@@ -216,9 +227,9 @@ class OpenAIServing:
         choices = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": result.text},
+                "message": outputs[index].message(result.text),
                 "logprobs": logprobs_of(result.logprobs),
-                "finish_reason": result.finish_reason,
+                "finish_reason": outputs[index].finish_reason(result.finish_reason),
             }
             for index, result in enumerate(results)
         ]
@@ -259,12 +270,12 @@ class OpenAIServing:
             raise OpenAIError(str(error), param=error.param) from None
         return prompt
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], options: dict | None = None) -> list[int]:
+        """`options`: the template's other arguments (tools, add_generation_prompt...)."""
+        options = options or {"add_generation_prompt": True}
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-        except jinja2.TemplateError as error:  # e.g. "roles must alternate"
+            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
+        except (jinja2.TemplateError, ValueError) as error:  # e.g. "roles must alternate"
             raise OpenAIError(
                 f"the chat template refused the messages: {error}", param="messages"
             ) from None
@@ -306,7 +317,15 @@ class OpenAIServing:
             raise OpenAIError(str(error), param=getattr(error, "param", None)) from None
         return params
 
-    async def _check_grammar(self, params: SamplingParams) -> None:
+    def _chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def _opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside `<think>` (reasoning.py)."""
+        return prompt_opens_reasoning(self.tokenizer.decode(prompt_ids[-8:]))
+
+    async def _check_grammar(self, params: SamplingParams, param: str | None = None) -> None:
         """An invalid json_schema is a 400 before anything is queued (compiled off the
         event loop; the engine's compile of the same schema is then a cache hit)."""
         if not params.structured:
@@ -316,7 +335,7 @@ class OpenAIServing:
         try:
             await asyncio.to_thread(lambda: self.llm.grammar_backend().compile(params))
         except InvalidGrammarError as error:
-            raise OpenAIError(str(error), param="response_format") from None
+            raise OpenAIError(str(error), param=param or "response_format") from None
 
     def _echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         if isinstance(prompt, str):

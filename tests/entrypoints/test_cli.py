@@ -24,6 +24,7 @@ GROUPS = [
     "server",
     "limits",
     "Responses API",
+    "chat output",
 ]
 
 
@@ -54,6 +55,7 @@ def test_serve_help_groups_the_flags(capsys):
     assert "--port" in sections["server"] and "--api-key" in sections["server"]
     assert "--max-request-body-mb" in sections["limits"]
     assert "--responses-store-ttl" in sections["Responses API"]
+    assert "--tool-call-parser" in sections["chat output"]
     assert "MODEL" in sections["model"]
 
 

@@ -62,7 +62,13 @@ INVALID_REQUESTS = {
     "logprobs above 5": _completion(logprobs=6),
     "presence penalty above 2": _completion(presence_penalty=2.5),
     "best_of other than n": _completion(n=2, best_of=3),
-    "tools (not supported)": _completion(tools=[{"type": "function", "function": {"name": "f"}}]),
+    "tools in /v1/completions (a chat feature)": _completion(
+        tools=[{"type": "function", "function": {"name": "f"}}]
+    ),
+    "chat: tool_choice naming no tool": _chat(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}},
+    ),
     "invalid json schema": _completion(
         response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
     ),

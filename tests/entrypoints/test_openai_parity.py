@@ -217,14 +217,14 @@ def test_unknown_fields_are_ignored_with_one_warning(server, caplog):
             {
                 "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 2,
-                "parallel_tool_calls": False,
+                "service_tier": "auto",
                 "some_vendor_field": {"x": 1},
             },
         )
     assert status == 200, body
     warnings = [r for r in caplog.records if "ignored unknown request fields" in r.getMessage()]
     assert len(warnings) == 1
-    assert "parallel_tool_calls" in warnings[0].getMessage()
+    assert "service_tier" in warnings[0].getMessage()
     assert "some_vendor_field" in warnings[0].getMessage()
 
 
