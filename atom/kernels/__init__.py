@@ -14,7 +14,7 @@ try:
     import triton  # noqa: F401
 
     HAS_TRITON = True
-except ImportError:  # e.g. macOS, or a CPU install without the `triton` extra
+except ImportError:  # e.g. macOS: only the torch references are available
     HAS_TRITON = False
 
 
@@ -30,7 +30,7 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def _warn_no_triton() -> None:
     logging.getLogger(__name__).warning(
         "Triton is not installed: the Triton kernels run as their torch references "
-        "(slower on CUDA); install it with `pip install -e '.[triton]'`"
+        "(slower on CUDA); install it with `pip install triton`"
     )
 
 
