@@ -4,12 +4,15 @@
     GET  /v1/models             the one served model
     POST /v1/completions        prompt text or token ids; stream with SSE
     POST /v1/chat/completions   messages through the model's chat template; stream with SSE
+    POST /v1/responses          OpenAI's Responses API (atom/entrypoints/responses_api.py)
+    GET  /v1/responses/{id}     a stored response (--responses-store-size, --responses-store-ttl)
+    POST /v1/messages           Anthropic's Messages API (atom/entrypoints/anthropic_api.py)
     GET  /v1/models/{id}        the served model (404 for any other id)
     POST /tokenize, /detokenize vLLM's tokenizer endpoints; GET /version
     GET  /metrics               Prometheus text format (prometheus_client)
 
 --api-key KEY (or ATOM_API_KEY) makes /v1/*, /docs and /openapi.json require
-`Authorization: Bearer KEY` (atom/entrypoints/auth.py).
+`Authorization: Bearer KEY` or `x-api-key: KEY` (atom/entrypoints/auth.py).
 
 One LLMEngine, stepped by a background thread (AsyncEngine); requests join the running
 batch as they arrive. Listens on loopback only unless --host says otherwise. Request
@@ -37,6 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from atom import envs
+from atom.entrypoints.anthropic_api import add_messages_routes
 from atom.entrypoints.async_engine import AsyncEngine
 from atom.entrypoints.auth import require_api_key
 from atom.entrypoints.chat_output import ChatFormat
@@ -62,6 +66,12 @@ from atom.entrypoints.request_limits import (
     limits_from_args,
 )
 from atom.entrypoints.request_size import DEFAULT_MAX_REQUEST_BYTES, RequestSizeLimit
+from atom.entrypoints.responses_api import (
+    DEFAULT_STORE_SIZE,
+    DEFAULT_STORE_TTL_S,
+    ResponseStore,
+    add_responses_routes,
+)
 from atom.entrypoints.tokenizer_endpoints import add_tokenizer_routes
 from atom.entrypoints.tool_parsers import TOOL_PARSERS
 from atom.model_engine.data_parallel import build_engine
@@ -80,6 +90,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
+    response_store: ResponseStore | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
 ) -> FastAPI:
@@ -87,6 +98,7 @@ def create_app(
     `max_request_bytes`: larger bodies get a 413 (atom/entrypoints/request_size.py).
     `limits`: per-request caps and the admission bound (atom/entrypoints/request_limits.py).
     `api_key`: /v1/* then needs `Authorization: Bearer <api_key>` (atom/entrypoints/auth.py).
+    `response_store`: where /v1/responses keeps responses for previous_response_id.
     `tool_call_parser`, `reasoning_parser`: how chat answers are read (chat_output.py)."""
     async_engine = AsyncEngine(engine)
     registry = MetricsRegistry(async_engine, model_name)
@@ -151,6 +163,11 @@ def create_app(
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
+    if response_store is None:  # (an empty store is falsy: it has a length)
+        response_store = ResponseStore()
+    add_responses_routes(app, serving, response_store)
+    add_messages_routes(app, serving)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(registry.render(), media_type=CONTENT_TYPE)
@@ -197,40 +214,58 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument(
+def build_parser(
+    prog: str | None = None, model_positional: bool = False
+) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_engine_args(parser, model_positional=model_positional)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback)")
+    server.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    server.add_argument(
         "--served-model-name",
         default=None,
         help="the model id clients send (default: --model as given, or the file's name)",
     )
-    parser.add_argument(
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    server.add_argument(
+        "--api-key",
+        default=envs.api_key(),
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, /docs "
+        "and /openapi.json (default: $ATOM_API_KEY; none: open)",
+    )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
         "--max-request-body-mb",
         type=float,
         default=DEFAULT_MAX_REQUEST_BYTES / (1 << 20),
         help="larger request bodies get a 413 before they are read (MiB)",
     )
-    add_limit_args(parser)
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    add_limit_args(limits)
+    responses = parser.add_argument_group("Responses API")
+    responses.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_STORE_SIZE,
+        help="responses kept in memory for previous_response_id (0: none)",
     )
-    parser.add_argument(
-        "--api-key",
-        default=envs.api_key(),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /docs and /openapi.json "
-        "(default: $ATOM_API_KEY; none: open)",
+    responses.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_STORE_TTL_S,
+        help="seconds a stored response stays available",
     )
-    parser.add_argument(
+    chat = parser.add_argument_group("chat output")
+    chat.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSERS),
         help="the format of the model's tool calls, read under tool_choice auto "
         "(default: from the chat template when it shows exactly one format)",
     )
-    parser.add_argument(
+    chat.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
@@ -239,19 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`prog` set (`atom serve`): the model may be the first argument."""
+    args = build_parser(prog, model_positional=prog is not None).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         limits = limits_from_args(args)
+        store = ResponseStore(args.responses_store_size, args.responses_store_ttl)
         sock = bind_socket(args.host, args.port)  # first: a busy port fails before the load
         engine = build_engine(config_from_args(args))  # data parallelism: replicas
     except (ValueError, ModelLoadError, OSError, RendezvousError, WorkerFailedError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    model_name = args.served_model_name or args.model or Path(engine.model_path).stem
+    given = args.model or getattr(args, "model_path", None)
+    model_name = args.served_model_name or given or Path(engine.model_path).stem
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # IPv6
     print(f"atom: serving {model_name} on http://{host}:{port}", file=sys.stderr, flush=True)
@@ -261,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=int(args.max_request_body_mb * (1 << 20)),
         api_key=args.api_key,
         limits=limits,
+        response_store=store,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
     )

@@ -189,9 +189,10 @@ class Reservation:
         self.samples = 0
 
 
-def add_limit_args(parser: argparse.ArgumentParser) -> None:
+def add_limit_args(group) -> None:
+    """The limit flags (README: Server limits), added to `group` (an argument group or a
+    parser)."""
     defaults, grammar = ServerLimits(), GrammarLimits()
-    group = parser.add_argument_group("request limits (README: Server limits)")
     group.add_argument(
         "--max-prompts-per-request",
         type=int,

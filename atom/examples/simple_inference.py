@@ -35,20 +35,22 @@ def serve_this_node(config: Config) -> None:
     serve_node(config, resolve_max_model_len(config, hf_config))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_engine_args(parser)
-    parser.add_argument(
+    prompts = parser.add_argument_group("prompts and sampling")
+    prompts.add_argument(
         "--prompt", action="append", help="repeatable; default: a few built-in prompts"
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    parser.add_argument(
+    prompts.add_argument("--max-tokens", type=int, default=64)
+    prompts.add_argument("--temperature", type=float, default=0.0)
+    prompts.add_argument("--top-p", type=float, default=1.0)
+    prompts.add_argument("--top-k", type=int, default=-1)
+    prompts.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    prompts.add_argument("--ignore-eos", action="store_true")
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    output.add_argument(
         "--profile",
         nargs="?",
         const="",

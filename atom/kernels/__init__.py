@@ -4,6 +4,8 @@ On CUDA (or under ``TRITON_INTERPRET=1``, which tests use on CPU) the public fun
 the Triton kernels; the engine on CPU calls the ``*_reference`` functions directly.
 """
 
+import functools
+import logging
 import os
 
 import torch
@@ -18,9 +20,18 @@ except ImportError:  # e.g. macOS: only the torch references are available
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` should go through a Triton kernel rather than a torch reference."""
-    if not HAS_TRITON:
-        return False
-    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    wanted = tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if wanted and not HAS_TRITON:
+        _warn_no_triton()
+    return wanted and HAS_TRITON
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    logging.getLogger(__name__).warning(
+        "Triton is not installed: the Triton kernels run as their torch references "
+        "(slower on CUDA); install it with `pip install triton`"
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
