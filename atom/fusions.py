@@ -3,7 +3,7 @@
 One switch per fusion, each an environment variable (``1`` on, ``0`` off) read once when a
 ``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
 default of each: a fusion should be on by default only where the H200 ablation
-(``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
+(``python -m benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
 wins; flip a default there. Second H200 ablation of 2026-12-01 (docs/benchmarks.md), with
 the one-row GEMV and its measured tiles: the kernel set rope_kv_write + greedy_argmax +
 gemv_silu + gemv_linear + norm_gemv ("gemv_set") ran the Llama-3.2-1B shape at 1.25x and
@@ -30,7 +30,7 @@ batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 8
                                            fixed-size splits, a short context in one program
                                            writing the output directly, longer ones merged
                                            in-kernel; tiles per head geometry from
-                                           atom/benchmarks/decode_attention_sweep.py. Wins over
+                                           benchmarks/decode_attention_sweep.py. Wins over
                                            decode_merge when both are on.
     greedy_argmax   ATOM_FUSE_ARGMAX       greedy sampling through a two-stage Triton argmax
                                            over the vocabulary (atom/kernels/argmax.py)

@@ -26,7 +26,7 @@ that merges the splits. This kernel:
   stream per device runs these launches, as the engine does.
 
 Tile size, split size, num_warps and num_stages are per head geometry: ``CONFIGS`` (pasted
-from ``python -m atom.benchmarks.decode_attention_sweep`` on the H200), ``DEFAULT_CONFIG``
+from ``python -m benchmarks.decode_attention_sweep`` on the H200), ``DEFAULT_CONFIG``
 for other geometries. Each geometry compiles one variant: batch, context lengths, the split
 size and the table width are runtime (do_not_specialize); head_dim, block_size, the group
 size, tile sizes and the cache dtype are constexpr.
@@ -95,7 +95,7 @@ class ShortDecodeConfig:
 
 
 # (num_q_heads, num_kv_heads, head_dim) -> config: the H200 sweep of 2026-12-01
-# (python -m atom.benchmarks.decode_attention_sweep; docs/benchmarks.md), the config with the
+# (python -m benchmarks.decode_attention_sweep; docs/benchmarks.md), the config with the
 # smallest worst slowdown against each case's best.
 CONFIGS: dict[tuple[int, int, int], ShortDecodeConfig] = {
     (32, 8, 64): ShortDecodeConfig(

@@ -59,7 +59,7 @@ PROMPT_FLAG = -(1 << 31)  # in counts: the sign bit flags a token of the prompt
 BLOCK = 1024
 NUM_WARPS = 4
 # How logprob_candidates finds the top k on the device (see its docstring); the others stay
-# for the H200 comparison (python -m atom.benchmarks.sampler --breakdown).
+# for the H200 comparison (python -m benchmarks.sampler --breakdown).
 CANDIDATE_METHODS = ("select", "rounds", "torch")
 CANDIDATES = os.environ.get("ATOM_LOGPROB_CANDIDATES", "select")
 

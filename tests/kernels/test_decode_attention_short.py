@@ -113,7 +113,7 @@ def test_short_decode_sweep_candidates_match_reference(
 ):
     """bf16: the default and the quick sweep's candidates (the full sweep checks its own
     outputs, max_err); fp8: the default."""
-    from atom.benchmarks.decode_attention_sweep import candidates
+    from benchmarks.decode_attention_sweep import candidates
 
     context_lens = [4096, 1, 0, 257, 255, 256, 1000, 64]
     k_cache, v_cache, block_tables, _, _ = make_paged_kv(
@@ -185,7 +185,7 @@ def test_short_decode_replays_in_cuda_graph_with_new_lengths():
 
 
 def test_sweep_chooses_the_smallest_worst_slowdown_and_prints_a_pasteable_table():
-    from atom.benchmarks.decode_attention_sweep import candidates, choose, config_table, label
+    from benchmarks.decode_attention_sweep import candidates, choose, config_table, label
 
     times = {  # case -> path -> us
         (1, 512, 64): {"a": 1.0, "b": 1.1, "c": 3.0},

@@ -1,10 +1,10 @@
 """GDN prefill benchmark (GPU): the chunked delta-rule kernels against the sequential kernel
 and the torch reference, in a Qwen3-Next layer's shape (16 k heads, 32 v heads, 128 dims).
 
-    python -m atom.benchmarks.gdn_prefill            # about a minute on an H200
-    python -m atom.benchmarks.gdn_prefill --no-sweep # without the tile / precision sweep
+    python -m benchmarks.gdn_prefill            # about a minute on an H200
+    python -m benchmarks.gdn_prefill --no-sweep # without the tile / precision sweep
 
-One JSON line per measurement, on stdout (also run by atom/benchmarks/kernels.py):
+One JSON line per measurement, on stdout (also run by benchmarks/kernels.py):
 
 - ``gdn_prefill``: per (sequences x tokens) case, bf16 inputs, device milliseconds of
   ``chunk_gated_delta_rule`` (sequential: one program per sequence, head and 32 values,
@@ -23,8 +23,6 @@ Timing: CUDA events around one call (prefill is not graphed), median of 7 after 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 
 import torch
@@ -32,6 +30,7 @@ import torch
 from atom.kernels.gdn_chunk import chunked_gated_delta_rule, use_chunked
 from atom.kernels.gdn_conv import causal_conv1d_prefill
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
+from benchmarks.harness import emit, event_ms
 
 NUM_K_HEADS, NUM_V_HEADS, HEAD_DIM, CONV_WIDTH = 16, 32, 128, 4
 CONV_DIM = (2 * NUM_K_HEADS + NUM_V_HEADS) * HEAD_DIM
@@ -48,24 +47,6 @@ CASES = [
     (64, 64, False),
     (128, 16, False),
 ]
-
-
-def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
-
-
-def device_ms(fn, repeats: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def prefill_case(num_seqs: int, length: int, seed: int = 0):
@@ -103,12 +84,12 @@ def bench_case(num_seqs: int, length: int, with_reference: bool) -> None:
         work = state.clone()
         errors[name] = _error(rule(q, k, v, g, beta, work, cu, slots, fresh), expected)
     work = state.clone()
-    sequential = device_ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh))
-    chunked = device_ms(lambda: chunked_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh))
+    sequential = event_ms(lambda: chunk_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh))
+    chunked = event_ms(lambda: chunked_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh))
     x = torch.randn(num_seqs * length, CONV_DIM, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(CONV_DIM, CONV_WIDTH, device="cuda", dtype=torch.bfloat16)
     conv_state = torch.zeros(num_seqs + 1, CONV_WIDTH - 1, CONV_DIM, device="cuda", dtype=x.dtype)
-    conv = device_ms(lambda: causal_conv1d_prefill(x, conv_state, weight, cu, slots, fresh))
+    conv = event_ms(lambda: causal_conv1d_prefill(x, conv_state, weight, cu, slots, fresh))
     record = dict(
         bench="gdn_prefill",
         seqs=num_seqs,
@@ -123,7 +104,7 @@ def bench_case(num_seqs: int, length: int, with_reference: bool) -> None:
     )
     if with_reference:
         record["reference_ms"] = round(
-            device_ms(
+            event_ms(
                 lambda: chunk_gated_delta_rule_reference(q, k, v, g, beta, work, cu, slots, fresh),
                 repeats=3,
             ),
@@ -144,7 +125,7 @@ def bench_tiles(num_seqs: int = 4, length: int = 8192) -> None:
                 work = state.clone()
                 out = chunked_gated_delta_rule(q, k, v, g, beta, work, cu, slots, fresh, **tile)
                 error, state_error = _error(out, expected), _error(work, ref_state)
-                ms = device_ms(
+                ms = event_ms(
                     lambda tile=tile, work=work: chunked_gated_delta_rule(
                         q, k, v, g, beta, work, cu, slots, fresh, **tile
                     )

@@ -1,6 +1,6 @@
 """KV bytes per token of a DeepSeek-V4.1 shape, from the v41 backend's real layout.
 
-    python -m atom.benchmarks.deepseek_v41_memory [--context 65536] [--block-size 16]
+    python -m benchmarks.deepseek_v41_memory [--context 65536] [--block-size 16]
 
 The released layer ratios ``[0, 0] + [2] * 18 + [1] * 20`` with 4 KV sources (two ratio-2,
 two ratio-1, every source an index source), head_dim 512, index_head_dim 128, window 128,

@@ -1,6 +1,6 @@
 """DeepSeek-V4 decode speed, atom beside HF transformers in one run, and KV bytes per pool.
 
-    python -m atom.benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
+    python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import tempfile
 import time
 
 import torch
 
+from benchmarks.harness import emit
+
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def v4_shape(layers: int, max_position: int) -> dict:

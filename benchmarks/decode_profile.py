@@ -1,7 +1,7 @@
 """Batch-1 decode, kernel by kernel, and the fused-kernel ablation (issue 17).
 
-    python -m atom.benchmarks.offline_throughput --profile-kernels   # the engine's defaults
-    python -m atom.benchmarks.offline_throughput --ablate            # every fusion on/off
+    python -m benchmarks.offline_throughput --profile-kernels   # the engine's defaults
+    python -m benchmarks.offline_throughput --ablate            # every fusion on/off
 
 For each shape (Llama-3.2-1B, SmolLM2-135M; random bf16 weights, CUDA graphs on, batch 1)
 and each configuration of atom/fusions.py, one engine is built and measured:
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -42,13 +41,9 @@ import time
 
 import torch
 
-from atom.benchmarks.model_shapes import SMOLLM2_135M  # noqa: F401 (other benchmarks')
 from atom.fusions import Fusions, names
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
-
+from benchmarks.harness import emit, streaming_bandwidth
+from benchmarks.model_shapes import SMOLLM2_135M  # noqa: F401 (other benchmarks')
 
 # the shapes --profile-kernels and --ablate measure unless --shapes names others
 KERNEL_SHAPES = ("llama-3.2-1b", "smollm2-135m")
@@ -56,14 +51,14 @@ KERNEL_SHAPES = ("llama-3.2-1b", "smollm2-135m")
 
 def shapes() -> dict[str, dict]:
     """'<name>-shape' -> config fields, every shape of model_shapes.MATRIX."""
-    from atom.benchmarks.model_shapes import MATRIX
+    from benchmarks.model_shapes import MATRIX
 
     return {f"{name}-shape": fields for name, (_, fields) in MATRIX.items()}
 
 
 def selected_shapes(names: list[str] | None, default=KERNEL_SHAPES) -> list[str]:
     """The shape names to run: `names` (all of the matrix when empty), else `default`."""
-    from atom.benchmarks.model_shapes import MATRIX
+    from benchmarks.model_shapes import MATRIX
 
     if names is None:
         return list(default)
@@ -71,29 +66,6 @@ def selected_shapes(names: list[str] | None, default=KERNEL_SHAPES) -> list[str]
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; known: {list(MATRIX)}")
     return list(names) or list(MATRIX)
-
-
-def streaming_bandwidth(gib: int = 4) -> dict[str, float]:
-    """Bytes per second of a streaming read (a sum) and of a copy (read + write)."""
-    src = torch.ones(gib << 28, dtype=torch.float32, device="cuda")  # gib GiB
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def best_seconds(fn, repeats=8):
-        fn()
-        times = []
-        for _ in range(repeats):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return min(times)
-
-    nbytes = src.numel() * src.element_size()
-    read = nbytes / best_seconds(src.sum)
-    copy = 2 * nbytes / best_seconds(lambda: dst.copy_(src))
-    return dict(stream_read=read, stream_copy=copy)  # the buffers go with this frame
 
 
 def _device_time_us(event) -> float:
@@ -198,8 +170,8 @@ def build_engine(model_dir: str, args, fusions: Fusions):
 def measure(llm, shape: str, fusions: Fusions, args, bandwidth: dict) -> dict:
     """One configuration on an idle engine: its decode graphs are captured again with
     `fusions` (ModelRunner.set_fusions), the weights and the KV cache stay."""
-    from atom.benchmarks.offline_throughput import random_prompts
     from atom.sampling_params import SamplingParams
+    from benchmarks.offline_throughput import random_prompts
 
     engine = llm.engine
     engine.model_runner.set_fusions(fusions)
@@ -339,8 +311,8 @@ def policy_record() -> dict:
 
 
 def run(args) -> int:
-    from atom.benchmarks.model_shapes import hf_config
     from atom.kernels import gemv_policy
+    from benchmarks.model_shapes import hf_config
 
     if args.ablate_throughput and not (args.ablate or args.profile_kernels):
         throughput_ablation(args)
@@ -356,7 +328,7 @@ def run(args) -> int:
         )
     )
     if getattr(args, "matrix", False):
-        from atom.benchmarks.shape_matrix import run_matrix
+        from benchmarks.shape_matrix import run_matrix
 
         run_matrix(args, bandwidth)
         return 0
@@ -407,7 +379,7 @@ def throughput_ablation(args) -> None:
     defaults without PDL, and the defaults again (the drift of the machine)."""
     import transformers
 
-    from atom.benchmarks.offline_throughput import LLAMA_32_1B, atom_runs, random_prompts
+    from benchmarks.offline_throughput import LLAMA_32_1B, atom_runs, random_prompts
 
     config = transformers.LlamaConfig(**LLAMA_32_1B, architectures=["LlamaForCausalLM"])
     prompts = random_prompts(args.num_prompts, args.input_len, config.vocab_size, seed=0)

@@ -1,6 +1,6 @@
 """Real model shapes for the benchmarks (random weights: only the shapes matter).
 
-The matrix of issue 30 (`python -m atom.benchmarks.offline_throughput --shapes`): the five
+The matrix of issue 30 (`python -m benchmarks.offline_throughput --shapes`): the five
 shapes users run most at batch 1, and two that no kernel choice was tuned on
 (Qwen2.5-1.5B, Llama-2-13B). Each entry holds a Hugging Face config's fields; ``MATRIX``
 names them with their model type and ``hf_config`` builds the config.

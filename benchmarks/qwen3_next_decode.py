@@ -1,6 +1,6 @@
 """Qwen3-Next decode speed, atom beside HF transformers in one run, and state bytes.
 
-    python -m atom.benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
+    python -m benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf]
 
 Random bf16 weights in a Qwen3-Next-80B-A3B shape with few layers (hidden 2048, GDN with 16
@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from atom.benchmarks.deepseek_v4_decode import atom_decode, emit, logits_gap
+from benchmarks.deepseek_v4_decode import atom_decode, emit, logits_gap
 
 
 def qwen3_next_shape(layers: int, max_position: int) -> dict:

@@ -1,6 +1,6 @@
 """How busy each pipeline stage is: idle fraction per stage with M micro-batches in flight.
 
-    python -m atom.benchmarks.pipeline_overlap --pp 2 --micro-batches 1 4 --device cpu
+    python -m benchmarks.pipeline_overlap --pp 2 --micro-batches 1 4 --device cpu
 
 A random Llama (load_format="dummy": weights drawn in the ranks, nothing on disk but the
 config) on P spawned stages. Per stage, from the ranks' own counters (`rank_stats`):

@@ -1,9 +1,9 @@
 """Batch-1 decode variants against the engine's defaults, in one process (issue 17).
 
-    python -m atom.benchmarks.decode_ab --shape llama-3.2-1b --variants default pdl_small default
-    python -m atom.benchmarks.decode_ab --shape smollm2-135m --variants default split_4_tiles
+    python -m benchmarks.decode_ab --shape llama-3.2-1b --variants default pdl_small default
+    python -m benchmarks.decode_ab --shape smollm2-135m --variants default split_4_tiles
 
-One engine per run (the shape of atom/benchmarks/decode_profile.py: random bf16 weights,
+One engine per run (the shape of benchmarks/decode_profile.py: random bf16 weights,
 CUDA graphs of batch 1, a 128-token prompt, a block table 784 tokens wide as the
 --ablate run's). Each variant changes one choice of the kernels (a tile table entry, the
 decode split policy, a fusion switch), captures the decode graph again and is measured as
@@ -43,10 +43,10 @@ from contextlib import contextmanager
 
 import torch
 
-from atom.benchmarks import decode_profile
-from atom.benchmarks.model_shapes import MATRIX, hf_config
 from atom.fusions import Fusions
 from atom.kernels import decode_attention, gemv_policy
+from benchmarks import decode_profile, harness
+from benchmarks.model_shapes import MATRIX, hf_config
 
 PDL_KNOBS = ("ATOM_PDL_RELEASE", "ATOM_PDL_KERNELS")
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     run = types.SimpleNamespace(input_len=512, output_len=256, batch1_input_len=128,
                                 batch1_output_len=256, window_steps=64, profile_steps=30,
                                 top_kernels=6)  # fmt: skip
-    bandwidth = decode_profile.streaming_bandwidth()
+    bandwidth = harness.streaming_bandwidth()
     torch.cuda.empty_cache()
     rows = []
     with tempfile.TemporaryDirectory() as model_dir:

@@ -1,4 +1,4 @@
-"""`python3 -m atom.benchmarks.gemv_sweep`: the batch-1 Triton GEMV against cuBLAS, per layer.
+"""`python3 -m benchmarks.gemv_sweep`: the batch-1 Triton GEMV against cuBLAS, per layer.
 
 For every batch-1 linear layer of the Llama-3.2-1B and SmolLM2-135M shapes (bf16, one
 token) this times the unfused path the engine runs today (cuBLAS ``F.linear`` plus atom's
@@ -48,7 +48,6 @@ win); `config_table` (the dict); then, as plain text, the GEMV_CONFIGS block to 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -69,6 +68,7 @@ from atom.kernels.gemv import (
     gemv_silu_and_mul,
 )
 from atom.kernels.rmsnorm import rms_norm
+from benchmarks.harness import emit
 
 BLOCK_NS = (1, 2, 4, 8, 16)
 BLOCK_KS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the wide ones: K > 2048 only
@@ -77,10 +77,6 @@ L2_BYTES = 50 << 20
 ROTATION_BYTES = 3 * L2_BYTES  # the weight copies one graph rotates over
 EPS = 1e-5
 TOLERANCE = 2e-2  # atol = rtol against the unfused path's output (tests/kernels/test_gemv.py)
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
 
 
 @dataclass(frozen=True)
@@ -127,8 +123,8 @@ def model_layers(model: str, config: dict) -> list[Layer]:
 
 
 def default_models() -> dict[str, dict]:
-    from atom.benchmarks.decode_profile import SMOLLM2_135M
-    from atom.benchmarks.offline_throughput import LLAMA_32_1B
+    from benchmarks.decode_profile import SMOLLM2_135M
+    from benchmarks.offline_throughput import LLAMA_32_1B
 
     return {"llama-3.2-1b": LLAMA_32_1B, "smollm2-135m": SMOLLM2_135M}
 
@@ -364,7 +360,7 @@ def run_sweep(args, models: dict[str, dict], device: str, grid=None) -> dict:
     GemvConfig) replaces the search (the CPU smoke test)."""
     stream_read = None
     if device == "cuda":
-        from atom.benchmarks.decode_profile import streaming_bandwidth
+        from benchmarks.harness import streaming_bandwidth
 
         bandwidth = streaming_bandwidth()
         torch.cuda.empty_cache()

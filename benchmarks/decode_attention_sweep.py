@@ -4,10 +4,10 @@ kernel (Fusions.decode_short, atom/kernels/decode_attention_short.py) over its c
 configurations; prints the best per case and the config table to paste into
 ``CONFIGS`` of atom/kernels/decode_attention_short.py.
 
-    python -m atom.benchmarks.decode_attention_sweep            # L2 warm (KV in L2)
-    python -m atom.benchmarks.decode_attention_sweep --cold     # L2 flushed before each call
-    python -m atom.benchmarks.decode_attention_sweep --quick    # fewer candidates
-    python -m atom.benchmarks.decode_attention_sweep --device cpu   # a plumbing check:
+    python -m benchmarks.decode_attention_sweep            # L2 warm (KV in L2)
+    python -m benchmarks.decode_attention_sweep --cold     # L2 flushed before each call
+    python -m benchmarks.decode_attention_sweep --quick    # fewer candidates
+    python -m benchmarks.decode_attention_sweep --device cpu   # a plumbing check:
         # tiny sizes under TRITON_INTERPRET=1, one eager call per path, no timing
 
 Cases: head geometries Llama-3.2-1B (32 q / 8 kv heads, head_dim 64) and SmolLM2-135M (9 q /
@@ -46,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from atom.config import Config
+from benchmarks.harness import emit
 
 GEOMETRIES = {"llama-3.2-1b": (32, 8, 64), "smollm2-135m": (9, 3, 64)}
 BATCHES = [1, 2, 4]
@@ -53,10 +54,6 @@ CONTEXTS = [64, 128, 256, 384, 512, 1024, 2048, 4096]
 MAX_MODEL_LENS = [512, 8192]
 BLOCK_SIZE = Config.block_size
 BASELINES = ["decode+merge", "decode_merge"]
-
-
-def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def candidates(quick: bool = False):

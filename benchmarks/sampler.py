@@ -1,8 +1,8 @@
 """What penalties, logit_bias and top-20 logprobs cost beside a plain decode step.
 
-    python -m atom.benchmarks.sampler            # H200: batch 256, Llama-3.2-1B shape
-    python -m atom.benchmarks.sampler --device cpu --vocab 4096 --skip-engine   # smoke run
-    python -m atom.benchmarks.sampler --skip-engine --breakdown   # where the time goes
+    python -m benchmarks.sampler            # H200: batch 256, Llama-3.2-1B shape
+    python -m benchmarks.sampler --device cpu --vocab 4096 --skip-engine   # smoke run
+    python -m benchmarks.sampler --skip-engine --breakdown   # where the time goes
 
 1. `sampler` (device time, CUDA events; wall time on CPU): the step's sampling on random
    bf16 logits [batch, vocab], plain greedy argmax vs the SamplingPlan with presence,
@@ -26,23 +26,19 @@ same calls replayed from a CUDA graph, the device time alone).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import numpy as np
 import torch
 
-from atom.benchmarks.offline_throughput import LLAMA_32_1B
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import Sampler, SamplingTensors
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
+from benchmarks.harness import emit
+from benchmarks.offline_throughput import LLAMA_32_1B
 
 
 def options(max_tokens: int, bias_tokens: list[int]) -> dict:
@@ -150,7 +146,7 @@ def sampler_cost(args, device: torch.device) -> dict:
         host_plan_one_row_changed_ms=round(one_row_ms, 3),
     )
     if device.type == "cuda":  # device time alone: replayed from a CUDA graph, no launches
-        from atom.benchmarks.sampler_breakdown import graph_ms
+        from benchmarks.sampler_breakdown import graph_ms
 
         plain_graph = graph_ms(lambda: sampler(logits, greedy), timed, device, args.iters)
         with_graph = graph_ms(lambda: plan.sample(sampler, logits, greedy), timed, device, args.iters)  # fmt: skip
@@ -159,7 +155,7 @@ def sampler_cost(args, device: torch.device) -> dict:
             record["extra_graph_ms"] = round(with_graph - plain_graph, 4)
     emit(record)
     if args.breakdown:
-        from atom.benchmarks.sampler_breakdown import run_breakdown
+        from benchmarks.sampler_breakdown import run_breakdown
 
         run_breakdown(plan, sampler, logits, greedy, timed, emit, device, args.iters)
     return record
@@ -225,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="each piece of plan.sample and the top-k alternatives (atom/benchmarks/sampler_breakdown.py)",
+        help="each piece of plan.sample and the top-k alternatives (benchmarks/sampler_breakdown.py)",
     )
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -1,6 +1,6 @@
 """Speculative decoding at batch 1: output tok/s against plain decoding, one run.
 
-    python -m atom.benchmarks.speculative            # H200: Llama-3.2-1B shape, random bf16
+    python -m benchmarks.speculative            # H200: Llama-3.2-1B shape, random bf16
 
 Weights: random in the real shapes, except that the embeddings are scaled up and the LM
 head's rows are a permutation of the embedding rows (untied: the same bytes per step as
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -36,16 +35,13 @@ import time
 
 import torch
 
-from atom.benchmarks.offline_throughput import LLAMA_32_1B, random_prompts
+from benchmarks.harness import emit
+from benchmarks.offline_throughput import LLAMA_32_1B, random_prompts
 
 TINY = dict(
     vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
 )  # fmt: skip
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
 
 
 class ReplayProposer:

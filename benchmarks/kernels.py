@@ -1,8 +1,8 @@
 """Triton kernel benchmark (GPU): fp8 KV-cache quantization, compile counts, dynamic lengths.
 
-    python -m atom.benchmarks.kernels            # about 2-4 minutes on an H200
-    python -m atom.benchmarks.kernels --no-tune  # without the store-kernel tile sweep
-    python -m atom.benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
+    python -m benchmarks.kernels            # about 2-4 minutes on an H200
+    python -m benchmarks.kernels --no-tune  # without the store-kernel tile sweep
+    python -m benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
 
 One JSON line per measurement, on stdout:
 
@@ -23,7 +23,7 @@ One JSON line per measurement, on stdout:
   specialized for a length that is a multiple of 16 (4096 and 65536).
 
 - ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
-  the sequential kernel vs the torch reference (atom/benchmarks/gdn_prefill.py).
+  the sequential kernel vs the torch reference (benchmarks/gdn_prefill.py).
 
 Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
 15 replays after a warm-up.
@@ -32,9 +32,7 @@ Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead)
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -42,9 +40,10 @@ from collections.abc import Callable
 
 import torch
 
-from atom.benchmarks.gdn_prefill import bench_gdn_prefill
 from atom.kernels import activation, decode_attention, kv_cache, prefill_attention, rmsnorm, rotary
 from atom.kernels.jit_variants import compiled_variants, swapped_kernels
+from benchmarks.gdn_prefill import bench_gdn_prefill
+from benchmarks.harness import device_us, emit
 
 LENGTHS = [1, 16, 257, 4096, 4097, 65536]
 KV_TOKENS = [257, 4096, 65536, 1 << 20]
@@ -53,54 +52,7 @@ DEVICE = "cuda"
 BF16 = torch.bfloat16
 
 
-def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
-
-
 # -- timing ------------------------------------------------------------------------------------
-
-
-def device_us(fn: Callable[[], object], launches: int = 20, repeats: int = 15, flush=None):
-    """Median device time of one ``fn()``, from a CUDA graph of ``launches`` calls.
-
-    With ``flush`` (a callable that evicts L2) each call is preceded by it, and the flush's
-    own time (measured the same way) is subtracted.
-    """
-
-    def body():
-        for _ in range(launches):
-            if flush is not None:
-                flush()
-            fn()
-
-    graph_us = _graph_us(body, repeats) / launches
-    if flush is None:
-        return graph_us
-    return graph_us - _graph_us(lambda: [flush() for _ in range(launches)], repeats) / launches
-
-
-def _graph_us(body: Callable[[], object], repeats: int) -> float:
-    body()  # compile and allocate outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(samples)
 
 
 def copy_gbps(nbytes: int) -> float:

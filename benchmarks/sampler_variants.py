@@ -1,4 +1,4 @@
-"""`python3 -m atom.benchmarks.sampler_variants` (H200): which part of the options pass costs.
+"""`python3 -m benchmarks.sampler_variants` (H200): which part of the options pass costs.
 
 The options + argmax pass of the sampler as it was before issue 16's third pass (every block
 looping over all of its row's bias entries), with each part switchable: the bias loop
@@ -8,6 +8,7 @@ replay. It showed the bias loop tripling the pass (docs/benchmarks.md, "Sampler 
 which led to the per-block bias offsets of atom/kernels/sampling.py.
 """
 
+import argparse
 import json
 
 import torch
@@ -95,6 +96,7 @@ def graph_ms(fn, n=20):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     rows, vocab, width = 256, 128256, 16
     device = "cuda"
     torch.manual_seed(0)

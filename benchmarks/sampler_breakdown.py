@@ -1,4 +1,4 @@
-"""`python -m atom.benchmarks.sampler --breakdown`: where the SamplingPlan's device time goes.
+"""`python -m benchmarks.sampler --breakdown`: where the SamplingPlan's device time goes.
 
 On the inputs of the `sampler` case (the same plan, logits and SamplingState), one JSON line
 per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):

@@ -1,14 +1,14 @@
 """Where the host time of an engine decode step goes, plain greedy vs sampling options.
 
-    python -m atom.benchmarks.engine_host_profile                 # CPU: tiny model
-    python -m atom.benchmarks.engine_host_profile --model llama-1b   # H200: 1B shape
-    python -m atom.benchmarks.engine_host_profile --cprofile 30   # and the top functions
-    python -m atom.benchmarks.engine_host_profile --model smollm2 --batch 1 --only plain
+    python -m benchmarks.engine_host_profile                 # CPU: tiny model
+    python -m benchmarks.engine_host_profile --model llama-1b   # H200: 1B shape
+    python -m benchmarks.engine_host_profile --cprofile 30   # and the top functions
+    python -m benchmarks.engine_host_profile --model smollm2 --batch 1 --only plain
 
 One engine (random weights, `load_format="dummy"`, no tokenizer) generates --batch
 prompts of --prompt-len tokens, --decode-len tokens each, twice: plain greedy, then the
 sampler benchmark's options (presence 0.5, frequency 0.3, repetition 1.1, 16 logit_bias
-entries, 20 logprobs per row; atom/benchmarks/sampler.py). The engine's step methods are
+entries, 20 logprobs per row; benchmarks/sampler.py). The engine's step methods are
 wrapped (no engine code changes) and each phase's *exclusive* wall time is summed over the
 decode-only steps (steps that launched and completed decode batches only):
 
@@ -49,7 +49,6 @@ import argparse
 import contextlib
 import cProfile
 import gc
-import json
 import pstats
 import shutil
 import statistics
@@ -61,7 +60,8 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from atom.benchmarks.sampler import options
+from benchmarks.harness import emit
+from benchmarks.sampler import options
 
 TINY = dict(
     hidden_size=64,
@@ -89,10 +89,6 @@ PHASES = (
     "step_other",
     "generate_other",
 )
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
 
 
 class PhaseClock:
@@ -266,9 +262,9 @@ def _to_pageable_host(name: str, args, kwargs) -> bool:
 def build_llm(args):
     import transformers
 
-    from atom.benchmarks.decode_profile import SMOLLM2_135M
-    from atom.benchmarks.offline_throughput import LLAMA_32_1B
     from atom.model_engine.llm_engine import LLM
+    from benchmarks.decode_profile import SMOLLM2_135M
+    from benchmarks.offline_throughput import LLAMA_32_1B
 
     shapes = {"llama-1b": LLAMA_32_1B, "smollm2": SMOLLM2_135M, "tiny": TINY}
     shape = dict(shapes[args.model])

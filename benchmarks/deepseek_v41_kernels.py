@@ -1,7 +1,7 @@
 """DeepSeek-V4.1 kernels on the GPU: the Triton two-level top-k and Engram lookup against
 their torch references (device time, CUDA graphs), and whether they agree.
 
-    python -m atom.benchmarks.deepseek_v41_kernels
+    python -m benchmarks.deepseek_v41_kernels
 
 One JSON line per case, on stdout: ``topk`` (candidate blocks, then entries inside them,
 for B query rows over N entries; a row per decode sequence) and ``engram`` (T tokens,
@@ -14,18 +14,13 @@ checks that the kernels are graph-capturable) and ``equal`` / ``gap`` against th
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from atom.benchmarks.kernels import device_us
 from atom.kernels import v41_engram, v41_topk
+from benchmarks.harness import device_us, emit
 
 DEVICE = "cuda"
-
-
-def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def bench_topk(rows: int, entries: int, topk: int, block_size: int, topk_blocks: int) -> None:

@@ -1,8 +1,8 @@
 """DeepSeek-V2-Lite-shape MoE decode (GPU): the old dense and per-expert dispatch against
 the fused one (atom/models/moe.py -> atom/kernels/moe.py), in one run.
 
-    python -m atom.benchmarks.moe_decode               # H200: about 2 minutes, ~31 GB
-    python -m atom.benchmarks.moe_decode --batch 1 64 --layers 26 --no-tiles
+    python -m benchmarks.moe_decode               # H200: about 2 minutes, ~31 GB
+    python -m benchmarks.moe_decode --batch 1 64 --layers 26 --no-tiles
 
 Shape (DeepSeek-V2-Lite): hidden 2048, 64 routed experts, 6 per token (softmax, greedy
 top-k), 2 shared experts, moe_intermediate 1408; the 26 MoE layers of its 27 (layer 0 is a
@@ -33,7 +33,6 @@ last ``summary`` line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from torch.nn import functional as F
 
 from atom.kernels.moe import MoeTiles, default_tiles, fused_moe, moe_align
 from atom.models.deepseek_v2 import DeepseekMoE
+from benchmarks.harness import emit
 
 TILES = [
     MoeTiles(16, 64, 128),
@@ -54,10 +54,6 @@ TILES = [
     MoeTiles(16, 64, 256, num_stages=2),
     MoeTiles(32, 64, 64),
 ]
-
-
-def emit(**record) -> None:
-    print(json.dumps(record), flush=True)
 
 
 def make_layers(args, device, dtype) -> list[DeepseekMoE]:

@@ -1,7 +1,7 @@
 """Block bookkeeping at H200 scale: BlockManager set-up time and host bytes per block.
 
-    python -m atom.benchmarks.block_manager                 # CPU: 32.7M blocks
-    python -m atom.benchmarks.block_manager --startup       # + time LLM() of a tiny model
+    python -m benchmarks.block_manager                 # CPU: 32.7M blocks
+    python -m benchmarks.block_manager --startup       # + time LLM() of a tiny model
 
 A tiny model on the H200 at the default 0.9 memory utilisation gets ~32.7M KV blocks.
 `construct` times `BlockManager(num_blocks)` and measures its host memory with

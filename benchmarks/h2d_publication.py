@@ -1,6 +1,6 @@
 """Per-step metadata publication, direct vs packed, in one run.
 
-    python -m atom.benchmarks.h2d_publication [--breakdown] [--backend mha|mla|v4|v41]
+    python -m benchmarks.h2d_publication [--breakdown] [--backend mha|mla|v4|v41]
 
 --backend picks the slot's attention backend (MHABackend, MLABackend, V4Backend or V41Backend); all
 build their metadata and derive the slot mapping through the same entry point
@@ -235,17 +235,17 @@ def breakdown(batch_size: int = 256) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="mha")
+    parser.add_argument("--breakdown", action="store_true", help="per-phase cost of one step")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
-    if argv is None:
-        argv = sys.argv[1:]
-    if "--breakdown" in argv:
+    if args.breakdown:
         breakdown()
         return 0
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=sorted(BACKENDS), default="mha")
-    attention = parser.parse_args([a for a in argv if a != "--breakdown"]).backend
+    attention = args.backend
     results = {}
     for batch_size in (1, 64, 256):
         for backend, graph in (("direct", True), ("packed", True), ("packed", False)):

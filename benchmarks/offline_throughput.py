@@ -1,36 +1,32 @@
 """Offline throughput and batch-1 decode speed, atom beside HF transformers in one run.
 
-    python -m atom.benchmarks.offline_throughput --num-prompts 256 --input-len 512 --output-len 256
-    python -m atom.benchmarks.offline_throughput --profile-kernels   # batch-1 kernels per step
-    python -m atom.benchmarks.offline_throughput --ablate            # each fusion on / off
-    python -m atom.benchmarks.offline_throughput --shapes            # the batch-1 shape matrix
+    python -m benchmarks.offline_throughput --num-prompts 256 --input-len 512 --output-len 256
+    python -m benchmarks.offline_throughput --profile-kernels   # batch-1 kernels per step
+    python -m benchmarks.offline_throughput --ablate            # each fusion on / off
+    python -m benchmarks.offline_throughput --shapes            # the batch-1 shape matrix
 
 Random weights in the Llama-3.2-1B shape (bf16, CUDA), random prompt token ids,
 ignore_eos. Prints one JSON line per measurement and a summary with the ratios.
 `--profile-kernels` and `--ablate` measure batch-1 decode of the Llama-3.2-1B and
-SmolLM2-135M shapes kernel by kernel instead (atom/benchmarks/decode_profile.py), or of
+SmolLM2-135M shapes kernel by kernel instead (benchmarks/decode_profile.py), or of
 the shapes `--shapes` names. `--shapes` alone (names or none: every shape of
-atom/benchmarks/model_shapes.py) runs the shape matrix instead: batch-1 decode with the
+benchmarks/model_shapes.py) runs the shape matrix instead: batch-1 decode with the
 defaults and with every fusion off per shape, side by side, with each one's fraction of
-the weight-read limit (atom/benchmarks/shape_matrix.py).
+the weight-read limit (benchmarks/shape_matrix.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import tempfile
 import time
 
 import torch
 
-from atom.benchmarks.model_shapes import LLAMA_32_1B  # noqa: F401 (other benchmarks')
-
-
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
+from benchmarks.harness import emit
+from benchmarks.model_shapes import LLAMA_32_1B  # noqa: F401 (other benchmarks')
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -189,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table of decode steps"
     )
-    kernels = parser.add_argument_group("batch-1 kernels (atom/benchmarks/decode_profile.py)")
+    kernels = parser.add_argument_group("batch-1 kernels (benchmarks/decode_profile.py)")
     kernels.add_argument(
         "--profile-kernels",
         action="store_true",
@@ -209,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "--shapes",
         nargs="*",
         default=None,
-        help="shapes of atom/benchmarks/model_shapes.py (llama-3.2-1b llama-3.2-3b llama-3.1-8b "
+        help="shapes of benchmarks/model_shapes.py (llama-3.2-1b llama-3.2-3b llama-3.1-8b "
         "qwen2.5-7b smollm2-135m qwen2.5-1.5b llama-2-13b; none named: all). Alone: the "
         "batch-1 shape matrix (defaults vs all-off); with --profile-kernels / --ablate: "
         "the shapes they measure (default llama-3.2-1b smollm2-135m)",
@@ -231,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         args.profile_kernels or args.ablate or args.ablate_throughput
     )
     if args.matrix or args.profile_kernels or args.ablate or args.ablate_throughput:
-        from atom.benchmarks import decode_profile
+        from benchmarks import decode_profile
 
         return decode_profile.run(args)
 

@@ -1,9 +1,9 @@
 """The batch-1 shape matrix: defaults against every fusion off, per model shape (issue 30).
 
-    python -m atom.benchmarks.offline_throughput --shapes               # every shape
-    python -m atom.benchmarks.offline_throughput --shapes llama-3.1-8b qwen2.5-7b
+    python -m benchmarks.offline_throughput --shapes               # every shape
+    python -m benchmarks.offline_throughput --shapes llama-3.1-8b qwen2.5-7b
 
-For each shape of atom/benchmarks/model_shapes.py (random bf16 weights, CUDA graphs of
+For each shape of benchmarks/model_shapes.py (random bf16 weights, CUDA graphs of
 batch 1, a 128-token prompt; decode_profile.measure's method) one engine measures the
 defaults and every fusion off, twice each, and prints one table: tok/s, their ratio, each
 one's fraction of the weight-read limit (weight bytes over the streaming read measured at
@@ -20,7 +20,8 @@ import tempfile
 
 import torch
 
-from atom.benchmarks.decode_profile import (
+from atom.fusions import Fusions
+from benchmarks.decode_profile import (
     build_engine,
     emit,
     measure,
@@ -28,7 +29,6 @@ from atom.benchmarks.decode_profile import (
     print_policy,
     selected_shapes,
 )
-from atom.fusions import Fusions
 
 MATRIX_CONFIGS = ("all_off", "default", "all_off_end", "default_end")
 
@@ -38,8 +38,8 @@ def run_matrix(args, bandwidth: dict) -> None:
     in the order of MATRIX_CONFIGS (the machine's drift), in one engine per shape; then one
     table: tok/s of each (the mean of its two), their ratio, and each one's fraction of the
     weight-read limit (the streaming read measured at the start of this run)."""
-    from atom.benchmarks.model_shapes import hf_config
     from atom.kernels import gemv_policy
+    from benchmarks.model_shapes import hf_config
 
     rows = []
     for name in selected_shapes(args.shapes):

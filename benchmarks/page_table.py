@@ -1,6 +1,6 @@
 """Per-step cost of keeping the device block table current, three ways, in one run.
 
-    python -m atom.benchmarks.page_table [--device cuda|cpu] [--backend mha|mla|v4|v41]
+    python -m benchmarks.page_table [--device cuda|cpu] [--backend mha|mla|v4|v41]
 
 --backend picks the attention backend of the runner slot (MHABackend, MLABackend,
 V4Backend or V41Backend): all take their rows from the same versioned page table, so the atom_* figures

@@ -1,4 +1,4 @@
-"""`python3 -m atom.benchmarks.pdl_chain` (H200): does programmatic dependent launch (PDL)
+"""`python3 -m benchmarks.pdl_chain` (H200): does programmatic dependent launch (PDL)
 shorten a chain of batch-1 GEMVs replayed from one CUDA graph?
 
 Each layer runs the one-row GEMVs of the Llama-3.2-1B (16 layers) or SmolLM2-135M (30
@@ -11,6 +11,7 @@ and whether the outputs equal it. An experiment for issue 17 (docs/benchmarks.md
 engine's kernels do not use PDL.
 """
 
+import argparse
 import json
 
 import torch
@@ -129,6 +130,7 @@ def timed_graph(fn):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     for name, (shapes, layers) in SHAPES.items():
         run = chain(shapes, layers, None)
         ref_us, ref = timed_graph(lambda: run(False, False))  # noqa: B023
