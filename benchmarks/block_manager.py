@@ -79,7 +79,7 @@ def measure_startup(device: str, model_path: str | None = None) -> dict:
     import torch
     import transformers
 
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
 
     config = transformers.LlamaConfig(
         vocab_size=1024,

@@ -152,7 +152,7 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
 
 
 def build_engine(model_dir: str, args, fusions: Fusions):
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
 
     return LLM(
         model_dir,

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
 
     max_len = args.context + args.steps + 64
     shape = v4_shape(args.layers, max(args.kv_context, max_len))

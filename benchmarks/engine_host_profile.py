@@ -262,7 +262,7 @@ def _to_pageable_host(name: str, args, kwargs) -> bool:
 def build_llm(args):
     import transformers
 
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
     from benchmarks.decode_profile import SMOLLM2_135M
     from benchmarks.offline_throughput import LLAMA_32_1B
 

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from atom.attention.backend import BACKENDS
+from atom.attention.registry import BACKENDS
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence

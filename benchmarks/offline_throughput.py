@@ -68,7 +68,7 @@ def hf_generate_tok_s(config, prompts, output_len: int, batch_size: int) -> floa
 
 
 def atom_runs(model_dir: str, args, prompts, single, fusions=None) -> tuple[float, float, float]:
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
     from atom.sampling_params import SamplingParams
 
     llm = LLM(

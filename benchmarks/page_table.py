@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from atom.attention.backend import BACKENDS
+from atom.attention.registry import BACKENDS
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ import time
 
 import transformers
 
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.llm import LLM
 from atom.sampling_params import SamplingParams
 
 

@@ -164,7 +164,7 @@ def sampler_cost(args, device: torch.device) -> dict:
 def engine_cost(args) -> dict:
     import transformers
 
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
 
     directory = tempfile.mkdtemp(prefix="atom-sampler-bench-")
     transformers.LlamaConfig(**LLAMA_32_1B).save_pretrained(directory)

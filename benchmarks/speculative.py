@@ -37,11 +37,7 @@ import torch
 
 from benchmarks.harness import emit
 from benchmarks.offline_throughput import LLAMA_32_1B, random_prompts
-
-TINY = dict(
-    vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-)  # fmt: skip
+from tests.support.speculative_model import TINY, set_margin_weights
 
 
 class ReplayProposer:
@@ -65,27 +61,6 @@ class ReplayProposer:
 
     def on_verified(self, seq, position, num_drafts, num_accepted):
         pass
-
-
-@torch.no_grad()
-def set_margin_weights(model, seed: int = 1234, scale: float = 16.0) -> torch.Tensor:
-    """Embeddings N(0, scale^2); LM head row perm(x) = embedding row x / scale.
-
-    The residual stream of token x is scale * E[x] plus the layers' output (RMS ~ a few
-    units), so the final norm's output points along E[x] and perm(x) wins by a margin of
-    ~hidden_size against ~4.5 * sqrt(hidden_size) for the best other row. The same seed
-    gives every model of one vocabulary and hidden size the same tables (target, draft).
-    Returns perm.
-    """
-    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-    if embed.data_ptr() == head.data_ptr():
-        raise ValueError("margin weights need an untied LM head (tie_word_embeddings=False)")
-    generator = torch.Generator(device=embed.device).manual_seed(seed)
-    table = torch.randn(embed.shape, generator=generator, device=embed.device)
-    perm = torch.randperm(embed.shape[0], generator=generator, device=embed.device)
-    embed.copy_(table * scale)
-    head[perm] = table.to(head.dtype)
-    return perm
 
 
 def _runners(engine) -> list:
@@ -131,7 +106,7 @@ def _launch_counts(llm, prompt, args) -> dict:
 
 
 def run_case(name: str, model_dir: str, args, prompt, oracle=None, **engine_kwargs) -> dict:
-    from atom.model_engine.llm_engine import LLM
+    from atom.model_engine.llm import LLM
     from atom.model_engine.speculative.decoder import SpeculativeDecoder
     from atom.sampling_params import SamplingParams
 

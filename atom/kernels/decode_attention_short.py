@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels import dot_precision, use_triton
 from atom.kernels.decode_attention import (
     _multi_processors,
     check_kv_scales,
@@ -49,6 +48,7 @@ from atom.kernels.decode_attention import (
     placeholder,
     split_counters,
 )
+from atom.kernels.platform import dot_precision, use_triton
 
 try:
     import triton

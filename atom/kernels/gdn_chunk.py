@@ -37,8 +37,8 @@ import os
 
 import torch
 
-from atom.kernels import use_triton
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule_reference
+from atom.kernels.platform import use_triton
 
 try:
     import triton

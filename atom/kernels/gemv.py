@@ -69,9 +69,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels import use_triton
 from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
 from atom.kernels.pdl import pdl_launch, pdl_release, pdl_wait_and_release
+from atom.kernels.platform import use_triton
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:

@@ -42,7 +42,8 @@ import os
 
 import torch
 
-from atom.kernels import logprob_topk, use_triton
+from atom.kernels import logprob_topk
+from atom.kernels.platform import use_triton
 
 try:
     import triton

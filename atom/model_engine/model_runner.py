@@ -25,7 +25,7 @@ import logging
 import torch
 
 from atom import profiling
-from atom.attention.backend import backend_for
+from atom.attention.registry import backend_for
 from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup

@@ -73,8 +73,8 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
     GEMV policy, the split policy and the PDL knobs as they were after it."""
     import torch
 
-    from benchmarks import decode_ab
     from atom.kernels import decode_attention, gemv_policy
+    from benchmarks import decode_ab
 
     monkeypatch.setenv("ATOM_PDL_KERNELS", "all")
     policy = gemv_policy.current_policy()

@@ -75,7 +75,7 @@ def test_bf16_margin_weights_accept_every_draft(tmp_path):
     accepted."""
     import transformers
 
-    from benchmarks.speculative import TINY, set_margin_weights
+    from tests.support.speculative_model import TINY, set_margin_weights
 
     shape = dict(TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     transformers.LlamaConfig(**shape).save_pretrained(tmp_path / "target")
