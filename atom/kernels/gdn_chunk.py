@@ -33,10 +33,9 @@ the longest new run, `CHUNKED_MIN_TOKENS`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from atom import envs
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule_reference
 from atom.kernels.platform import use_triton
 
@@ -57,7 +56,7 @@ CHUNK = 64
 # tokens, 0.96x at 1 x 2048, 0.54x at 1 x 512, and 0.28x-0.43x for 4-64 sequences (the
 # sequential kernel's grid fills the GPU once there are several sequences).
 # ATOM_GDN_CHUNKED_MIN_TOKENS overrides the length (a huge value: never chunked).
-CHUNKED_MIN_TOKENS = int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "8192"))
+CHUNKED_MIN_TOKENS = envs.gdn_chunked_min_tokens()
 CHUNKED_MAX_SEQS = 1
 
 

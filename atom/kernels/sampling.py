@@ -38,10 +38,9 @@ int64.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from atom import envs
 from atom.kernels import logprob_topk
 from atom.kernels.platform import use_triton
 
@@ -62,7 +61,7 @@ NUM_WARPS = 4
 # How logprob_candidates finds the top k on the device (see its docstring); the others stay
 # for the H200 comparison (python -m benchmarks.sampler --breakdown).
 CANDIDATE_METHODS = ("select", "rounds", "torch")
-CANDIDATES = os.environ.get("ATOM_LOGPROB_CANDIDATES", "select")
+CANDIDATES = envs.logprob_candidates()
 
 
 class CandidateMethodError(ValueError):
