@@ -37,7 +37,6 @@ KNOWN_ENV_READERS: set[str] = {
 # Still to move off the benchmarks (issue 31, part 4): mostly tests that run a benchmark at a
 # toy shape on CPU; they belong beside the benchmarks, or their shared pieces in tests/support.
 KNOWN_BENCHMARK_IMPORTERS = {
-    "tests/kernels/test_decode_attention_short.py",
     "tests/kernels/test_gemv.py",
     "tests/kernels/test_logprob_topk.py",
     "tests/kernels/test_moe.py",
