@@ -14,7 +14,7 @@ except metadata.PackageNotFoundError:  # a source checkout that was not installe
 
 def __getattr__(name):
     if name == "LLM":  # imported lazily: it pulls in torch, transformers and the kernels
-        from atom.model_engine.llm_engine import LLM
+        from atom.model_engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

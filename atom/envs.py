@@ -43,3 +43,16 @@ def grammar_cache_bytes() -> int:
     if megabytes <= 0:
         raise ValueError(f"ATOM_GRAMMAR_CACHE_MB={value!r} must be positive")
     return int(megabytes * (1 << 20))
+
+
+def logprob_candidates() -> str:
+    """`ATOM_LOGPROB_CANDIDATES`: how logprob candidates are found on the device (default
+    select; atom/kernels/sampling.py reads it once, at import)."""
+    return os.environ.get("ATOM_LOGPROB_CANDIDATES", "select")
+
+
+def gdn_chunked_min_tokens() -> int:
+    """`ATOM_GDN_CHUNKED_MIN_TOKENS`: the longest new run from which a GDN prefill takes the
+    chunked kernels (default 8192; a huge value: never; atom/kernels/gdn_chunk.py reads it
+    once, at import)."""
+    return int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "8192"))

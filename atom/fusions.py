@@ -3,17 +3,17 @@
 One switch per fusion, each an environment variable (``1`` on, ``0`` off) read once when a
 ``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
 default of each: a fusion should be on by default only where the H200 ablation
-(``python -m atom.benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
+(``python -m benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
 wins; flip a default there. Second H200 ablation of 2026-12-01 (docs/benchmarks.md), with
 the one-row GEMV and its measured tiles: the kernel set rope_kv_write + greedy_argmax +
 gemv_silu + gemv_linear + norm_gemv ("gemv_set") ran the Llama-3.2-1B shape at 1.25x and
 SmolLM2-135M at 1.47x the all-off baseline (GPU time per step 1100 -> 903 us, 925 -> 626
 us); with gemv_rope_kv too, 1.33x and 1.58x (866 and 573 us). These six are on. The
-attention variants are off: decode_merge lost on both shapes (0.97x alone), decode_short
-added GPU time in the set on both (contexts past its 256-token split pay its in-kernel
-merge). rope_kv_write and gemv_rope_kv serve bf16/fp32 caches; fp8 caches keep rotary +
-store (atom/attention/mha.py). pdl (programmatic dependent launch) is on since its fourth
-pass (docs/benchmarks.md): with the GEMVs' first weight chunk loaded before the wait, the
+attention variant decode_merge is off: it lost on both shapes (0.97x alone); a one-launch
+small-batch decode kernel (decode_short) added GPU time and was deleted (docs/benchmarks.md).
+rope_kv_write and gemv_rope_kv serve bf16/fp32 caches; fp8 caches keep rotary + store
+(atom/attention/mha.py). pdl (programmatic dependent launch) is on since its fourth pass
+(docs/benchmarks.md): with the GEMVs' first weight chunk loaded before the wait, the
 batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 839 us.
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
@@ -25,13 +25,6 @@ batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 8
                                            kv head merges) and picks the number of splits it
                                            uses from the context length on the device: no
                                            merge kernel, one split for short contexts.
-    decode_short    ATOM_FUSE_DECODE_SHORT at <= MAX_BATCH sequences, paged decode attention in
-                                           one launch (atom/kernels/decode_attention_short.py):
-                                           fixed-size splits, a short context in one program
-                                           writing the output directly, longer ones merged
-                                           in-kernel; tiles per head geometry from
-                                           atom/benchmarks/decode_attention_sweep.py. Wins over
-                                           decode_merge when both are on.
     greedy_argmax   ATOM_FUSE_ARGMAX       greedy sampling through a two-stage Triton argmax
                                            over the vocabulary (atom/kernels/argmax.py)
                                            instead of torch's argmax.
@@ -90,7 +83,6 @@ from dataclasses import dataclass
 DEFAULTS = {
     "rope_kv_write": ("ATOM_FUSE_ROPE_KV", True),
     "decode_merge": ("ATOM_FUSE_DECODE_MERGE", False),
-    "decode_short": ("ATOM_FUSE_DECODE_SHORT", False),
     "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", True),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
@@ -108,7 +100,6 @@ class FusionSettingError(ValueError):
 class Fusions:
     rope_kv_write: bool = DEFAULTS["rope_kv_write"][1]
     decode_merge: bool = DEFAULTS["decode_merge"][1]
-    decode_short: bool = DEFAULTS["decode_short"][1]
     greedy_argmax: bool = DEFAULTS["greedy_argmax"][1]
     gemv_silu: bool = DEFAULTS["gemv_silu"][1]
     gemv_linear: bool = DEFAULTS["gemv_linear"][1]

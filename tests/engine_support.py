@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.llm import LLM
 from atom.models.loader import ModelLoadError, load_tokenizer, open_model
 
 _ENGINES: list[LLM] = []

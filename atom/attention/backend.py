@@ -140,38 +140,3 @@ class MLABackend(PagedAttentionBackend):
     exactly the MHA ones; only the cache layout and the kernels differ."""
 
     name = "mla"
-
-
-def _v4_backend() -> PagedAttentionBackend:
-    from atom.attention.v4 import V4Backend  # v4.py builds on this module
-
-    return V4Backend()
-
-
-def _gdn_backend() -> PagedAttentionBackend:
-    from atom.attention.gdn import GDNBackend  # gdn.py builds on this module
-
-    return GDNBackend()
-
-
-def _v41_backend() -> PagedAttentionBackend:
-    from atom.attention.v41 import V41Backend
-
-    return V41Backend()
-
-
-BACKENDS = {
-    "mha": MHABackend,
-    "mla": MLABackend,
-    "v4": _v4_backend,
-    "v41": _v41_backend,
-    "gdn": _gdn_backend,
-}
-
-
-def backend_for(model) -> PagedAttentionBackend:
-    """A fresh backend of the family the model declares (`attention_backend`, default mha)."""
-    name = getattr(model, "attention_backend", "mha")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (known: {', '.join(BACKENDS)})")
-    return BACKENDS[name]()

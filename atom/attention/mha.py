@@ -11,8 +11,7 @@ On CUDA the Triton kernels run; on CPU their torch references (the same math).
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
 (atom/kernels/rotary_kv.py); `Fusions.decode_merge` picks the decode kernel's in-kernel
-split merge, and `Fusions.decode_short` the one-launch decode kernel for <= MAX_BATCH
-sequences (atom/kernels/decode_attention_short.py), before decode_merge (atom/fusions.py).
+split merge (atom/fusions.py).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from atom.kernels import (
     store_kvcache,
     store_kvcache_reference,
 )
-from atom.kernels.decode_attention_short import MAX_BATCH, paged_decode_attention_short
 from atom.kernels.gemv_rope_kv import RopeKV
 from atom.kernels.rotary_kv import rotary_kv_write
 
@@ -116,8 +114,6 @@ class MHAAttention(nn.Module):
         if meta.is_decode:
             if not on_gpu:
                 decode = paged_decode_attention_reference
-            elif fusions.decode_short and q.shape[0] <= MAX_BATCH:
-                decode = paged_decode_attention_short
             else:
                 decode = paged_decode_attention
                 kv_scales["merge_in_kernel"] = fusions.decode_merge

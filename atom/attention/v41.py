@@ -51,7 +51,7 @@ from atom.kernels.v41_topk import (
 )
 
 # The Triton two-level top-k (atom/kernels/v41_topk.py) matches the references exactly but
-# measured slower on the H200 (`python -m atom.benchmarks.deepseek_v41_kernels`, 2026-12-01:
+# measured slower on the H200 (`python -m benchmarks.deepseek_v41_kernels`, 2026-12-01:
 # 218 us vs 59 us at 4K entries, 3.0 ms vs 0.09 ms at 64K): the references (no host sync,
 # CUDA-graph capturable) serve on CUDA until a kernel wins.
 TRITON_TOPK = False

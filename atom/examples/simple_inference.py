@@ -14,7 +14,8 @@ import time
 from atom.config import Config
 from atom.entrypoints.engine_args import add_engine_args, config_from_args
 from atom.model_engine.distributed_runner import serve_node
-from atom.model_engine.llm_engine import LLM, resolve_max_model_len
+from atom.model_engine.llm import LLM
+from atom.model_engine.llm_engine import resolve_max_model_len
 from atom.model_engine.rendezvous import RendezvousError
 from atom.model_engine.workers import WorkerFailedError
 from atom.models.default_model import default_model_path

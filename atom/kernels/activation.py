@@ -14,7 +14,7 @@ Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): intermediat
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 
 try:
     import triton

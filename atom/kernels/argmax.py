@@ -17,7 +17,7 @@ size, chunk count. Offsets are int64 (rows x vocab passes 2^31 at 16K rows of 12
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 
 try:
     import triton

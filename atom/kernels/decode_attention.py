@@ -42,9 +42,9 @@ weights by v_scale[n] before the P @ V product (the normaliser uses the unscaled
 
 import torch
 
-from atom.kernels import dot_precision, use_triton
 from atom.kernels.kv_cache import dequantize_fp8_reference, is_quantized
 from atom.kernels.pdl import pdl_launch, pdl_wait_and_release
+from atom.kernels.platform import dot_precision, use_triton
 
 try:
     import triton

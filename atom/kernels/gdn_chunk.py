@@ -24,7 +24,7 @@ device from ``cu_seqlens`` (no host read), rows come from the grid. Geometry (co
 heads, head dims, tiles, the dots' precision. Inputs bf16 or fp32, everything computed in
 fp32; the state is fp32. The dots' precision (`DOT_PRECISION`): "ieee" for fp32 inputs (TF32,
 a GPU's default, would make a greedy fp32 run drift from the reference), "tf32x3" (fp32-like,
-on tensor cores) for bf16 inputs; atom/benchmarks/gdn_prefill.py measures all three.
+on tensor cores) for bf16 inputs; benchmarks/gdn_prefill.py measures all three.
 
 `chunked_gated_delta_rule` is worth it for long prefills; for short ones the sequential
 kernel (`chunk_gated_delta_rule`, the recurrent form) has less work: the GDN backend picks by
@@ -33,12 +33,11 @@ the longest new run, `CHUNKED_MIN_TOKENS`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from atom.kernels import use_triton
+from atom import envs
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule_reference
+from atom.kernels.platform import use_triton
 
 try:
     import triton
@@ -52,12 +51,12 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 CHUNK = 64
 # The GDN backend's choice on CUDA (`use_chunked`): the chunked kernels for a step of at most
 # CHUNKED_MAX_SEQS sequences whose longest new run reaches CHUNKED_MIN_TOKENS, the
-# sequential kernel otherwise. From `python -m atom.benchmarks.gdn_prefill` on the H200
+# sequential kernel otherwise. From `python -m benchmarks.gdn_prefill` on the H200
 # (2026-12-01, Qwen3-Next shape, bf16): chunked / sequential speed-up 1.13x at 1 x 8192
 # tokens, 0.96x at 1 x 2048, 0.54x at 1 x 512, and 0.28x-0.43x for 4-64 sequences (the
 # sequential kernel's grid fills the GPU once there are several sequences).
 # ATOM_GDN_CHUNKED_MIN_TOKENS overrides the length (a huge value: never chunked).
-CHUNKED_MIN_TOKENS = int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "8192"))
+CHUNKED_MIN_TOKENS = envs.gdn_chunked_min_tokens()
 CHUNKED_MAX_SEQS = 1
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atom.kernels import use_triton
 from atom.kernels.gdn_chunk import CHUNK, chunk_bounds
+from atom.kernels.platform import use_triton
 
 try:
     import triton

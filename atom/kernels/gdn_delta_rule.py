@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 
 try:
     import triton

@@ -36,7 +36,7 @@ pipelines the K loop's loads through shared memory (cp.async: Triton pipelines n
 loads than a dot's by itself, so num_stages alone changes nothing). Tiles, warps and stages
 come from ``gemv_config``: the tile the GEMV policy measured for the shape at engine start
 (atom/kernels/gemv_policy.py, which also decides whether a layer runs this kernel at
-all), else a heuristic. ``python -m atom.benchmarks.gemv_sweep`` searches a wider grid.
+all), else a heuristic. ``python -m benchmarks.gemv_sweep`` searches a wider grid.
 
 With the norm: x (+ residual) rounded to x's dtype as rms_norm does (program 0 writes
 x + residual, the next layer's residual stream); no prologue pass: the K loop that reads x
@@ -69,9 +69,9 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels import use_triton
 from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
 from atom.kernels.pdl import pdl_launch, pdl_release, pdl_wait_and_release
+from atom.kernels.platform import use_triton
 from atom.kernels.rmsnorm import rms_norm_reference
 
 try:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 
 try:
     import triton

@@ -46,7 +46,7 @@ head_dim bytes at (slot * heads + head) * head_dim) and the scales.
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 
 try:
     import triton

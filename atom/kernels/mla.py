@@ -27,7 +27,7 @@ softmax in fp32. Cache offsets are int64 (num_blocks * block_size * 576 passes 2
 
 import torch
 
-from atom.kernels import dot_precision, use_triton
+from atom.kernels.platform import dot_precision, use_triton
 
 try:
     import triton

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from atom.kernels import dot_precision, use_triton
+from atom.kernels.platform import dot_precision, use_triton
 
 try:
     import triton

@@ -25,7 +25,7 @@ and, for a GEMV, its weight is small enough to be bound by latency (LATENCY_BOUN
 a geometry, so one compiled variant per layer shape).
 A CUDA graph keeps the launch attributes it was captured with.
 
-Two knobs for measurement (`python -m atom.benchmarks.decode_ab`): ATOM_PDL_KERNELS=small
+Two knobs for measurement (`python -m benchmarks.decode_ab`): ATOM_PDL_KERNELS=small
 (no GEMV) | all (every GEMV) | latency (the default); ATOM_PDL_RELEASE=end has a GEMV let
 the next kernel launch only after its K loop. H200: the default won on both shapes, every
 GEMV or a late release lost on both.

@@ -35,8 +35,8 @@ to the score columns, v_scale to the softmax weights before P @ V.
 
 import torch
 
-from atom.kernels import dot_precision, use_triton
 from atom.kernels.decode_attention import check_kv_scales, gather_kv_reference
+from atom.kernels.platform import dot_precision, use_triton
 
 try:
     import triton

@@ -18,8 +18,8 @@ Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): hidden, til
 
 import torch
 
-from atom.kernels import use_triton
 from atom.kernels.pdl import pdl_launch, pdl_wait_and_release
+from atom.kernels.platform import use_triton
 
 try:
     import triton

@@ -23,7 +23,7 @@ Runtime lengths (never constexpr): num_tokens. Geometry (constexpr): heads, head
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 
 try:
     import triton

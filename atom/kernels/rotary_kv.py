@@ -35,8 +35,8 @@ heads, head_dim, tiles, whether the cache is fp8. Offsets are int64.
 
 import torch
 
-from atom.kernels import use_triton
 from atom.kernels.kv_cache import _check_cache, _e4m3_bits, store_kvcache_reference
+from atom.kernels.platform import use_triton
 from atom.kernels.rotary import apply_rotary_reference
 
 try:

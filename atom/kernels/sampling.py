@@ -38,11 +38,11 @@ int64.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from atom.kernels import logprob_topk, use_triton
+from atom import envs
+from atom.kernels import logprob_topk
+from atom.kernels.platform import use_triton
 
 try:
     import triton
@@ -59,9 +59,9 @@ PROMPT_FLAG = -(1 << 31)  # in counts: the sign bit flags a token of the prompt
 BLOCK = 1024
 NUM_WARPS = 4
 # How logprob_candidates finds the top k on the device (see its docstring); the others stay
-# for the H200 comparison (python -m atom.benchmarks.sampler --breakdown).
+# for the H200 comparison (python -m benchmarks.sampler --breakdown).
 CANDIDATE_METHODS = ("select", "rounds", "torch")
-CANDIDATES = os.environ.get("ATOM_LOGPROB_CANDIDATES", "select")
+CANDIDATES = envs.logprob_candidates()
 
 
 class CandidateMethodError(ValueError):

@@ -139,7 +139,7 @@ def compressed_token_map(tokenizer_json: str) -> tuple[list[int], int]:
 # -- Triton ----------------------------------------------------------------------------------
 # One program hashes BLOCK_T tokens for every engram layer (int64 products, XOR, modulo).
 # Runtime length (never constexpr): num_tokens. Geometry (constexpr): layers, N, heads.
-from atom.kernels import use_triton  # noqa: E402
+from atom.kernels.platform import use_triton  # noqa: E402
 
 try:
     import triton

@@ -78,7 +78,7 @@ def fake_quant_fp4_reference(x: torch.Tensor, block: int, e4m3_scales: bool = Fa
 # and e2m1 roundings are written out in arithmetic (exponent from the fp32 bits, then
 # round-half-even on that binade's step), so the kernel runs the same under the interpreter.
 # Runtime length (never constexpr): num_blocks. Geometry (constexpr): BLOCK, ROWS, MODE.
-from atom.kernels import use_triton  # noqa: E402
+from atom.kernels.platform import use_triton  # noqa: E402
 
 try:
     import triton

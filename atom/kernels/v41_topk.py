@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 from atom.kernels.v4_indexer import select_topk
 
 try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 from atom.kernels.v4_rope import apply_interleaved_rope_reference
 
 try:

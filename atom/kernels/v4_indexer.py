@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels import use_triton
+from atom.kernels.platform import use_triton
 from atom.kernels.v4_compressor import entry_rows, rows_per_block
 
 try:

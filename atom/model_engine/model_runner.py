@@ -25,7 +25,7 @@ import logging
 import torch
 
 from atom import profiling
-from atom.attention.backend import backend_for
+from atom.attention.registry import backend_for
 from atom.attention.v4 import is_v4, v4_state_bytes
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
@@ -151,7 +151,7 @@ class ModelRunner:
     def set_fusions(self, fusions: Fusions) -> None:
         """Switch the fused kernels (atom/fusions.py) of this runner: the sampler's argmax
         and the decode CUDA graphs, captured again. For A/B benchmarks in one process
-        (atom/benchmarks/decode_profile.py); call it while no request is running."""
+        (benchmarks/decode_profile.py); call it while no request is running."""
         self.config.fusions = fusions
         self.sampler = Sampler(greedy_argmax=fusions.greedy_argmax)
         if self.verify_graphs is not None:

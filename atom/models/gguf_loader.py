@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
-from atom.models.loader import ModelLoadError
+from atom.models.load_error import ModelLoadError
 
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen2": Qwen2Config}
 

@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from atom.models.load_error import ModelLoadError  # noqa: F401 (re-exported: callers import it from here)
+
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "qwen2",
@@ -29,10 +31,6 @@ SUPPORTED_MODEL_TYPES = (
 # their tokenizer is built from tokenizer.json / tokenizer_config.json alone.
 NATIVE_MODEL_TYPES = ("deepseek_v41_text",)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint cannot be opened; the message names the file and what is wrong with it."""
 
 
 class NativeConfig:
@@ -142,7 +140,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
 
 
 def _open_gguf(path: str) -> ModelSource:
-    # Imported here: gguf_loader imports ModelLoadError from this module.
+    # Imported here: the gguf package is read only when a GGUF file is opened.
     from atom.models.gguf_loader import iter_gguf_weights, read_gguf
 
     contents = read_gguf(path)

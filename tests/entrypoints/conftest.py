@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.llm import LLM
 from tests.engine_support import build_llm
 from tests.entrypoints.server_support import MAX_MODEL_LEN, MODEL, run_server
 

@@ -18,7 +18,7 @@ import openai
 from atom.entrypoints import openai_server
 from atom.entrypoints.async_engine import AsyncEngine
 from atom.entrypoints.openai_server import bind_socket, create_app
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.llm import LLM
 from atom.sampling_params import SamplingParams
 
 MODEL = "tiny-llama"

@@ -197,9 +197,9 @@ def test_fits_gemv_refuses_what_it_cannot_take():
 
 
 def test_gemv_sweep_smoke(capsys):
-    """atom/benchmarks/gemv_sweep.py at a toy model on CPU (interpreted, two geometries):
+    """benchmarks/gemv_sweep.py at a toy model on CPU (interpreted, two geometries):
     every layer measured against its baseline, a summary each, a table ready to paste."""
-    from atom.benchmarks import gemv_sweep
+    from benchmarks import gemv_sweep
 
     toy = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2,
                num_key_value_heads=1, head_dim=32, num_hidden_layers=2, vocab_size=160)  # fmt: skip
@@ -230,7 +230,7 @@ def test_gemv_sweep_search_finds_the_fastest(monkeypatch, capsys):
     """The sweep's search (stage 1 grid, the norm layers' candidates, stage 2's stages) on a
     toy model with made-up timings (no kernels run): each layer's summary names the geometry
     the timings favour, found through the stages."""
-    from atom.benchmarks import gemv_sweep
+    from benchmarks import gemv_sweep
 
     def fake_seconds(run, weights, calls, replays):
         config = getattr(run, "config", None)

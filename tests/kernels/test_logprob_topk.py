@@ -122,11 +122,11 @@ def test_select_on_cuda_bf16():
 
 
 def test_sampler_breakdown_smoke(capsys):
-    """`python -m atom.benchmarks.sampler --breakdown` at a toy shape: every piece measured
+    """`python -m benchmarks.sampler --breakdown` at a toy shape: every piece measured
     (kernels interpreted on CPU, compiled on a GPU machine), each method checked."""
     import json
 
-    from atom.benchmarks import sampler
+    from benchmarks import sampler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     argv = f"--device {device} --vocab 3000 --batch 2 --iters 1 --prompt-len 8 --output-len 2"

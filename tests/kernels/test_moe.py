@@ -170,9 +170,9 @@ def test_fused_moe_is_graph_capturable_without_host_sync():
 
 
 def test_moe_decode_benchmark_runs_and_paths_agree():
-    """atom/benchmarks/moe_decode.py on CPU at a toy shape: every path reported, and the
+    """benchmarks/moe_decode.py on CPU at a toy shape: every path reported, and the
     dense, per-expert and fused dispatch give the same output."""
-    from atom.benchmarks import moe_decode
+    from benchmarks import moe_decode
 
     argv = "--device cpu --dtype float32 --layers 2 --hidden 64 --intermediate 32"
     argv += " --experts 8 --top-k 2 --shared 1 --batch 1 5 --prefill 9 --min-seconds 0"

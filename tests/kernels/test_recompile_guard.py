@@ -18,7 +18,6 @@ from atom.kernels import (
     activation,
     argmax,
     decode_attention,
-    decode_attention_short,
     gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
@@ -130,23 +129,6 @@ KERNELS = {
     (decode_attention, "_merge_splits_kernel"): (
         ["num_splits"],
         ["stride_out_batch", "stride_out_head"],
-    ),
-    # One-launch decode for small batches (Fusions.decode_short): the split size and the
-    # table width follow the page-table width (the captured maximum context).
-    (decode_attention_short, "_short_decode_kernel"): (
-        ["split_tokens", "table_width", "stride_block_tables_row"],
-        [
-            "sm_scale",
-            "stride_q_batch",
-            "stride_q_head",
-            "stride_cache_block",
-            "stride_cache_offset",
-            "stride_cache_head",
-            "stride_scale_block",
-            "stride_scale_offset",
-            "stride_out_batch",
-            "stride_out_head",
-        ],
     ),
     (prefill_attention, "_paged_prefill_kernel"): (
         ["stride_block_tables_row"],
@@ -295,7 +277,6 @@ DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
     (rotary_kv, "_write_halves"),
     (decode_attention, "_decode_split"),
-    (decode_attention_short, "_merge_partials"),
     (gemv_rope_kv, "_rope_kv_epilogue"),
     (gemv, "_x_chunk"),
     (gemv, "_weight_chunk"),
@@ -515,26 +496,6 @@ def test_paged_decode_merged_in_kernel_one_variant(kv_cache_dtype):
         )
 
     assert_one_variant(decode_attention, ["_paged_decode_kernel"], run)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_short_decode_one_variant(kv_cache_dtype):
-    """Fusions.decode_short: batch 1..4, the context n (single split, merged splits, every
-    merge-chunk count) and the table width (split count, split size past MAX_SPLITS)."""
-    num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
-    k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
-    q = torch.randn(4, num_q_heads, head_dim, device=DEVICE, dtype=BF16)
-
-    def run(n):
-        batch = 1 + n % 4
-        lens = torch.tensor([n, 1, 0, n // 3 + 1][:batch], device=DEVICE, dtype=torch.int32)
-        tables = _block_tables(batch, n, num_blocks)
-        decode_attention_short.paged_decode_attention_short(
-            q[:batch], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales
-        )
-
-    assert_one_variant(decode_attention_short, ["_short_decode_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -202,7 +202,7 @@ def test_block_manager_needs_blocks(blocks):
 def test_a_cache_of_32_7m_blocks_sets_up_at_once_in_under_16_bytes_a_block():
     """A tiny model on the H200 at 0.9 memory utilisation gets ~32.7M blocks: set-up must
     not build per-block objects (it took 35-40 s and several GB with one object each)."""
-    from atom.benchmarks.block_manager import H200_TINY_MODEL_BLOCKS, measure_construction
+    from benchmarks.block_manager import H200_TINY_MODEL_BLOCKS, measure_construction
 
     record = measure_construction(H200_TINY_MODEL_BLOCKS)
     assert record["seconds"] < 0.5, record

@@ -1,7 +1,7 @@
 """KV bytes per token of the V4.1 shape (docs/architecture.md), from the v41 layout,
 against the hand count: memory per token counts KV sources, not compressed layers."""
 
-from atom.benchmarks.deepseek_v41_memory import RATIOS, bytes_per_token, v41_shape
+from tests.support.deepseek_v41_shapes import RATIOS, bytes_per_token, v41_shape
 
 
 def test_v41_shape_bytes_per_token():

@@ -30,7 +30,7 @@ def test_ablation_configurations():
     assert Fusions.only(*names()).enabled() == names()
     with pytest.raises(FusionSettingError, match="unknown fusions"):
         Fusions.only("fused_everything")
-    from atom.benchmarks import decode_profile
+    from benchmarks import decode_profile
 
     labels = [label for label, _ in decode_profile.configurations(ablate=True)]
     assert labels[0] == "baseline" and labels[-1] == "baseline_end"
@@ -40,7 +40,7 @@ def test_ablation_configurations():
 def test_profile_kernels_table_without_a_baseline(capsys):
     """`--profile-kernels` measures the defaults alone: the table prints without speed-ups
     (no baseline to divide by), `--ablate`'s with them."""
-    from atom.benchmarks import decode_profile
+    from benchmarks import decode_profile
 
     record = dict(decode_tok_s=900.0, decode_ms_per_step=1.1, kernels_per_step=180.0,
                   gpu_us_per_step=1050.0, fraction_of_weight_read_limit=0.5)  # fmt: skip
@@ -59,7 +59,7 @@ def test_gpu_time_counts_overlapping_kernels_once():
     gap of 2 us a launch gap and the one of 30 us the host's."""
     from types import SimpleNamespace as Span
 
-    from atom.benchmarks import decode_profile
+    from benchmarks import decode_profile
 
     spans = [Span(start=0, end=6), Span(start=4, end=10), Span(start=12, end=15),
              Span(start=13, end=20), Span(start=50, end=50)]  # fmt: skip
@@ -73,8 +73,8 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
     GEMV policy, the split policy and the PDL knobs as they were after it."""
     import torch
 
-    from atom.benchmarks import decode_ab
     from atom.kernels import decode_attention, gemv_policy
+    from benchmarks import decode_ab
 
     monkeypatch.setenv("ATOM_PDL_KERNELS", "all")
     policy = gemv_policy.current_policy()
@@ -109,7 +109,7 @@ def test_decode_ab_variants_apply_and_restore(monkeypatch):
 def test_shape_matrix_selection_and_table(capsys):
     """`offline_throughput --shapes`: the named shapes (all of them when none is named),
     each a config atom builds; one table row per shape from its four measurements."""
-    from atom.benchmarks import decode_profile, model_shapes, shape_matrix
+    from benchmarks import decode_profile, model_shapes, shape_matrix
 
     names = decode_profile.selected_shapes([])
     assert names[:5] == ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b",

@@ -70,12 +70,12 @@ def test_bf16_self_draft_runs_and_mostly_accepts(tiny_model_dirs):
 
 
 def test_bf16_margin_weights_accept_every_draft(tmp_path):
-    """The benchmark's weights (atom/benchmarks/speculative.py): with large logit margins a
+    """The benchmark's weights (benchmarks/speculative.py): with large logit margins a
     bf16 self-draft, a 1-layer draft and the plain run give the same tokens, every draft
     accepted."""
     import transformers
 
-    from atom.benchmarks.speculative import TINY, set_margin_weights
+    from tests.support.speculative_model import TINY, set_margin_weights
 
     shape = dict(TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     transformers.LlamaConfig(**shape).save_pretrained(tmp_path / "target")

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from atom.distributed import PipelineError, stage_layer_range
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.llm import LLM
 from atom.model_engine.rendezvous import Rendezvous, RendezvousSpec
 from atom.model_engine.workers import WorkerFailedError
 from atom.sampling_params import SamplingParams

@@ -202,7 +202,7 @@ def test_prefix_caching_is_off_with_one_log_line(qwen3_next_dirs, caplog):
 
 def test_state_bytes_of_the_benchmark(qwen3_next_dirs):
     """The benchmark's state figure: conv + delta-rule rows of every GDN layer (hand count)."""
-    from atom.benchmarks.qwen3_next_decode import state_bytes
+    from benchmarks.qwen3_next_decode import state_bytes
 
     llm = build_llm(qwen3_next_dirs["a"], num_kvcache_blocks=16)
     shape = dict(VARIANTS["a"], **COMMON)

@@ -106,10 +106,10 @@ def test_draft_steps_run_back_to_back_and_stay_on_the_device(target, expected):
 
 
 def test_benchmark_margin_weights_make_a_small_draft_exact(tmp_path):
-    """atom/benchmarks/speculative.py's weights: token x predicts perm(x) (the greedy
+    """benchmarks/speculative.py's weights: token x predicts perm(x) (the greedy
     output follows the permutation), so a 1-layer draft with the same tables proposes
     what the target decodes: every draft accepted."""
-    from atom.benchmarks.speculative import TINY, set_margin_weights
+    from tests.support.speculative_model import TINY, set_margin_weights
 
     shape = dict(TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     transformers.LlamaConfig(**shape).save_pretrained(tmp_path / "target")

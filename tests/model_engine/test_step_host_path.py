@@ -1,6 +1,6 @@
 """The host side of a step: its log-probability entries (atom/model_engine/logprobs.py),
 the frozen start-up heap of the stepping loops (atom/gc_heap.py), and the profile of a
-decode step's host phases (atom/benchmarks/engine_host_profile.py).
+decode step's host phases (benchmarks/engine_host_profile.py).
 
 A step's Logprob entries keep their alternatives in the step's arrays until `top` is
 read; what a reader sees must equal the eager conversion of the same tensors."""
@@ -84,11 +84,11 @@ def test_frozen_heap_skips_old_objects_and_leaves_foreign_freezes():
 
 
 def test_engine_host_profile_smoke(capsys):
-    """`python -m atom.benchmarks.engine_host_profile` at a toy shape: every phase of both
+    """`python -m benchmarks.engine_host_profile` at a toy shape: every phase of both
     cases, the logprob conversion only with the options, the heap's freeze undone."""
     import json
 
-    from atom.benchmarks import engine_host_profile
+    from benchmarks import engine_host_profile
 
     frozen = gc.get_freeze_count()
     argv = ["--device", "cpu", "--batch", "4", "--vocab", "512", "--prompt-len", "8"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from atom.distributed import ShardingError
-from atom.model_engine.llm_engine import LLM
+from atom.model_engine.llm import LLM
 from atom.model_engine.rendezvous import PortInUseError, Rendezvous
 from atom.model_engine.sequence import FinishReason
 from atom.model_engine.step_messages import SequenceMirror, StepEncoder

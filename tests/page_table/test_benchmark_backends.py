@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atom.benchmarks import page_table as page_table_benchmark
+from benchmarks import page_table as page_table_benchmark
 
 
 @pytest.mark.parametrize("backend", ["mha", "mla", "v4", "v41"])
@@ -28,7 +28,7 @@ def test_page_table_benchmark_sends_the_bytes_it_claims(backend, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["mha", "mla", "v4", "v41"])
 def test_h2d_benchmark_with_backend(backend):
-    from atom.benchmarks import h2d_publication
+    from benchmarks import h2d_publication
 
     record = h2d_publication.measure("packed", 8, 10, attention=backend)
     assert record["attention_backend"] == backend

@@ -1,0 +1,167 @@
+"""Batch-1 decode variants against the engine's defaults, in one process (issue 17).
+
+    python -m benchmarks.decode_ab --shape llama-3.2-1b --variants default pdl_small default
+    python -m benchmarks.decode_ab --shape smollm2-135m --variants default split_4_tiles
+
+One engine per run (the shape of benchmarks/decode_profile.py: random bf16 weights,
+CUDA graphs of batch 1, a 128-token prompt, a block table 784 tokens wide as the
+--ablate run's). Each variant changes one choice of the kernels (a tile table entry, the
+decode split policy, a fusion switch), captures the decode graph again and is measured as
+``decode_profile.measure`` does (wall ms per step, torch.profiler kernels and GPU us per
+step), plus ``graph_replay_us``: one replay of the captured batch-1 graph, timed by CUDA
+events over 200 back-to-back replays (the device time of the graph alone, gaps between its
+kernels included, none of the host's work). Speed-ups are against the mean of the variants
+named ``default`` in the run (list it first and last: the drift of the machine).
+
+Variants:
+    default               the engine as configured (atom/fusions.py; the GEMV policy of
+                          atom/kernels/gemv_policy.py measures each layer shape)
+    gemv_fused            every batch-1 linear layer that fits runs the Triton GEMV (its
+                          heuristic tile: ATOM_GEMV_POLICY=fused); gemv_unfused: none does
+    split_4_tiles         decode attention splits of >= 4 tiles (the earlier policy)
+    splits<N>             N context splits at batch 1 (N in 1, 2, 4, 8, 13, 16, 32)
+    decode_merge          Fusions.decode_merge on (the in-kernel split merge);
+                          decode_merge1: with one tile per split (default 2)
+    a+b                   both (e.g. pdl+decode_merge1)
+    pdl                   Fusions.pdl on (the default): the small kernels and the
+                          latency-bound GEMVs (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
+                          GEMV; pdl_late: GEMVs release the next kernel after their K loop;
+                          no_pdl: Fusions.pdl off; no_early_kv: under PDL paged decode
+                          loads no K / V before its wait (only the block ids)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import types
+from contextlib import contextmanager
+
+import torch
+
+from atom.fusions import Fusions
+from atom.kernels import decode_attention, gemv_policy
+from benchmarks import decode_profile, harness
+from benchmarks.model_shapes import MATRIX, hf_config
+
+PDL_KNOBS = ("ATOM_PDL_RELEASE", "ATOM_PDL_KERNELS")
+
+
+def _apply(name: str, pick) -> None:
+    """One variant's change (see the module docstring); `pick`: the split policy's own."""
+    if name in ("gemv_fused", "gemv_unfused"):
+        gemv_policy.set_policy(gemv_policy.GemvPolicy(name.removeprefix("gemv_")))
+    elif name == "split_4_tiles":
+        decode_attention._pick_num_splits = lambda q, kv, ctx, _: pick(q, kv, ctx, 4 * 64)
+    elif name.startswith("splits"):
+        n = int(name.removeprefix("splits"))
+        decode_attention._pick_num_splits = lambda q, kv, ctx, tokens: (
+            n if q.shape[0] == 1 else pick(q, kv, ctx, tokens)
+        )
+    elif name == "pdl_small":
+        os.environ["ATOM_PDL_KERNELS"] = "small"
+    elif name == "pdl_all":
+        os.environ["ATOM_PDL_KERNELS"] = "all"
+    elif name == "pdl_late":
+        os.environ["ATOM_PDL_RELEASE"] = "end"
+    elif name == "decode_merge1":
+        decode_attention.MERGED_SPLIT_TILES = 1
+    elif name == "no_early_kv":
+        decode_attention.PDL_EARLY_KV = False
+    elif name not in ("default", "decode_merge", "pdl", "no_pdl"):
+        raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
+
+
+@contextmanager
+def variant(name: str):
+    """Apply variant `name` (the GEMV policy, the split policy, PDL knobs) for its block;
+    `a+b` applies both."""
+    policy = gemv_policy.current_policy()
+    pick, merged_tiles = decode_attention._pick_num_splits, decode_attention.MERGED_SPLIT_TILES
+    early_kv = decode_attention.PDL_EARLY_KV
+    knobs = {k: os.environ.pop(k) for k in PDL_KNOBS if k in os.environ}
+    try:
+        for part in name.split("+"):
+            _apply(part, pick)
+        yield
+    finally:
+        gemv_policy.set_policy(policy)
+        decode_attention._pick_num_splits = pick
+        decode_attention.MERGED_SPLIT_TILES = merged_tiles
+        decode_attention.PDL_EARLY_KV = early_kv
+        for k in PDL_KNOBS:
+            os.environ.pop(k, None)
+        os.environ.update(knobs)
+
+
+def fusions_of(name: str) -> Fusions:
+    fusions = Fusions.from_env()
+    for part in name.split("+"):
+        if part.startswith("decode_merge"):
+            fusions = dataclasses.replace(fusions, decode_merge=True)
+        if part.startswith("pdl"):
+            fusions = dataclasses.replace(fusions, pdl=True)
+        if part == "no_pdl":
+            fusions = dataclasses.replace(fusions, pdl=False)
+    return fusions
+
+
+def graph_replay_us(llm, replays: int = 200) -> float:
+    """Device us of one replay of the batch-1 decode graph (back to back, CUDA events)."""
+    graph = llm.engine.model_runner.graphs[0].graphs[1]
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(MATRIX), required=True)
+    parser.add_argument("--variants", nargs="+", default=["default", "default"])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    shape = f"{args.shape}-shape"
+    run = types.SimpleNamespace(input_len=512, output_len=256, batch1_input_len=128,
+                                batch1_output_len=256, window_steps=64, profile_steps=30,
+                                top_kernels=6)  # fmt: skip
+    bandwidth = harness.streaming_bandwidth()
+    torch.cuda.empty_cache()
+    rows = []
+    with tempfile.TemporaryDirectory() as model_dir:
+        hf_config(args.shape).save_pretrained(model_dir)
+        llm = decode_profile.build_engine(model_dir, run, Fusions.from_env())
+        for name in args.variants:
+            with variant(name):
+                record = decode_profile.measure(llm, shape, fusions_of(name), run, bandwidth)
+                record["graph_replay_us"] = round(graph_replay_us(llm), 1)
+            record["variant"] = name
+            rows.append(record)
+            print(json.dumps(record), flush=True)
+        llm.engine.shutdown()
+    defaults = [r["decode_ms_per_step"] for r in rows if r["variant"] == "default"]
+    base = sum(defaults) / len(defaults) if defaults else None
+    print(f"\n{shape}, batch 1: tok/s (wall), ms/step, speed-up, GPU us (kernel sum), "
+          "graph replay us, kernels/step", file=sys.stderr)  # fmt: skip
+    for r in rows:
+        speedup = f"{base / r['decode_ms_per_step']:7.3f}" if base else "      -"
+        print(f"{r['variant']:<20}{r['decode_tok_s']:>8.0f}{r['decode_ms_per_step']:>8.3f}"
+              f"{speedup}{r['gpu_us_per_step']:>8.1f}{r['graph_replay_us']:>8.1f}"
+              f"{r['kernels_per_step']:>7.1f}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

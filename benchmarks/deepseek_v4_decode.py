@@ -1,0 +1,261 @@
+"""DeepSeek-V4 decode speed, atom beside HF transformers in one run, and KV bytes per pool.
+
+    python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
+        [--batches 1,64] [--steps 32] [--skip-hf]
+
+Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
+window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
+`save_pretrained` so both engines read the same weights. Needs transformers with
+DeepseekV4 (>= 5.24; carry the wheel when the machine's is older). One JSON line each:
+- `kv_bytes`: bytes per token of each pool at 64K context (CSA entries, CSA indexer keys,
+  HCA entries, the per-sequence state (window rings + compressor rows) spread over the
+  context) beside a full-attention cache of the same head shape (one shared K=V head of
+  head_dim, and separate K and V);
+- `decode` per engine and batch: output tok/s of decode steps over `--context`-token
+  prompts (atom: engine steps after every prefill is done, CUDA graphs; HF: its forward
+  with its own cache, one sequence prefilled and its cache repeated over the batch, greedy
+  argmax per step);
+- `logits`: atom bf16 greedy tokens against HF fp32 on the same weights: the largest gap
+  between HF's best logit and the chosen token's, relative to the largest |logit|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+
+import torch
+
+from benchmarks.harness import emit
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def v4_shape(layers: int, max_position: int) -> dict:
+    return dict(
+        vocab_size=129280,
+        hidden_size=4096,
+        moe_intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=64,
+        head_dim=512,
+        q_lora_rank=1024,
+        num_experts_per_tok=6,
+        n_routed_experts=16,
+        layer_types=[CSA if i % 2 == 0 else HCA for i in range(layers)],
+        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
+        compress_rates={CSA: 4, HCA: 128},
+        sliding_window=128,
+        o_groups=8,
+        o_lora_rank=1024,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        max_position_embeddings=max_position,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 16.0,
+            "original_max_position_embeddings": 65536,
+        },
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+
+
+def save_random_model(path: str, shape: dict):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV4Config(**shape)
+    with torch.device("cuda"):
+        model = transformers.DeepseekV4ForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():  # the parameters HF initialises to zero, so they matter here
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.randint(0, config.n_routed_experts, buffer.shape))
+    model.save_pretrained(path)
+    return model
+
+
+def kv_bytes(llm, context: int, shape: dict) -> dict:
+    from atom.attention.v4 import v4_state_bytes
+
+    runner = llm.engine.model_runner
+    layers, block_size = runner.model.attention_layers, runner.block_size
+    itemsize = runner._kv_cache_dtype().itemsize
+    pools = {}
+    for index, layer in enumerate(layers):
+        if not layer.ratio:
+            continue
+        rows = max(1, block_size // layer.ratio)
+        kind = "csa" if layer.overlap else "hca"
+        pools[f"layer{index}_{kind}_entries"] = rows * layer.head_dim * itemsize / block_size
+        if layer.overlap:
+            pools[f"layer{index}_csa_index_keys"] = (
+                rows * layer.index_head_dim * itemsize / block_size
+            )
+    state = v4_state_bytes(layers, 1, runner._kv_cache_dtype()) / 2  # one slot (+ scratch)
+    pools["state_per_sequence_bytes"] = state
+    pools["state_spread_over_context"] = state / context
+    total = sum(v for k, v in pools.items() if k.startswith("layer")) + state / context
+    head_dim = shape["head_dim"]
+    shared_kv = len(layers) * head_dim * itemsize
+    return dict(
+        case="kv_bytes",
+        context=context,
+        block_size=block_size,
+        per_token=pools,
+        v4_total_per_token=round(total, 2),
+        full_attention_shared_kv_per_token=shared_kv,
+        full_attention_k_and_v_per_token=2 * shared_kv,
+        ratio_vs_shared_kv=round(shared_kv / total, 2),
+    )
+
+
+def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
+    from atom.sampling_params import SamplingParams
+
+    engine = llm.engine
+    generator = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(2, vocab, (batch, context), generator=generator).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.scheduler.waiting or any(
+        s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    return dict(case="decode", engine="atom", batch=batch, context=context,
+                tok_s=round(batch * steps / seconds, 1), ms_per_step=round(seconds / steps * 1e3, 3))  # fmt: skip
+
+
+def repeat_cache(cache, batch: int):
+    """HF's V4 cache of one sequence repeated `batch` times along the batch dimension."""
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor):
+                setattr(layer, name, value.repeat(batch, *[1] * (value.dim() - 1)))
+        for attr in ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate"):
+            states = getattr(layer, attr, None) or {}
+            for key, value in states.items():
+                if isinstance(value, torch.Tensor):
+                    states[key] = value.repeat(batch, *[1] * (value.dim() - 1))
+    return cache
+
+
+def hf_decode(model, batch: int, context: int, steps: int, vocab: int) -> dict:
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(2, vocab, (1, context), generator=generator).cuda()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+        cache = repeat_cache(cache, batch)
+        tokens = logits[:, -1].argmax(-1).repeat(batch)[:, None]
+        for i in range(steps + 3):
+            if i == 3:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            logits = model(input_ids=tokens, cache=cache, use_cache=True).logits
+            tokens = logits[:, -1].argmax(-1)[:, None]
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return dict(case="decode", engine="hf", batch=batch, context=context,
+                tok_s=round(batch * steps / seconds, 1), ms_per_step=round(seconds / steps * 1e3, 3))  # fmt: skip
+
+
+def logits_gap(llm, path: str, vocab: int, prompt_len: int = 600, new_tokens: int = 8) -> dict:
+    import transformers
+
+    from atom.sampling_params import SamplingParams
+
+    prompt = torch.randint(2, vocab, (prompt_len,), generator=torch.Generator().manual_seed(7))
+    prompt = prompt.tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    generated = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf.cuda().eval()
+    with torch.inference_mode():
+        full = torch.tensor([prompt + generated], device="cuda")
+        logits = hf(full).logits[0, prompt_len - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(generated, device="cuda")[:, None])[:, 0]
+    gap = (logits.max(dim=-1).values - chosen).max().item()
+    scale = logits.abs().max().item()
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(case="logits", prompt_len=prompt_len, new_tokens=new_tokens,
+                max_gap=round(gap, 5), max_abs_logit=round(scale, 4),
+                relative_gap=round(gap / scale, 5))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--kv-context", type=int, default=65536)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    from atom.model_engine.llm import LLM
+
+    max_len = args.context + args.steps + 64
+    shape = v4_shape(args.layers, max(args.kv_context, max_len))
+    vocab = shape["vocab_size"]
+    results = {}
+    with tempfile.TemporaryDirectory() as path:
+        hf_model = save_random_model(path, shape)
+        if not args.skip_hf:  # before atom sizes its cache from the free memory
+            for batch in batches:
+                record = hf_decode(hf_model, batch, args.context, args.steps, vocab)
+                results[("hf", batch)] = record["tok_s"]
+                emit(record)
+                gc.collect()
+                torch.cuda.empty_cache()
+        del hf_model
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(
+            path,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=max_len,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=args.context,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cuda_graph_batch_sizes=sorted(set(batches)),
+        )
+        emit(kv_bytes(llm, args.kv_context, shape))
+        for batch in batches:
+            record = atom_decode(llm, batch, args.context, args.steps, vocab)
+            results[("atom", batch)] = record["tok_s"]
+            emit(record)
+        if not args.skip_hf:
+            emit(logits_gap(llm, path, vocab))
+            speedup = {str(b): round(results[("atom", b)] / results[("hf", b)], 2) for b in batches}
+            emit(dict(case="summary", speedup_atom_over_hf=speedup))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

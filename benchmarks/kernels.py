@@ -1,0 +1,311 @@
+"""Triton kernel benchmark (GPU): fp8 KV-cache quantization, compile counts, dynamic lengths.
+
+    python -m benchmarks.kernels            # about 2-4 minutes on an H200
+    python -m benchmarks.kernels --no-tune  # without the store-kernel tile sweep
+    python -m benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
+
+One JSON line per measurement, on stdout:
+
+- ``copy``: device-to-device ``copy_`` bandwidth, (read + write bytes) / time, of a 2 GiB
+  buffer (HBM) and of buffers as large as each KV-store case (``hot``: repeated on the same
+  data, so what fits the 50 MB L2 partly stays there, as it does for the store kernel).
+- ``kv_store``: ``store_kvcache`` of T tokens x 12 kv heads x head_dim 128 from bf16 K/V
+  into an fp8 cache (``fp8``: quantize, write rows and scales) or a bf16 one (``auto``:
+  copy), T in 257, 4096, 65536, 1,048,576; device microseconds per launch and achieved GB/s
+  (bytes read + written), beside the copy bandwidth of the same bytes and of HBM.
+  ``cold`` figures flush L2 (a 256 MiB memset) before each launch and subtract the flush.
+- ``kv_store_tile``: the same at 4096 and 65536 tokens for other (BLOCK_R, num_warps).
+- ``compile``: variants compiled and seconds spent compiling over the lengths
+  1, 16, 257, 4096, 4097, 65536, per kernel, ``default`` (a copy of the kernel without
+  do_not_specialize: ``triton.jit(kernel.fn)``) vs ``dynamic`` (atom's), each with an empty
+  Triton cache directory.
+- ``dynamic_vs_specialized``: device time of the dynamic kernel against the default copy,
+  specialized for a length that is a multiple of 16 (4096 and 65536).
+
+- ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
+  the sequential kernel vs the torch reference (benchmarks/gdn_prefill.py).
+
+Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
+15 replays after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from atom.kernels import activation, decode_attention, kv_cache, prefill_attention, rmsnorm, rotary
+from atom.kernels.jit_variants import compiled_variants, swapped_kernels
+from benchmarks.gdn_prefill import bench_gdn_prefill
+from benchmarks.harness import device_us, emit
+
+LENGTHS = [1, 16, 257, 4096, 4097, 65536]
+KV_TOKENS = [257, 4096, 65536, 1 << 20]
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 12, 128, 16
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+def copy_gbps(nbytes: int) -> float:
+    """(read + write) GB/s of ``dst.copy_(src)`` for ``nbytes``-byte buffers."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 255)
+    dst = torch.empty_like(src)
+    us = device_us(lambda: dst.copy_(src), launches=10 if nbytes >= 1 << 30 else 20)
+    return 2 * nbytes / us / 1e3
+
+
+# -- KV-cache store ---------------------------------------------------------------------------
+
+
+def kv_store_case(num_tokens: int, kv_cache_dtype: str):
+    """Inputs of one store: bf16 K/V, a cache of shuffled blocks, slots block by block."""
+    generator = torch.Generator(DEVICE).manual_seed(num_tokens)
+    shape = (num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    key = torch.randn(shape, device=DEVICE, dtype=BF16, generator=generator)
+    value = torch.randn(shape, device=DEVICE, dtype=BF16, generator=generator)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    blocks = torch.randperm(num_blocks, device=DEVICE, generator=generator)
+    tokens = torch.arange(num_tokens, device=DEVICE)
+    slots = blocks[tokens // BLOCK_SIZE] * BLOCK_SIZE + tokens % BLOCK_SIZE
+    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    fp8 = kv_cache_dtype == "fp8"
+    cache_dtype = kv_cache.FP8_DTYPE if fp8 else BF16
+    k_cache = torch.zeros(cache_shape, device=DEVICE, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    scales = [torch.zeros(cache_shape[:3], device=DEVICE) for _ in range(2)] if fp8 else [None] * 2
+    elements = num_tokens * NUM_KV_HEADS * HEAD_DIM
+    read = 2 * elements * 2 + num_tokens * 8  # K, V and the slot mapping
+    written = 2 * elements * cache_dtype.itemsize + (
+        2 * num_tokens * NUM_KV_HEADS * 4 if fp8 else 0
+    )
+    return (key, value, k_cache, v_cache, slots, *scales), read + written
+
+
+def store_call(args) -> Callable[[], None]:
+    key, value, k_cache, v_cache, slots, k_scale, v_scale = args
+    return lambda: kv_cache.store_kvcache(
+        key, value, k_cache, v_cache, slots, k_scale=k_scale, v_scale=v_scale
+    )
+
+
+def bench_kv_store(hbm_gbps: float, tune: bool) -> None:
+    flush_buffer = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+    for num_tokens in KV_TOKENS:
+        same_bytes_gbps = None
+        for kv_cache_dtype in ("fp8", "auto"):
+            args, nbytes = kv_store_case(num_tokens, kv_cache_dtype)
+            us = device_us(store_call(args))
+            cold_us = device_us(store_call(args), flush=flush_buffer.zero_)
+            if same_bytes_gbps is None:
+                same_bytes_gbps = copy_gbps(nbytes // 2)  # a copy reads and writes its size
+            gbps = nbytes / us / 1e3
+            emit(
+                bench="kv_store",
+                kv_cache_dtype=kv_cache_dtype,
+                tokens=num_tokens,
+                kv_heads=NUM_KV_HEADS,
+                head_dim=HEAD_DIM,
+                bytes=nbytes,
+                us=round(us, 2),
+                gbps=round(gbps, 1),
+                cold_us=round(cold_us, 2),
+                cold_gbps=round(nbytes / cold_us / 1e3, 1),
+                copy_same_bytes_gbps=round(same_bytes_gbps, 1),
+                copy_hbm_gbps=round(hbm_gbps, 1),
+                fraction_of_same_bytes_copy=round(gbps / same_bytes_gbps, 3),
+                fraction_of_hbm_copy=round(gbps / hbm_gbps, 3),
+            )
+            if tune and kv_cache_dtype == "fp8" and num_tokens in (4096, 65536):
+                bench_store_tiles(args, nbytes, num_tokens)
+            del args
+            torch.cuda.empty_cache()
+
+
+def bench_store_tiles(args, nbytes: int, num_tokens: int) -> None:
+    default = kv_cache.store_config(NUM_KV_HEADS, HEAD_DIM)
+    for block_r in (8, 16, 32, 64):
+        for num_warps in (2, 4, 8):
+            tile = (block_r, num_warps)
+            us = device_us(lambda tile=tile: kv_cache.launch_store_kernel(*args, *tile))
+            emit(
+                bench="kv_store_tile",
+                tokens=num_tokens,
+                block_r=block_r,
+                num_warps=num_warps,
+                default=tile == default,
+                us=round(us, 2),
+                gbps=round(nbytes / us / 1e3, 1),
+            )
+
+
+# -- compile counts and dynamic vs specialized ------------------------------------------------
+
+
+def kernel_cases() -> dict[str, tuple[object, list[str], Callable[[int], None]]]:
+    """name -> (module, kernel names, run(n)) over the public wrappers, lengths up to 65536."""
+    longest = max(LENGTHS)
+    x = torch.randn(longest, 4096, device=DEVICE, dtype=BF16)
+    weight = torch.ones(2048, device=DEVICE, dtype=BF16)
+    qkv = torch.randn(longest, 48, 64, device=DEVICE, dtype=BF16)  # 32 q + 8 k + 8 v heads
+    cos = torch.rand(8192, 64, device=DEVICE)
+    positions = torch.randint(0, 8192, (longest,), device=DEVICE)
+    kv_args = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        args, _ = kv_store_case(longest, kv_cache_dtype)
+        kv_args[kv_cache_dtype] = args
+    # Attention: 32 q / 8 kv heads, head_dim 128, 2048 cache blocks read through random tables.
+    k_cache = torch.randn(2048, BLOCK_SIZE, 8, 128, device=DEVICE, dtype=BF16)
+    q = torch.randn(longest + 1, 32, 128, device=DEVICE, dtype=BF16)
+
+    def tables(rows, context):
+        return torch.randint(0, 2048, (rows, -(-context // BLOCK_SIZE) + 1), device=DEVICE).int()
+
+    def store(kv_cache_dtype):
+        key, value, k, v, slots, k_scale, v_scale = kv_args[kv_cache_dtype]
+        return lambda n: kv_cache.store_kvcache(
+            key[:n], value[:n], k, v, slots[:n], k_scale=k_scale, v_scale=v_scale
+        )
+
+    def decode(n):
+        lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
+        decode_attention.paged_decode_attention(q[:3], k_cache, k_cache, tables(3, n), lens, 0.088)
+        lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32)
+        decode_attention.paged_decode_attention(q[:n], k_cache, k_cache, tables(n, 64), lens, 0.088)
+
+    def prefill(n):
+        q_lens = [min(2048, n - start) for start in range(0, n, 2048)] + [1]
+        cu_seqlens = torch.tensor([0, *q_lens], device=DEVICE).cumsum(0).int()
+        lens = torch.tensor(q_lens, device=DEVICE, dtype=torch.int32) + 16
+        block_tables = tables(len(q_lens), max(q_lens) + 16)
+        prefill_attention.paged_prefill_attention(
+            q[: n + 1], k_cache, k_cache, block_tables, cu_seqlens, lens, 0.088, max(q_lens)
+        )
+
+    return {
+        "silu_and_mul": (
+            activation,
+            ["_silu_and_mul_kernel"],
+            lambda n: activation.silu_and_mul(x[:n]),
+        ),
+        "rms_norm": (
+            rmsnorm,
+            ["_rms_norm_kernel"],
+            lambda n: rmsnorm.rms_norm(x[:n, :2048], weight, 1e-6, x[:n, 2048:]),
+        ),
+        "rotary": (
+            rotary,
+            ["_rotary_kernel"],
+            lambda n: rotary.apply_rotary(positions[:n], qkv[:n, :32], qkv[:n, 32:40], cos, cos),
+        ),
+        "store_kvcache_bf16": (kv_cache, ["_store_kvcache_kernel"], store("auto")),
+        "store_kvcache_fp8": (kv_cache, ["_store_kvcache_kernel"], store("fp8")),
+        "paged_decode": (
+            decode_attention,
+            ["_paged_decode_kernel", "_merge_splits_kernel"],
+            decode,
+        ),
+        "paged_prefill": (prefill_attention, ["_paged_prefill_kernel"], prefill),
+    }
+
+
+def fresh_triton_cache() -> str:
+    """Point Triton at an empty cache directory, so the next compilations really compile."""
+    path = tempfile.mkdtemp(prefix="atom-triton-cache-")
+    os.environ["TRITON_CACHE_DIR"] = path
+    try:
+        import triton
+
+        triton.knobs.cache.dir = path  # Triton >= 3.4 reads its knobs
+    except (ImportError, AttributeError):
+        pass
+    return path
+
+
+def bench_compile(cases) -> None:
+    for name, (module, names, run) in cases.items():
+        for mode in ("default", "dynamic"):
+            fresh_triton_cache()
+            with swapped_kernels(module, names, dynamic=mode == "dynamic") as copies:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for n in LENGTHS:
+                    run(n)
+                torch.cuda.synchronize()
+                cold = time.perf_counter() - start
+                start = time.perf_counter()
+                for n in LENGTHS:  # everything compiled now: the same work without compiling
+                    run(n)
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - start
+                variants = {k: compiled_variants(copy) for k, copy in copies.items()}
+            emit(
+                bench="compile",
+                kernel=name,
+                mode=mode,
+                lengths=LENGTHS,
+                variants=sum(variants.values()),
+                variants_per_kernel=variants,
+                compile_s=round(cold - warm, 3),
+            )
+
+
+def bench_dynamic_vs_specialized(cases) -> None:
+    for name in ("silu_and_mul", "rms_norm", "rotary", "store_kvcache_bf16", "store_kvcache_fp8"):
+        module, names, run = cases[name]
+        for n in (4096, 65536):
+            us = {}
+            for mode in ("dynamic", "default"):
+                with swapped_kernels(module, names, dynamic=mode == "dynamic"):
+                    us[mode] = device_us(lambda run=run, n=n: run(n))
+            emit(
+                bench="dynamic_vs_specialized",
+                kernel=name,
+                n=n,
+                dynamic_us=round(us["dynamic"], 2),
+                specialized_us=round(us["default"], 2),
+                ratio=round(us["dynamic"] / us["default"], 3),
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
+    parser.add_argument("--only-gdn-prefill", action="store_true", help="the GDN prefill only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("this benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    emit(
+        bench="env",
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+    )
+    fresh_triton_cache()
+    if args.only_gdn_prefill:
+        bench_gdn_prefill(sweep=not args.no_tune)
+        return 0
+    hbm_gbps = copy_gbps(1 << 31)
+    emit(bench="copy", bytes=1 << 31, gbps=round(hbm_gbps, 1))
+    bench_kv_store(hbm_gbps, tune=not args.no_tune)
+    cases = kernel_cases()
+    bench_compile(cases)
+    bench_dynamic_vs_specialized(cases)
+    bench_gdn_prefill(sweep=not args.no_tune)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

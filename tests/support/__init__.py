@@ -1,0 +1,1 @@
+"""What tests share with each other (and benchmarks may import): model shapes, weights."""
