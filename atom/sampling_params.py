@@ -87,6 +87,10 @@ class SamplingParams:
     # Set by the engine when it admits the request: stop_token_ids plus its
     # end-of-sequence ids (unless ignore_eos), the ids min_tokens masks.
     all_stop_token_ids: list[int] = field(default_factory=list, repr=False, compare=False)
+    # Set by the server once it has compiled json_schema / json_object on its grammar pool
+    # (within the compile timeout): the engine takes this grammar as it is, so its thread
+    # never compiles one (xgrammar's cache may have evicted the schema meanwhile).
+    compiled_grammar: object = field(default=None, repr=False, compare=False)
     # Derived: some option above needs the runner's SamplingPlan (sampling_step.py).
     needs_sampling_plan: bool = field(default=False, init=False, repr=False, compare=False)
 

@@ -330,6 +330,8 @@ class OpenAIServing:
             self._sampling_params(request, len(ids), max_tokens, **options) for ids in prompt_ids
         ]
         await self._check_grammar(params[0])
+        for each in params[1:]:  # the same schema: one compile serves every prompt
+            each.compiled_grammar = params[0].compiled_grammar
         return prompt_ids, params, await self._add_requests(prompt_ids, params)
 
     def _stop_strings(self, request) -> list[str]:
@@ -413,7 +415,7 @@ class OpenAIServing:
         """An invalid json_schema, or one over the grammar limits, is a 400 (naming `param`,
         default response_format) before anything is queued. Checked and compiled on the
         grammar pool, within its timeout; the engine's compile of the same schema is then a
-        hit in xgrammar's cache."""
+        handed to the engine with the params, so its thread never compiles."""
         if not params.structured:
             return
         if self.tokenizer is None:
@@ -426,7 +428,7 @@ class OpenAIServing:
             return self.llm.grammar_backend().compile(params)
 
         try:
-            await self.grammar_pool.run(compile_checked)
+            params.compiled_grammar = await self.grammar_pool.run(compile_checked)
         except InvalidGrammarError as error:
             raise OpenAIError(str(error), param=param or "response_format") from None
 

@@ -286,7 +286,9 @@ class LLMEngine:
         seq = Sequence(token_ids, params)
         seq.prompt = prompt if isinstance(prompt, str) else None
         if params.structured:
-            seq.grammar = self.grammar_backend().matcher(self.grammar_backend().compile(params))
+            backend = self.grammar_backend()
+            compiled = params.compiled_grammar or backend.compile(params)
+            seq.grammar = backend.matcher(compiled)
             self._num_structured += 1
         self._num_planned += params.needs_sampling_plan
         self.requests[seq.seq_id] = seq

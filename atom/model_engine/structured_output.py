@@ -49,7 +49,7 @@ class GrammarBackend:
                 schema = params.json_schema
                 text = schema if isinstance(schema, str) else json.dumps(schema)
                 return self.compiler.compile_json_schema(
-                    text, any_whitespace=not getattr(params, "compact_json", False)
+                    text, any_whitespace=not params.compact_json
                 )
             return self.compiler.compile_builtin_json_grammar()
         except (RuntimeError, ValueError, TypeError) as error:

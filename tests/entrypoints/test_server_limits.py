@@ -403,3 +403,36 @@ def test_a_sample_refused_after_the_first_share_fails_the_request(server, monkey
     status, error = raw_request(server, "POST", "/v1/completions", body)
     assert status == 400 and error["error"]["message"] == "refused for the test", error
     server.wait_idle()
+
+
+def test_the_engine_thread_never_compiles_a_grammar(server, reference, monkeypatch):
+    """The server compiles a request's schema on its grammar pool (within the timeout) and
+    hands the compiled grammar to the engine, so the engine thread never compiles one, even
+    when xgrammar's cache no longer holds the schema (here: a cache that never hits)."""
+    from atom.model_engine.structured_output import GrammarBackend
+
+    threads = []
+    original = GrammarBackend.compile
+
+    def recording_compile(self, params):
+        threads.append(threading.current_thread().name)
+        self.compiler.clear_cache()  # the engine's compile would miss the cache
+        return original(self, params)
+
+    monkeypatch.setattr(GrammarBackend, "compile", recording_compile)
+    schema = {"type": "string", "pattern": "(a|b){4}"}
+    status, result, _ = _timed(server, _schema_request(schema, 12), "/v1/chat/completions")
+    assert status == 200, result
+    assert re.fullmatch(r'\s*"[ab]{4}"\s*', result["choices"][0]["message"]["content"])
+    body = {
+        "prompt": ["Answer.", "Say it."],
+        "max_tokens": 12,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    status, result = raw_request(server, "POST", "/v1/completions", body)
+    assert status == 200, result
+    for choice in result["choices"]:
+        assert re.fullmatch(r'\s*"[ab]{4}"\s*', choice["text"]), choice
+    assert threads and all(name.startswith("atom-grammar") for name in threads), threads
+    _same_greedy_text(server, reference)
