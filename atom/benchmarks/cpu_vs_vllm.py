@@ -49,7 +49,12 @@ def run_worker(engine: str, hf_dir: str, prompts: list[list[int]], batches, outp
     else:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(hf_dir, dtype="float32", max_num_seqs=max(batches), max_model_len=1024, seed=0)
+        # the same 1 GiB of KV cache as atom's CPU default; vLLM-CPU checks the utilization
+        # fraction against free memory at start, so it must be low on a shared machine
+        llm = LLM(
+            hf_dir, dtype="float32", max_num_seqs=max(batches), max_model_len=1024, seed=0,
+            kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,
+        )  # fmt: skip
 
         def generate(batch, max_tokens):
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
