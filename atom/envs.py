@@ -56,3 +56,17 @@ def gdn_chunked_min_tokens() -> int:
     chunked kernels (default 8192; a huge value: never; atom/kernels/gdn_chunk.py reads it
     once, at import)."""
     return int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "8192"))
+
+
+def cpu_threads() -> int | None:
+    """`ATOM_CPU_THREADS`, else `OMP_NUM_THREADS`: the torch thread count of a CPU engine
+    (unset: atom/model_engine/cpu_threads.py picks the cores free at start)."""
+    name = "ATOM_CPU_THREADS" if os.environ.get("ATOM_CPU_THREADS") else "OMP_NUM_THREADS"
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        threads = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a thread count") from None
+    return max(1, threads)

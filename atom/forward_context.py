@@ -45,6 +45,9 @@ class ForwardContext:
     # Which fused kernels the CUDA path uses (atom/fusions.py); the ModelRunner passes
     # its config's, anything else gets the defaults.
     fusions: Fusions = Fusions()
+    # The CPU attention's gather plan of this step (atom/kernels/paged_attention_cpu.py):
+    # built by the first layer that needs it, reused by the others (same rows, same lengths).
+    cpu_attention_plan: object | None = None
 
 
 _local = threading.local()

@@ -6,7 +6,8 @@ one per token and head; see atom/kernels/kv_cache.py), None otherwise.
 Each step first writes the new tokens' K/V at their slots, then attends from the cache:
 decode-only steps use the decode kernel (CUDA-graph safe), anything else (prefill,
 chunked prefill, prefix-cache hits, mixed prefill/decode) the varlen prefill kernel.
-On CUDA the Triton kernels run; on CPU their torch references (the same math).
+On CUDA the Triton kernels run; on CPU a batched torch path with the same math (one SDPA
+call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py).
 
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
@@ -23,13 +24,17 @@ from torch.nn import functional as F
 from atom.forward_context import get_forward_context
 from atom.kernels import (
     paged_decode_attention,
-    paged_decode_attention_reference,
     paged_prefill_attention,
-    paged_prefill_attention_reference,
     store_kvcache,
     store_kvcache_reference,
 )
 from atom.kernels.gemv_rope_kv import RopeKV
+from atom.kernels.paged_attention_cpu import (
+    decode_attention_cpu,
+    decode_plan,
+    prefill_attention_cpu,
+    prefill_plans,
+)
 from atom.kernels.rotary_kv import rotary_kv_write
 
 
@@ -65,6 +70,33 @@ class MHAAttention(nn.Module):
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)
         return self._attend(q, meta, context.fusions)
+
+    def _attend_cpu(self, q, meta) -> torch.Tensor:
+        """The batched CPU path: one gather plan per step shared by the layers."""
+        context = get_forward_context()
+        plan = context.cpu_attention_plan
+        num_slots = self.k_cache.shape[0] * self.k_cache.shape[1]
+        if plan is None:
+            if meta.is_decode:
+                plan = decode_plan(
+                    meta.block_tables, meta.context_lens, q.shape[0], self.k_cache.shape[1],
+                    num_slots,
+                )  # fmt: skip
+            else:
+                plan = prefill_plans(
+                    meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                    self.k_cache.shape[1], num_slots, self.num_heads,
+                )  # fmt: skip
+            context.cpu_attention_plan = plan
+        kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        if meta.is_decode:
+            return decode_attention_cpu(
+                q, self.k_cache, self.v_cache, plan, self.scale, **kv_scales
+            )
+        return prefill_attention_cpu(
+            q, self.k_cache, self.v_cache, plan, meta.block_tables, meta.cu_seqlens_q,
+            meta.context_lens, self.scale, **kv_scales,
+        )  # fmt: skip
 
     def forward_rotary(self, positions, q, k, v, rotary) -> torch.Tensor:
         """`forward` of the rotated q and k: `rotary` (a RotaryEmbedding) is applied here,
@@ -109,16 +141,12 @@ class MHAAttention(nn.Module):
 
     def _attend(self, q, meta, fusions) -> torch.Tensor:
         """Attention of q over the cache (this step's K/V already written): [T, Hq * D]."""
-        on_gpu = q.is_cuda
+        if not q.is_cuda:
+            out = self._attend_cpu(q, meta)
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if meta.is_decode:
-            if not on_gpu:
-                decode = paged_decode_attention_reference
-            else:
-                decode = paged_decode_attention
-                kv_scales["merge_in_kernel"] = fusions.decode_merge
-                kv_scales["early_kv"] = self.early_kv
-            out = decode(
+            out = paged_decode_attention(
                 q,
                 self.k_cache,
                 self.v_cache,
@@ -126,10 +154,11 @@ class MHAAttention(nn.Module):
                 meta.context_lens,
                 self.scale,
                 **kv_scales,
+                merge_in_kernel=fusions.decode_merge,
+                early_kv=self.early_kv,
             )
         else:
-            prefill = paged_prefill_attention if on_gpu else paged_prefill_attention_reference
-            out = prefill(
+            out = paged_prefill_attention(
                 q,
                 self.k_cache,
                 self.v_cache,

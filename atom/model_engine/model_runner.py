@@ -34,6 +34,7 @@ from atom.fusions import Fusions
 from atom.kernels import gemv_policy
 from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
+from atom.model_engine.cpu_threads import set_cpu_threads
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
 from atom.model_engine.logprobs import merge_step_logprobs
@@ -82,6 +83,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        if self.device.type == "cpu" and tp is None and pp is None:
+            set_cpu_threads()  # a single process: ranks share the cores on their own
         torch.manual_seed(config.seed)
 
         self.model = self._build_model(weights)
