@@ -443,11 +443,14 @@ def routed_experts_reference(
     out = torch.zeros_like(x)
     if num_tokens == 0:
         return out
-    flat_ids = topk_ids.reshape(-1)
-    # stable: inside an expert, pairs stay in token order (each token picks an expert once)
+    # Pairs in choice-major order (choice j of every token, then choice j + 1), sorted
+    # stably by expert: inside an expert, by choice then token, the rows HF's expert loop
+    # hands each GEMM (torch.where over its [top_k, T] mask). The same rows in the same
+    # order keep the results bit-identical under a multi-threaded GEMM too.
+    flat_ids = topk_ids.t().reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    tokens = order // top_k
-    weights = topk_weights.reshape(-1)[order, None]
+    tokens = order % num_tokens
+    weights = topk_weights.t().reshape(-1)[order, None]
     counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
     start = 0
     for expert, count in enumerate(counts):
