@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
 
 from atom.entrypoints.tool_parsers.base import (
@@ -26,7 +27,6 @@ from atom.entrypoints.tool_parsers.base import (
 )
 from atom.sampling_params import SamplingParamError
 
-_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 # Arrays and objects nested in one tool's schema. Checking a schema recurses (jsonschema's
 # meta-schema check overflowed Python's stack at ~200 levels: a 500), so deeper ones are
 # refused first. A forced tool_choice's schema then also meets the server's json_schema
@@ -92,19 +92,14 @@ class MessageToolCall(BaseModel):
 
 
 def check_json_schema(schema: dict) -> None:
-    """Raise ValueError when `schema` is not a JSON Schema (jsonschema's meta-schema check
-    when it is installed, else the structure of `type`)."""
+    """Raise ValueError when `schema` is not a JSON Schema (jsonschema's meta-schema
+    check, after a bound on its nesting)."""
     depth = _nesting_depth(schema)
     if depth > MAX_TOOL_SCHEMA_DEPTH:
         raise ValueError(
             f"nested {depth} levels deep; a tool's schema may nest at most "
             f"{MAX_TOOL_SCHEMA_DEPTH} levels"
         )
-    try:
-        import jsonschema
-    except ImportError:  # a runtime-only install: check what xgrammar would trip on
-        _check_types(schema)
-        return
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
@@ -127,19 +122,6 @@ def _nesting_depth(value: Any) -> int:
             deepest = max(deepest, depth)
             pending.extend((child, depth + 1) for child in children)
     return deepest
-
-
-def _check_types(schema: Any) -> None:
-    if isinstance(schema, dict):
-        kind = schema.get("type")
-        kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
-        if any(not isinstance(k, str) or k not in _JSON_TYPES for k in kinds):
-            raise ValueError(f"not a valid JSON Schema: unknown type {kind!r}")
-        for value in schema.values():
-            _check_types(value)
-    elif isinstance(schema, list):
-        for value in schema:
-            _check_types(value)
 
 
 def check_tool_request(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
