@@ -116,13 +116,20 @@ class OpenAIServing:
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         self._check_model(request.model)
         reservation = self._reserve(len(request.prompts), request.n)
+        return await self._reserved(
+            reservation, request.stream, self._completions(request, raw, reservation)
+        )
+
+    async def _reserved(self, reservation: Reservation, stream: bool, respond) -> Response:
+        """Await `respond` (the request's handler) holding `reservation`: given back on any
+        failure, after a plain answer, or (a stream) when its body ends."""
         try:
-            response = await self._completions(request, raw, reservation)
+            response = await respond
         except BaseException:
             reservation.release()
             raise
-        if not request.stream:
-            reservation.release()  # a stream gives its samples back when its body ends
+        if not stream:
+            reservation.release()
         return response
 
     async def _completions(
@@ -204,14 +211,9 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise OpenAIError("this model was loaded without a tokenizer: chat is unavailable")
         reservation = self._reserve(1, request.n)
-        try:
-            response = await self._chat(request, raw, reservation)
-        except BaseException:
-            reservation.release()
-            raise
-        if not request.stream:
-            reservation.release()  # a stream gives its samples back when its body ends
-        return response
+        return await self._reserved(
+            reservation, request.stream, self._chat(request, raw, reservation)
+        )
 
     async def _chat(
         self, request: ChatCompletionRequest, raw: Request, reservation: Reservation
