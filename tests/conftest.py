@@ -7,6 +7,9 @@ import torch
 
 # Publication checks in full (per buffer) in every test; production mode is tested explicitly.
 os.environ.setdefault("ATOM_H2D_CHECKED", "1")
+# A CPU engine takes its thread count from the load at start (atom/model_engine/cpu_threads.py);
+# the tests pin it to torch's default, so a run's rounding never depends on the machine's load.
+os.environ.setdefault("ATOM_CPU_THREADS", str(torch.get_num_threads()))
 
 if not torch.cuda.is_available():
     # Must happen before any Triton kernel is defined: triton.jit reads it at decoration time.
