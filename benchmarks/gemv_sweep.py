@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -67,6 +66,7 @@ from atom.kernels.gemv import (
     gemv_rms_norm,
     gemv_silu_and_mul,
 )
+from atom.kernels.gemv_trial import cuda_seconds_per_call
 from atom.kernels.rmsnorm import rms_norm
 from benchmarks.harness import emit
 
@@ -194,22 +194,7 @@ def seconds_per_call(run, weights: list, calls: int, replays: int) -> float:
         for i in range(calls):
             run(weights[i % len(weights)])
         return (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            run(weights[i % len(weights)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph
-    return statistics.median(times) / calls
+    return cuda_seconds_per_call(run, weights, calls, replays)
 
 
 class Sweep:
