@@ -83,7 +83,7 @@ def save_random_model(path: str, shape: dict):
 
 
 def kv_bytes(llm, context: int, shape: dict) -> dict:
-    from atom.attention.v4 import v4_state_bytes
+    from atom.model_engine import state_slots
 
     runner = llm.engine.model_runner
     layers, block_size = runner.model.attention_layers, runner.block_size
@@ -99,7 +99,8 @@ def kv_bytes(llm, context: int, shape: dict) -> dict:
             pools[f"layer{index}_csa_index_keys"] = (
                 rows * layer.index_head_dim * itemsize / block_size
             )
-    state = v4_state_bytes(layers, 1, runner._kv_cache_dtype()) / 2  # one slot (+ scratch)
+    contract = runner.family.state_contract(runner.model, runner._kv_cache_dtype())
+    state = state_slots.state_bytes(contract, 1) / 2  # one slot (+ scratch)
     pools["state_per_sequence_bytes"] = state
     pools["state_spread_over_context"] = state / context
     total = sum(v for k, v in pools.items() if k.startswith("layer")) + state / context

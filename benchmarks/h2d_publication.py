@@ -36,11 +36,20 @@ import time
 
 import torch
 
-from atom.attention.registry import BACKENDS
+from atom.attention.family import AttentionFamily, MLAFamily
+from atom.attention.gdn import GDNFamily
+from atom.attention.v4 import V4Family
+from atom.attention.v41 import V41Family
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
+
+# A runner slot's backend by its family's name (the --backend choices).
+BACKENDS = {
+    family.name: family.backend_class
+    for family in (AttentionFamily, MLAFamily, V4Family, V41Family, GDNFamily)
+}
 
 
 def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBatch:

@@ -32,10 +32,19 @@ import time
 import numpy as np
 import torch
 
-from atom.attention.registry import BACKENDS
+from atom.attention.family import AttentionFamily, MLAFamily
+from atom.attention.gdn import GDNFamily
+from atom.attention.v4 import V4Family
+from atom.attention.v41 import V41Family
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
+
+# A runner slot's backend by its family's name (the --backend choices).
+BACKENDS = {
+    family.name: family.backend_class
+    for family in (AttentionFamily, MLAFamily, V4Family, V41Family, GDNFamily)
+}
 
 BLOCK_SIZE = 16
 

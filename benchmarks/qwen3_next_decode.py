@@ -75,7 +75,8 @@ def state_bytes(llm, context: int, shape: dict) -> dict:
     from atom.model_engine import state_slots
 
     runner = llm.engine.model_runner
-    per_sequence = state_slots.state_bytes(runner.state_layers, 1) / 2  # one slot (+ scratch)
+    contract = runner.family.state_contract(runner.model, runner._kv_cache_dtype())
+    per_sequence = state_slots.state_bytes(contract, 1) / 2  # one slot (+ scratch)
     itemsize = runner._kv_cache_dtype().itemsize
     per_token_full = 2 * shape["num_key_value_heads"] * shape["head_dim"] * itemsize
     full_layers = len(runner.model.attention_layers)
@@ -84,7 +85,7 @@ def state_bytes(llm, context: int, shape: dict) -> dict:
     return dict(
         case="state_bytes",
         context=context,
-        gdn_layers=len(runner.state_layers),
+        gdn_layers=len(runner.model.state_layers),
         full_attention_layers=full_layers,
         gdn_state_per_sequence_bytes=int(per_sequence),
         hybrid_per_sequence_bytes=int(hybrid),

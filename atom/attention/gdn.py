@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from atom.attention.backend import STATE_SNAPSHOT, PagedAttentionBackend, SpeculationSupport
+from atom.attention.family import AttentionFamily, FamilySupport, StateTensor, layer_state
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels import gdn_chunk
@@ -122,10 +123,27 @@ class GDNBackend(PagedAttentionBackend):
         )
 
 
+class GDNFamily(AttentionFamily):
+    """The full-attention layers' K/V paged exactly as MHA; per sequence each GDN layer's
+    conv and delta-rule states (the model's `state_layers`, each with `state_specs`)."""
+
+    name = "gdn"
+    backend_class = GDNBackend
+    # The state is not cached with the blocks; the model runs in one process.
+    supports = FamilySupport(prefix_caching=False, fp8_kv=True)
+
+    @property
+    def has_state(self) -> bool:
+        return True
+
+    def state_contract(self, model, cache_dtype: torch.dtype) -> list[StateTensor]:
+        return layer_state(model.state_layers, cache_dtype)
+
+
 class GatedDeltaNetState(nn.Module):
     """One GDN layer's per-sequence state and the conv + delta rule over it.
 
-    Bound by the ModelRunner (atom/model_engine/state_slots.py `allocate_state`):
+    Bound through its family's state contract (GDNFamily; atom/model_engine/state_slots.py):
     ``conv_state [num_state_slots + 1, K - 1, conv_dim]`` (model dtype) and
     ``recurrent_state [num_state_slots + 1, Hv, Dk, Dv]`` (fp32)."""
 
@@ -140,7 +158,9 @@ class GatedDeltaNetState(nn.Module):
         self.conv_state = torch.empty(0)
         self.recurrent_state = torch.empty(0)
 
-    def state_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def state_specs(self, cache_dtype: torch.dtype | None = None) -> dict[str, tuple]:
+        """Per state slot: name -> (shape, dtype); the conv state in the model dtype, whatever
+        the KV cache's (`cache_dtype` is for the families whose state follows the cache)."""
         return {
             "conv_state": ((self.kernel_size - 1, self.conv_dim), self.conv_dtype),
             "recurrent_state": (
@@ -201,7 +221,3 @@ class GatedDeltaNetState(nn.Module):
             count, False, state_slots=one - 1, state_fresh=one,
         )  # fmt: skip
         return self._run(mixed_qkv, conv_weight, g, beta, conv_state, recurrent, meta)
-
-
-def is_gdn(layer) -> bool:
-    return isinstance(layer, GatedDeltaNetState)

@@ -49,7 +49,7 @@ class MLAAttention(nn.Module):
         self.v_head_dim = v_head_dim
         self.latent_dim = kv_lora_rank + qk_rope_head_dim  # cache row width
         self.scale = scale
-        # Bound by the ModelRunner once the cache is allocated (atom/model_engine/kv_cache.py).
+        # Bound by the ModelRunner once the cache is allocated (MLAFamily, atom/attention/family.py).
         self.latent_cache = torch.empty(0)
 
     def forward(

@@ -26,6 +26,13 @@ import torch
 from torch import nn
 
 from atom.attention.backend import STATE_SNAPSHOT, PagedAttentionBackend, SpeculationSupport
+from atom.attention.family import (
+    AttentionFamily,
+    FamilySupport,
+    KVCache,
+    StateTensor,
+    layer_state,
+)
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels.v4_attention import (
@@ -109,7 +116,7 @@ class IndexerInputs:
 
 
 class V4Attention(nn.Module):
-    """One V4 layer's cache and attention. Bound tensors (atom/model_engine/kv_cache.py):
+    """One V4 layer's cache and attention. Bound tensors (V4Family, state_slots.py):
     ``ring`` always; with a compressor ``state_kv``/``state_gate`` and ``pool``; CSA also
     ``index_state_kv``/``index_state_gate`` and ``index_pool``."""
 
@@ -148,20 +155,17 @@ class V4Attention(nn.Module):
             shapes["index_pool"] = (rows, self.index_head_dim)
         return shapes
 
-    def state_shapes(self) -> dict[str, tuple]:
-        """Per state slot: name -> (rows, width) (or (rows, width, dtype), default the
-        cache dtype)."""
-        shapes = {"ring": (self.window, self.head_dim)}
+    def state_specs(self, cache_dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Per state slot: name -> ((rows, width), dtype), all in the cache dtype."""
+        specs = {"ring": ((self.window, self.head_dim), cache_dtype)}
         if self.ratio:
             rows = 2 * self.ratio if self.overlap else self.ratio
             width = 2 * self.head_dim if self.overlap else self.head_dim
-            shapes["state_kv"] = shapes["state_gate"] = (rows, width)
+            specs["state_kv"] = specs["state_gate"] = ((rows, width), cache_dtype)
         if self.overlap:
-            shapes["index_state_kv"] = shapes["index_state_gate"] = (
-                2 * self.ratio,
-                2 * self.index_head_dim,
-            )
-        return shapes
+            index_shape = (2 * self.ratio, 2 * self.index_head_dim)
+            specs["index_state_kv"] = specs["index_state_gate"] = (index_shape, cache_dtype)
+        return specs
 
     # -- forward ---------------------------------------------------------------------------
     def forward(
@@ -355,53 +359,43 @@ def _rows(inputs: CompressorInputs, a: int, b: int) -> CompressorInputs:
     )
 
 
-# -- the cache allocation (atom/model_engine/kv_cache.py delegates V4 and V4.1 layers here)
-def is_v4(layers) -> bool:
-    """Layers with per-sequence state (V4, V4.1: `state_shapes` / `pool_shapes`)."""
-    return bool(layers) and hasattr(layers[0], "state_shapes")
+# -- the family (atom/attention/family.py): its paged pools and per-sequence state ----------
+class V4Family(AttentionFamily):
+    """Per block of the page table the compressed entries (and indexer keys) of every
+    compressed layer (``pool_shapes``, num_blocks + 1 rows: the last block is scratch); per
+    sequence the window rings and compressor rows each layer describes (``state_specs``)."""
 
+    name = "v4"
+    backend_class = V4Backend
+    supports = FamilySupport(prefix_caching=False)  # the state is not cached with blocks
+    fp8_refusal = "DeepSeek-V4 (v4 backend)"
 
-def _check_dtype(cache_dtype: torch.dtype) -> None:
-    if cache_dtype.itemsize < 2:
-        raise ValueError(
-            "kv_cache_dtype='fp8' is not supported for DeepSeek-V4 (v4 backend); use 'auto'"
-        )
+    @property
+    def has_state(self) -> bool:
+        return True
 
+    def state_contract(self, model, cache_dtype: torch.dtype) -> list[StateTensor]:
+        return layer_state(model.attention_layers, cache_dtype)
 
-def _state_dtype(shape: tuple, cache_dtype: torch.dtype) -> torch.dtype:
-    return shape[2] if len(shape) > 2 else cache_dtype
+    def check_cache_dtype(self, cache_dtype: torch.dtype) -> None:
+        if cache_dtype.itemsize < 2:
+            raise ValueError(
+                f"kv_cache_dtype='fp8' is not supported for {self.fp8_refusal}; use 'auto'"
+            )
 
+    def kv_block_bytes(self, model, block_size: int, cache_dtype: torch.dtype) -> int:
+        """Bytes of one page-table block: the compressed entries (and indexer keys) it holds."""
+        self.check_cache_dtype(cache_dtype)
+        layers = model.attention_layers
+        return max(1, sum(a.block_bytes(block_size, cache_dtype.itemsize) for a in layers))
 
-def v4_block_bytes(layers, block_size: int, cache_dtype: torch.dtype) -> int:
-    """Bytes of one page-table block: the compressed entries (and indexer keys) it holds."""
-    _check_dtype(cache_dtype)
-    return max(1, sum(a.block_bytes(block_size, cache_dtype.itemsize) for a in layers))
-
-
-def v4_state_bytes(layers, num_state_slots: int, cache_dtype: torch.dtype) -> int:
-    """Bytes of the per-sequence state (window rings, compressor rows), scratch slot too."""
-    per_slot = sum(
-        shape[0] * shape[1] * _state_dtype(shape, cache_dtype).itemsize
-        for a in layers
-        for shape in a.state_shapes().values()
-    )
-    return per_slot * (num_state_slots + 1)
-
-
-def allocate_v4_cache(layers, num_blocks, block_size, num_state_slots, cache_dtype, device):
-    """Bind each layer's ring / state rows (num_state_slots + 1: the last is scratch for
-    padded rows) and entry pools (num_blocks + 1: the last block is scratch)."""
-    _check_dtype(cache_dtype)
-    tensors = []
-    for layer in layers:
-        layer.block_size = block_size
-        for name, shape in layer.state_shapes().items():
-            dtype = _state_dtype(shape, cache_dtype)
-            state = torch.zeros(num_state_slots + 1, *shape[:2], dtype=dtype, device=device)
-            setattr(layer, name, state)
-            tensors.append(state)
-        for name, (rows, width) in layer.pool_shapes(block_size).items():
-            pool = torch.zeros(num_blocks + 1, rows, width, dtype=cache_dtype, device=device)
-            setattr(layer, name, pool)
-            tensors.append(pool)
-    return tensors
+    def allocate_kv_cache(self, model, num_blocks, block_size, cache_dtype, device) -> KVCache:
+        self.check_cache_dtype(cache_dtype)
+        pools = []
+        for layer in model.attention_layers:
+            layer.block_size = block_size
+            for name, (rows, width) in layer.pool_shapes(block_size).items():
+                pool = torch.zeros(num_blocks + 1, rows, width, dtype=cache_dtype, device=device)
+                setattr(layer, name, pool)
+                pools.append(pool)
+        return KVCache(pools, None)

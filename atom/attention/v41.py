@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from atom.attention.v4 import QUERY_CHUNK, V4Backend, prefill_sequences, window_prefill
+from atom.attention.v4 import (
+    QUERY_CHUNK,
+    V4Backend,
+    V4Family,
+    prefill_sequences,
+    window_prefill,
+)
 from atom.forward_context import get_forward_context
 from atom.kernels.v4_attention import (
     attend_with_sink,
@@ -61,6 +67,14 @@ class V41Backend(V4Backend):
     """V4's buffers (rows, slot mapping, each row's state slot) under the name v41."""
 
     name = "v41"
+
+
+class V41Family(V4Family):
+    """V4's layout (entry pools per block, state rows per sequence), V4.1's layers: each
+    describes its pools and state (rings, partial groups, the Engram history)."""
+
+    name = "v41"
+    backend_class = V41Backend
 
 
 @dataclass
@@ -95,7 +109,7 @@ class SharedChoice:
 
 
 class V41Attention(nn.Module):
-    """One V4.1 layer's cache and attention. Bound tensors (atom/model_engine/kv_cache.py):
+    """One V4.1 layer's cache and attention. Bound tensors (V41Family, state_slots.py):
     ``ring`` always; a source with ratio > 1 ``state_kv``/``state_gate``; a source
     ``pool`` and, owning keys, ``index_pool``; the first layer of an Engram model
     ``engram_tokens``."""
@@ -148,13 +162,15 @@ class V41Attention(nn.Module):
     def block_bytes(self, block_size: int, itemsize: int) -> int:
         return sum(r * w for r, w in self.pool_shapes(block_size).values()) * itemsize
 
-    def state_shapes(self) -> dict[str, tuple]:
-        shapes = {"ring": (self.window, self.head_dim)}
+    def state_specs(self, cache_dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+        """Per state slot: name -> ((rows, width), dtype)."""
+        specs = {"ring": ((self.window, self.head_dim), cache_dtype)}
         if self.is_source and self.ratio > 1:
-            shapes["state_kv"] = shapes["state_gate"] = (self.ratio, self.head_dim, torch.float32)
+            group = ((self.ratio, self.head_dim), torch.float32)
+            specs["state_kv"] = specs["state_gate"] = group
         if self.engram_history:
-            shapes["engram_tokens"] = (self.engram_history, 1, torch.int64)
-        return shapes
+            specs["engram_tokens"] = ((self.engram_history, 1), torch.int64)
+        return specs
 
     def max_entries(self) -> int:
         return -(-self.max_model_len // self.ratio)

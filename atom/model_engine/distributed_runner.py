@@ -52,13 +52,13 @@ def validate_parallelism(config: Config, hf_config) -> None:
     cls.validate_tensor_parallel(hf_config, config.tensor_parallel_size)
     stages = config.pipeline_parallel_size
     if stages > 1:
-        check = getattr(cls, "validate_pipeline_parallel", None)
-        if check is None:
+        # A family that splits over stages has a model class with the stage methods.
+        if not cls.family(hf_config).supports.pipeline_parallel:
             raise PipelineError(
                 f"{hf_config.model_type}: pipeline parallelism is not supported for this model "
                 "yet; run with --pipeline-parallel-size 1"
             )
-        check(hf_config, stages)
+        cls.validate_pipeline_parallel(hf_config, stages)
 
 
 def start_rendezvous(config: Config, world_size: int | None = None) -> Rendezvous:
@@ -226,8 +226,9 @@ def run_model_rank(local_rank, spec: RendezvousSpec, conn, config, model_path, m
     else:
         source = open_model(model_path)
         hf_config = source.hf_config
-        holds = getattr(model_class(hf_config), "stage_holds", None)
-        wanted = None if pp is None or holds is None else functools.partial(holds, hf_config, pp)
+        # pp is set only for a family that supports pipeline parallelism (validated).
+        cls = model_class(hf_config)
+        wanted = None if pp is None else functools.partial(cls.stage_holds, hf_config, pp)
         weights = source.weights(wanted)  # a pipeline stage reads only its own tensors
     # Validated by the engine already: copy without re-validating the per-rank device.
     rank_config = copy.copy(config)

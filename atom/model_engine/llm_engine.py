@@ -148,9 +148,11 @@ class LLMEngine:
         except ValueError:
             self.shutdown()
             raise
-        num_state_slots = getattr(self.model_runner, "num_state_slots", 0)
+        # The model's attention family (atom/attention/family.py) says what it supports.
+        family = model_class(hf).family(hf)
+        num_state_slots = family.num_state_slots(config.max_num_seqs)
         prefix_caching = config.enable_prefix_caching
-        if num_state_slots and prefix_caching:
+        if prefix_caching and not family.supports.prefix_caching:
             logger.info(
                 "prefix caching is off for %s: its per-sequence state (sliding window, "
                 "compressor, recurrent state) is not cached with the blocks",
@@ -206,13 +208,13 @@ class LLMEngine:
                 f"the draft model {path} has a vocabulary of {draft_hf.vocab_size} tokens, "
                 f"the target {self.hf_config.vocab_size}: speculation needs the same vocabulary"
             )
-        backend = getattr(model_class(draft_hf), "attention_backend", "mha")
-        if backend != "mha":
+        family = model_class(draft_hf).family(draft_hf)
+        if not family.supports.draft_model:
             # The draft's KV shares the target's block ids and is rolled back by position
             # (draft_model.py): per-sequence state or a latent cache would need their own.
             raise ValueError(
-                f"speculative_model {path} is a {getattr(draft_hf, 'model_type', backend)} "
-                f"model (attention backend {backend!r}); speculative_method='draft' needs a "
+                f"speculative_model {path} is a {getattr(draft_hf, 'model_type', family.name)} "
+                f"model (attention backend {family.name!r}); speculative_method='draft' needs a "
                 "draft of the Llama family (Llama, Qwen2: paged multi-head attention). "
                 "DeepSeek and Qwen3-Next models can be the target, not the draft"
             )

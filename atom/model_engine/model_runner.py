@@ -25,8 +25,7 @@ import logging
 import torch
 
 from atom import profiling
-from atom.attention.registry import backend_for
-from atom.attention.v4 import is_v4, v4_state_bytes
+from atom.attention.family import kv_cache_torch_dtype
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
@@ -36,7 +35,6 @@ from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
 from atom.model_engine.cpu_threads import set_cpu_threads
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
-from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
 from atom.model_engine.logprobs import merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampler import ARGMAX_MAX_ROWS, Sampler
@@ -87,16 +85,17 @@ class ModelRunner:
             set_cpu_threads()  # a single process: ranks share the cores on their own
         torch.manual_seed(config.seed)
 
+        # The model's attention family (atom/attention/family.py): its KV cache, its
+        # per-sequence state, its slots' backends, what it supports. Asked, never sniffed.
+        self.family = model_class(hf_config).family(hf_config)
         self.model = self._build_model(weights)
-        # Per-sequence state rows (V4: window rings, compressor rows; GDN: conv and
-        # delta-rule states of its `state_layers`), one per running sequence; the
-        # BlockManager hands them out (atom/model_engine/state_slots.py).
-        self.state_layers = getattr(self.model, "state_layers", [])
-        uses_state = is_v4(self.model.attention_layers) or bool(self.state_layers)
-        self.num_state_slots = config.max_num_seqs if uses_state else 0
-        # Speculative decoding: the family's declaration (its backend's `speculation`); with
-        # a state-snapshot rollback the state rows get backup rows (state_rollback.py).
-        self.speculation = backend_for(self.model).speculation
+        # Per-sequence state rows (the family's state contract: V4's window rings and
+        # compressor rows, GDN's conv and delta-rule states...), one per running sequence;
+        # the BlockManager hands them out (atom/model_engine/state_slots.py).
+        self.num_state_slots = self.family.num_state_slots(config.max_num_seqs)
+        # Speculative decoding: the family's declaration; with a state-snapshot rollback
+        # the state rows get backup rows (state_rollback.py).
+        self.speculation = self.family.speculation
         self.snapshot_state = uses_state_snapshots(config, self.speculation, self.num_state_slots)
         self.state_snapshots: StateSnapshots | None = None
         self.sampler = Sampler(greedy_argmax=config.fusions.greedy_argmax)
@@ -114,7 +113,7 @@ class ModelRunner:
                 device=self.device,
                 h2d_backend=config.h2d_backend,
                 h2d_checked=config.h2d_checked,
-                backend=backend_for(self.model),
+                backend=self.family.backend(),
                 max_sampling_rows=verify_rows_per_step(config),
                 sampling_state=self.sampling_state,
             )
@@ -212,21 +211,20 @@ class ModelRunner:
         return model.eval()
 
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.model.attention_layers, self.block_size, self._kv_cache_dtype())
+        return self.family.kv_block_bytes(self.model, self.block_size, self._kv_cache_dtype())
 
     def _kv_cache_dtype(self) -> torch.dtype:
         return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
 
     def _allocate_kv_cache(self) -> int:
         block_bytes = self.kv_block_bytes() + self.extra_kv_block_bytes
-        state_bytes = 0
+        cache_dtype = self._kv_cache_dtype()
+        contract = []
         if self.num_state_slots:
-            layers, dtype = self.model.attention_layers, self._kv_cache_dtype()
-            if is_v4(layers):
-                state_bytes = v4_state_bytes(layers, self.num_state_slots, dtype)
-            state_bytes += state_slots.state_bytes(self.state_layers, self.num_state_slots)
-            if self.snapshot_state:  # one backup row per slot (no scratch row)
-                state_bytes += state_bytes // (self.num_state_slots + 1) * self.num_state_slots
+            contract = self.family.state_contract(self.model, cache_dtype)
+        state_bytes = state_slots.state_bytes(contract, self.num_state_slots)
+        if self.snapshot_state:  # one backup row per slot (no scratch row)
+            state_bytes += state_bytes // (self.num_state_slots + 1) * self.num_state_slots
         if self.config.num_kvcache_blocks is not None:
             num_blocks = self.config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -241,20 +239,13 @@ class ModelRunner:
                 f"no room for a single KV block ({block_bytes} bytes); raise "
                 "--gpu-memory-utilization or the CPU KV budget, or lower --max-num-batched-tokens"
             )
-        self.kv_cache = allocate_kv_cache(
-            self.model.attention_layers,
-            num_blocks,
-            self.block_size,
-            self._kv_cache_dtype(),
-            self.device,
-            num_state_slots=self.num_state_slots,
+        self.kv_cache = self.family.allocate_kv_cache(
+            self.model, num_blocks, self.block_size, cache_dtype, self.device
         )
-        self.state = state_slots.allocate_state(
-            self.state_layers, self.num_state_slots, self.device
-        )
+        # Every per-sequence state tensor, laid out by the one allocator.
+        self.state = state_slots.allocate_state(contract, self.num_state_slots, self.device)
         if self.snapshot_state:
-            tensors = state_slots.slot_tensors(self.model.attention_layers, self.state_layers)
-            self.state_snapshots = StateSnapshots(tensors, self.num_state_slots)
+            self.state_snapshots = StateSnapshots(self.state, self.num_state_slots)
         logger.info(
             "KV cache: %d blocks of %d tokens, %s (%.2f GiB)",
             num_blocks,

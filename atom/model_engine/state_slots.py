@@ -1,19 +1,20 @@
 """Per-sequence state slots: memory a sequence owns that is not KV blocks.
 
 Qwen3-Next's GDN layers (atom/attention/gdn.py) keep, per sequence, a conv state and a
-delta-rule state, declared with `state_specs` and laid out by `allocate_state` below.
-DeepSeek-V4 keeps, per sequence, the sliding-window ring of every layer and the partial
-window of each compressor (atom/attention/v4.py). Those tensors have one row per state
-slot. The slot belongs to the sequence's KV allocation: the BlockManager hands one out
-when it admits the sequence and takes it back in `BlockManager.free` (finish, abort,
-preemption), the single free path. A backend reads `seq.state_slot`; it never allocates.
+delta-rule state; DeepSeek-V4 the sliding-window ring of every layer and the partial window
+of each compressor (atom/attention/v4.py); V4.1 also the Engram history. The model's
+attention family declares them (its state contract) and `allocate_state` below lays them
+all out, one row per state slot. The slot belongs to the sequence's KV allocation: the
+BlockManager hands one out when it admits the sequence and takes it back in
+`BlockManager.free` (finish, abort, preemption), the single free path. A backend reads
+`seq.state_slot`; it never allocates.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from atom.attention.family import StateTensor
 
 
 class StateSlotError(RuntimeError):
@@ -49,40 +50,24 @@ class StateSlots:
         self._free.append(slot)
 
 
-# -- per-slot tensors declared by the layers that keep state ------------------------------
-# A layer with per-sequence state (GDN: conv state and delta-rule state) declares
-# `state_specs() -> {attribute: (shape per slot, dtype)}`; the ModelRunner sizes and binds
-# them here, `num_slots + 1` rows each (the last row is scratch for padded rows, slot -1).
+# -- the one allocator of per-sequence state -----------------------------------------------
+# A family's state contract (AttentionFamily.state_contract, atom/attention/family.py) names
+# every per-sequence tensor: V4's and V4.1's window rings, compressor rows and Engram history,
+# GDN's conv and delta-rule states. Each gets `num_slots + 1` rows (the last row is scratch
+# for padded rows, slot -1), bound as its owner layer's attribute.
 
 
-def state_bytes(layers, num_slots: int) -> int:
-    """Bytes of every declared state tensor of `layers`, scratch row included."""
-    total = 0
-    for layer in layers:
-        for shape, dtype in layer.state_specs().values():
-            total += math.prod(shape) * dtype.itemsize
-    return total * (num_slots + 1)
+def state_bytes(contract: list[StateTensor], num_slots: int) -> int:
+    """Bytes of every state tensor of `contract`, scratch row included."""
+    return sum(spec.bytes_per_slot for spec in contract) * (num_slots + 1)
 
 
-def allocate_state(layers, num_slots: int, device) -> list:
-    """Zeroed state tensors ``[num_slots + 1, *shape]``, bound as the layers' attributes."""
+def allocate_state(contract: list[StateTensor], num_slots: int, device) -> list[torch.Tensor]:
+    """Zeroed state tensors ``[num_slots + 1, *shape]``, bound as their owners' attributes;
+    returned in contract order (speculation's snapshots back up the same list)."""
     tensors = []
-    for layer in layers:
-        for name, (shape, dtype) in layer.state_specs().items():
-            tensor = torch.zeros((num_slots + 1, *shape), dtype=dtype, device=device)
-            setattr(layer, name, tensor)
-            tensors.append(tensor)
-    return tensors
-
-
-def slot_tensors(attention_layers, state_layers) -> list:
-    """Every bound per-slot tensor of a model (``[num_slots + 1, ...]`` each): the V4 / V4.1
-    layers' `state_shapes` (rings, compressor rows, Engram history) and the state layers'
-    `state_specs` (GDN conv and delta-rule states). Paged pools are not among them."""
-    tensors = []
-    for layer in attention_layers:
-        if hasattr(layer, "state_shapes"):
-            tensors += [getattr(layer, name) for name in layer.state_shapes()]
-    for layer in state_layers:
-        tensors += [getattr(layer, name) for name in layer.state_specs()]
+    for spec in contract:
+        tensor = torch.zeros((num_slots + 1, *spec.shape), dtype=spec.dtype, device=device)
+        setattr(spec.owner, spec.name, tensor)
+        tensors.append(tensor)
     return tensors

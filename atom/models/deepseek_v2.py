@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from atom.attention.family import MLAFamily
 from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
@@ -267,7 +268,10 @@ _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 
 
 class DeepseekV2ForCausalLM(nn.Module):
-    attention_backend = "mla"  # the ModelRunner gives its slots an MLABackend
+    @classmethod
+    def family(cls, config) -> MLAFamily:
+        """The attention family the engine asks (a latent cache: its slots get MLABackends)."""
+        return MLAFamily()
 
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()

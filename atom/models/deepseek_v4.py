@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention
+from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention, V4Family
 from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
@@ -365,7 +365,10 @@ class DeepseekCausalLM(nn.Module):
 
 
 class DeepseekV4ForCausalLM(DeepseekCausalLM):
-    attention_backend = "v4"  # the ModelRunner gives its slots a V4Backend
+    @classmethod
+    def family(cls, config) -> V4Family:
+        """The attention family the engine asks (its slots get V4Backends)."""
+        return V4Family()
 
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()

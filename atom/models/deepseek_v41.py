@@ -29,7 +29,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from atom.attention.v41 import IndexerInputs, SharedChoice, SourceInputs, V41Attention
+from atom.attention.v41 import (
+    IndexerInputs,
+    SharedChoice,
+    SourceInputs,
+    V41Attention,
+    V41Family,
+)
 from atom.forward_context import get_forward_context
 from atom.kernels import v41_quant
 from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
@@ -408,8 +414,12 @@ def _link_sources(config, layers: list[V41Attention]) -> None:
 
 
 class DeepseekV41ForCausalLM(DeepseekCausalLM):
-    attention_backend = "v41"  # the ModelRunner gives its slots a V41Backend
     model_type = "deepseek_v41"
+
+    @classmethod
+    def family(cls, config) -> V41Family:
+        """The attention family the engine asks (its slots get V41Backends)."""
+        return V41Family()
 
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()

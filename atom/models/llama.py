@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from atom.attention.family import AttentionFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed import PipelineGroup, TensorParallelGroup, shard_range, stage_layer_range
 from atom.forward_context import current_fusions
@@ -213,6 +214,11 @@ class LlamaForCausalLM(nn.Module):
         shard_range(config.num_attention_heads, 0, world_size, "num_attention_heads")
         shard_range(_num_kv_heads(config), 0, world_size, "num_key_value_heads")
         shard_range(config.intermediate_size, 0, world_size, "intermediate_size")
+
+    @classmethod
+    def family(cls, config) -> AttentionFamily:
+        """Paged MHA: every feature (prefix caching, draft model, TP, PP, fp8 KV)."""
+        return AttentionFamily()
 
     @staticmethod
     def validate_pipeline_parallel(config, num_stages: int) -> None:

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from atom.attention.gdn import GatedDeltaNetState
+from atom.attention.family import AttentionFamily, FamilySupport
+from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
@@ -250,7 +251,13 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
-    attention_backend = "gdn"  # an instance with no GDN layer sets "mha" (see __init__)
+    @classmethod
+    def family(cls, config) -> AttentionFamily:
+        """GDN (full-attention layers paged, GDN layers in state slots); a stack with no GDN
+        layer holds no state: plain MHA as HF runs it, in one process like the others."""
+        if "linear_attention" in config.layer_types[: config.num_hidden_layers]:
+            return GDNFamily()
+        return AttentionFamily(FamilySupport(fp8_kv=True))
 
     def __init__(self, config, max_position: int | None = None, tp=None):
         super().__init__()
@@ -264,7 +271,6 @@ class Qwen3NextForCausalLM(nn.Module):
                 f"qwen3_next: layer_types {layer_types} has no full_attention layer; a "
                 "stack of linear_attention layers only is not supported"
             )
-        self.attention_backend = "gdn" if "linear_attention" in layer_types else "mha"
         max_position = max_position or config.max_position_embeddings
         self.model = Qwen3NextModel(config, max_position)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import torch
+
+from atom.attention.family import layer_state
 from atom.attention.v41 import V41Attention
 
 RATIOS = [0, 0] + [2] * 18 + [1] * 20
@@ -26,9 +29,6 @@ def bytes_per_token(config, block_size: int, context: int, itemsize: int = 2) ->
         for i in range(len(config.compress_ratios))
     ]
     paged = sum(a.block_bytes(block_size, itemsize) for a in layers) / block_size
-    state = 0
-    for a in layers:
-        for shape in a.state_shapes().values():
-            size = shape[2].itemsize if len(shape) > 2 else itemsize
-            state += shape[0] * shape[1] * size
+    cache_dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}[itemsize]
+    state = sum(spec.bytes_per_slot for spec in layer_state(layers, cache_dtype))
     return {"paged": paged, "state_per_sequence": state, "total": paged + state / context}

@@ -54,7 +54,8 @@ def uses_state_snapshots(config, speculation: SpeculationSupport, num_state_slot
 
 
 class StateSnapshots:
-    """Backup rows of every per-slot state tensor (`state_slots.slot_tensors`)."""
+    """Backup rows of every per-slot state tensor (the family's state contract, as
+    `state_slots.allocate_state` returns them)."""
 
     def __init__(self, tensors: list[torch.Tensor], num_slots: int):
         self.tensors = tensors
