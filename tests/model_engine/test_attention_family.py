@@ -220,3 +220,48 @@ def test_cache_dtype_names():
     assert kv_cache_torch_dtype("fp8", BF16) is FP8
     with pytest.raises(ValueError, match="auto or fp8"):
         kv_cache_torch_dtype("int8", BF16)
+
+
+def _arch(name: str, **fields):
+    return SimpleNamespace(architectures=[name], hidden_act="silu", **fields)
+
+
+def test_pipeline_parallelism_asks_the_family():
+    from atom.distributed import PipelineError
+    from atom.model_engine.distributed_runner import validate_parallelism
+
+    config = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)
+    for name, model_type in [
+        ("DeepseekV2ForCausalLM", "deepseek_v2"),
+        ("DeepseekV4ForCausalLM", "deepseek_v4"),
+        ("DeepseekV41ForCausalLM", "deepseek_v41_text"),
+    ]:
+        with pytest.raises(PipelineError, match="pipeline parallelism is not supported"):
+            validate_parallelism(config, _arch(name, model_type=model_type))
+    llama = dict(
+        model_type="llama", num_attention_heads=4, num_key_value_heads=2, intermediate_size=64
+    )
+    validate_parallelism(config, _arch("LlamaForCausalLM", num_hidden_layers=4, **llama))
+    with pytest.raises(PipelineError):  # the Llama family's own check: a stage per layer
+        validate_parallelism(config, _arch("LlamaForCausalLM", num_hidden_layers=1, **llama))
+
+
+@pytest.mark.parametrize(
+    "cls, model_type",
+    [
+        (DeepseekV2ForCausalLM, "deepseek_v2"),
+        (DeepseekV4ForCausalLM, "deepseek_v4"),
+        (DeepseekV41ForCausalLM, "deepseek_v41"),
+        (Qwen3NextForCausalLM, "qwen3_next"),
+    ],
+)
+def test_a_family_without_tensor_parallelism_is_refused_by_its_model(cls, model_type):
+    from atom.distributed.tensor_parallel import ShardingError
+
+    hf = SimpleNamespace(
+        model_type=model_type, layer_types=["linear_attention", "full_attention"],
+        num_hidden_layers=2,
+    )  # fmt: skip
+    assert not cls.family(hf).supports.tensor_parallel
+    with pytest.raises(ShardingError, match="tensor parallelism is not supported"):
+        cls.validate_tensor_parallel(hf, 2)
