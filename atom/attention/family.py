@@ -170,9 +170,6 @@ class AttentionFamily:
         return KVCache(data, scales)
 
 
-MHAFamily = AttentionFamily
-
-
 class MLAFamily(AttentionFamily):
     """Multi-head latent attention (atom/attention/mla.py): one latent row per token and
     layer (``kv_lora_rank + rope_dim``), addressed by the MHA slots. ``data`` is
