@@ -146,16 +146,9 @@ class PhaseClock:
 @contextlib.contextmanager
 def instrumented(clock: PhaseClock):
     """Wrap the engine's step methods (class attributes; restored on exit)."""
-    from atom.model_engine import (
-        cuda_graphs,
-        llm_engine,
-        logprobs,
-        model_runner,
-        runner_slot,
-        sampler,
-        sampling_step,
-        scheduler,
-    )
+    from atom.model_engine import cuda_graphs, llm_engine, model_runner, runner_slot, scheduler
+    from atom.model_engine.sampling import logprobs, sampler
+    from atom.model_engine.sampling import plan as sampling_step
 
     originals = []
 

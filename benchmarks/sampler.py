@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from atom.model_engine.runner_slot import RunnerSlot
-from atom.model_engine.sampler import Sampler, SamplingTensors
+from atom.model_engine.sampling.sampler import Sampler, SamplingTensors
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams

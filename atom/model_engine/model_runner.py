@@ -37,10 +37,10 @@ from atom.model_engine import state_slots
 from atom.model_engine.cpu_threads import set_cpu_threads
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.kv_cache import allocate_kv_cache, kv_block_bytes, kv_cache_torch_dtype
-from atom.model_engine.logprobs import merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
-from atom.model_engine.sampler import ARGMAX_MAX_ROWS, Sampler
-from atom.model_engine.sampling_state import SamplingState
+from atom.model_engine.sampling.logprobs import merge_step_logprobs
+from atom.model_engine.sampling.sampler import ARGMAX_MAX_ROWS, Sampler
+from atom.model_engine.sampling.state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.state_rollback import StateSnapshots, uses_state_snapshots
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows

@@ -26,9 +26,9 @@ from atom.attention.backend import MHABackend, PagedAttentionBackend
 from atom.h2d.contract import REPEAT_LAST
 from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
 from atom.model_engine.page_table import PageTable
-from atom.model_engine.sampler import SamplingTensors
-from atom.model_engine.sampling_state import SamplingState
-from atom.model_engine.sampling_step import SamplingPlan
+from atom.model_engine.sampling.plan import SamplingPlan
+from atom.model_engine.sampling.sampler import SamplingTensors
+from atom.model_engine.sampling.state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 
 
@@ -54,7 +54,7 @@ class PreparedStep:
     # Speculative verification: logits rows of the step (a drafting sequence has one per
     # draft plus one); `draft_token_ids` holds each row's draft (-1: none). 0 = no drafts.
     num_verify_rows: int = 0
-    # Logprobs, penalties, logit_bias, grammars... (sampling_step.py); None: plain sampling.
+    # Logprobs, penalties, logit_bias, grammars... (atom/model_engine/sampling/plan.py); None: plain sampling.
     sampling_plan: SamplingPlan | None = None
 
 
@@ -107,7 +107,7 @@ class RunnerSlot:
             # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
             BufferSpec("placeholder_dst", (seqs,), torch.int64, 0),
             BufferSpec("placeholder_src", (seqs,), torch.int64, 0),
-            # Sampling plans (sampling_step.py): the SamplingState row of each sampling row,
+            # Sampling plans (atom/model_engine/sampling/plan.py): the SamplingState row of each sampling row,
             # builds of state rows new this step (row, min_tokens, outputs, bias entries,
             # stop ids | presence, frequency, repetition | (row, column, token) entries of
             # prompt, output, bias and stop tokens | bias values), the grammar bitmask,

@@ -77,7 +77,7 @@ def test_uniform_temperature_stays_on_the_host(backend):
 
 
 def test_uniform_temperature_samples_like_per_row_temperatures():
-    from atom.model_engine.sampler import Sampler, SamplingTensors
+    from atom.model_engine.sampling.sampler import Sampler, SamplingTensors
 
     logits = torch.randn(3, 50)
     generators = [torch.Generator().manual_seed(i) for i in range(3)]

@@ -1,4 +1,4 @@
-"""The host side of a step: its log-probability entries (atom/model_engine/logprobs.py),
+"""The host side of a step: its log-probability entries (atom/model_engine/sampling/logprobs.py),
 the frozen start-up heap of the stepping loops (atom/gc_heap.py), and the profile of a
 decode step's host phases (benchmarks/engine_host_profile.py).
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from atom.gc_heap import frozen_heap
-from atom.model_engine.logprobs import Logprob, LogprobTensors
+from atom.model_engine.sampling.logprobs import Logprob, LogprobTensors
 
 
 def _tensors(rows: int = 6, k: int = 5) -> LogprobTensors:

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from atom.kernels import sampling as kernels
-from atom.model_engine.logprobs import LogprobTensors, StepLogprobs, compute_logprobs
-from atom.model_engine.sampler import Sampler, SamplingTensors
-from atom.model_engine.sampling_state import SamplingState, StagedBuilds
-from atom.model_engine.structured_output import apply_token_bitmask, fill_bitmask
+from atom.model_engine.sampling.logprobs import LogprobTensors, StepLogprobs, compute_logprobs
+from atom.model_engine.sampling.sampler import Sampler, SamplingTensors
+from atom.model_engine.sampling.state import SamplingState, StagedBuilds
+from atom.model_engine.sampling.structured_output import apply_token_bitmask, fill_bitmask
 
 
 @dataclass
