@@ -183,7 +183,7 @@ def instrumented(clock: PhaseClock):
     patch(runner, "launch", "launch_other")
     patch(runner, "_forward", "forward")
     patch(runner_slot.RunnerSlot, "prepare", "prepare")
-    patch(runner_slot.RunnerSlot, "flush", "publish")
+    patch(runner_slot.RunnerSlot, "_flush", "publish")
     patch(sampling_step.SamplingPlan, "publish", "publish")
     patch(sampling_step.SamplingPlan, "sample", "sample")
     patch(sampler.Sampler, "__call__", "sample")

@@ -92,7 +92,8 @@ def measure_atom(case: str, batch: int, width: int, device, iterations: int, bac
         state["layout"] += new_layout
         table.sync(order, state["layout"], grown, state["step"])
         table.publish(batch)
-        slot.flush()
+        publisher.flush()
+        table.on_published()
 
     guard()
     sync(seqs, [], True)  # the first step writes every row

@@ -84,8 +84,8 @@ def _stage_plan(slot: RunnerSlot, batch: ScheduledBatch):
         cu = np.arange(n + 1, dtype=np.int64)
         ends = np.fromiter((len(s) for s in batch.seqs), np.int64, n)
         plan = slot._stage_sampling_plan(batch, batch.seqs, cu, ends)
-        plan.publish(slot)
-    slot.flush()
+        plan.publish(slot.buffers.sampling)
+    slot.publisher.flush()
     return plan
 
 

@@ -396,23 +396,19 @@ class ModelRunner:
         with profiling.stage("prepare"):
             slot.wait_for_transfers()
             step = slot.prepare(batch, padded_seqs=graph_size)
-        # Each consumer asks for what it reads (publication at the first consumer); the
-        # flush then sends the step's group before any consumer kernel is queued.
-        input_ids, positions, metadata = slot.publish_model_inputs(step)
-        placeholders = slot.publish_placeholders(step)
-        sampling = step.sampling_seqs and slot.publish_sampling(step)
-        logits_indices = slot.publish_logits_indices(step)
-        drafts = slot.publish_draft_tokens(step)  # speculative steps only
+        # Published and flushed before any consumer kernel is queued.
+        inputs = slot.publish(step)
+        input_ids, positions, metadata = inputs.input_ids, inputs.positions, inputs.metadata
+        sampling, logits_indices = inputs.sampling, inputs.logits_indices
+        drafts = inputs.draft_token_ids  # speculative steps only
         # Log-probabilities, grammars, penalties...: None unless a request asks for them.
-        plan = slot.publish_sampling_plan(step)
-        with profiling.stage("publish"):
-            slot.flush()
+        plan = inputs.sampling_plan
         prompt = None
 
         verify_size = self._verify_graph_size(index, batch, step, plan)
         with profiling.stage("forward"):
-            if placeholders is not None and (self.pp is None or self.pp.is_first):
-                dst, src = placeholders
+            if inputs.placeholders is not None and (self.pp is None or self.pp.is_first):
+                dst, src = inputs.placeholders
                 if dst is None:  # in place: input_ids[:n] = previous[:n], one device copy
                     assert previous.dim() == 1, "one token per sampled row"
                     n = step.num_placeholders
