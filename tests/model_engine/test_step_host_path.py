@@ -127,7 +127,7 @@ def test_steady_decode_fills_placeholders_in_place(tiny_model_dirs, monkeypatch)
     def recording(self, batch, padded_seqs):
         step = prepare(self, batch, padded_seqs)
         if step.num_placeholders:
-            staged = self.placeholder_dst.staged_step == self.publisher.step
+            staged = self.buffers.placeholder_dst.staged_step == self.publisher.step
             steps.append((step.num_placeholders, step.placeholders_in_place, staged))
         return step
 
