@@ -60,6 +60,15 @@ class PreparedStep:
     sampling_plan: SamplingPlan | None = None
 
 
+@dataclass
+class _LastPlan:
+    """A slot's last SamplingPlan and its batch key: the next decode step of the same batch
+    may run it again with nothing staged."""
+
+    plan: SamplingPlan | None = None
+    key: tuple | None = None
+
+
 class RunnerSlot:
     def __init__(
         self,
@@ -87,8 +96,7 @@ class RunnerSlot:
         # step's worth of prompts; larger builds are rare and made directly.
         build_entries = 2 * max(tokens, max_blocks_per_seq * block_size) + 16 * seqs
         self.sampling_state = sampling_state or SamplingState(seqs, vocab_size, device)
-        self._plan: SamplingPlan | None = None  # the last step's, with its batch key
-        self._plan_key: tuple | None = None
+        self._last_plan = _LastPlan()
         self.backend = backend or MHABackend()
         family = self.backend.buffer_specs(seqs, tokens)
         specs = [
@@ -248,9 +256,9 @@ class RunnerSlot:
         """The step's SamplingPlan: the previous step's again when this decode batch is the
         same (layout, consecutive steps both decode-only, so the same sampling rows; no state
         row taken back since), else staged anew."""
-        previous, key = self._plan, self._plan_key
-        self._plan = None
-        self._plan_key = None
+        last = self._last_plan
+        previous, key = last.plan, last.key
+        last.plan = last.key = None
         if batch.needs_sampling_plan is False:
             return None
         epoch = self.sampling_state.epoch
@@ -270,9 +278,9 @@ class RunnerSlot:
                 self.buffers.sampling, self.sampling_state, batch, sampling_seqs, cu, ends
             )
         if plan is not None and batch.layout is not None and batch.step is not None:
-            self._plan = plan
+            last.plan = plan
             epoch = self.sampling_state.epoch
-            self._plan_key = (batch.layout, batch.step, epoch, batch.is_decode_only)
+            last.key = (batch.layout, batch.step, epoch, batch.is_decode_only)
         return plan
 
     def _stage_verify_rows(self, seqs, drafts, ends, cu, num_tokens):
