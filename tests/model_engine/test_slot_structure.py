@@ -150,3 +150,36 @@ def test_publish_returns_the_step_inputs_of_a_decode(backend):
     assert sampling.temperatures.tolist() == pytest.approx([0.5, 0.9])
     assert sampling.top_k is None and sampling.top_p is None
     assert inputs.event is slot.buffers.temperatures.last_transfer
+
+
+def test_publish_returns_placeholders_drafts_and_the_sampling_plan():
+    """Asynchronous scheduling and logprobs: row 0 takes token 1 of the last step and row 1
+    token 0 (not in place: the (dst, src) pairs are published); only row 1 wants logprobs."""
+    slot = RunnerSlot(0, 4, 32, 16, 16, 1000, CPU, h2d_checked=True)
+    seqs = [_seq(range(40), 39, [0, 1, 2]), _seq(range(1, 41), 39, [5, 6, 7])]
+    seqs[1].sampling_params = SamplingParams(temperature=0.0, logprobs=2)
+    seqs[0].pending_token = (0, 1)
+    seqs[1].pending_token = (0, 0)
+    batch = ScheduledBatch(seqs, [1, 1], 2, layout=1, grown=[], step=1)
+    inputs = slot.publish(slot.prepare(batch))
+    dst, src = inputs.placeholders
+    assert dst.tolist() == [0, 1] and src.tolist() == [1, 0]
+    plan = inputs.sampling_plan
+    assert plan is not None and plan.logprob_rows == [1]
+    assert plan.logprob_index.tolist() == [1]
+    assert inputs.draft_token_ids is None and inputs.sampling.all_greedy
+
+
+def test_publish_returns_the_drafts_of_a_verify_step():
+    """Speculative verification: A (context 8, 2 drafts) reads its last 3 rows; row j is
+    checked against draft j + 1, its last row against nothing (-1)."""
+    slot = RunnerSlot(0, 4, 32, 8, 4, 1000, CPU, h2d_checked=True)
+    a = _seq(range(10, 18), 7, [0, 1, 2])
+    batch = ScheduledBatch([a], [3], 0, layout=1, grown=[], step=1)
+    batch.num_draft_tokens, batch.draft_token_ids = [2], [[50, 51]]
+    inputs = slot.publish(slot.prepare(batch))
+    assert inputs.input_ids.tolist() == [17, 50, 51]
+    assert inputs.positions.tolist() == [7, 8, 9]
+    assert inputs.draft_token_ids.tolist() == [50, 51, -1]
+    assert inputs.logits_indices is None  # every row is a verify row
+    assert inputs.metadata.context_lens.tolist() == [10]
