@@ -94,7 +94,7 @@ def measure(
         slot.publisher._graphs = []  # issue the copy and launch the Triton kernel every step
     batch = decode_batch(batch_size, 1000, 16)
     publisher = slot.publisher
-    buffers = slot._buffers
+    buffers = slot._staged
     samples = {key: [] for key in ("host", "slot", "gpu", "checks", "prepare", "views")}
     copies = kernels = nbytes = 0
     start_event, end_event = (

@@ -85,7 +85,7 @@ def measure_atom(case: str, batch: int, width: int, device, iterations: int, bac
     state = {"step": 0, "layout": 0, "next_block": batch * width}
 
     def guard():
-        publisher.producer_guard(slot._buffers)
+        publisher.producer_guard(slot._staged)
 
     def sync(order, grown, new_layout):
         state["step"] += 1

@@ -79,7 +79,7 @@ def _decode_batch(seqs: list, layout: int, step: int) -> ScheduledBatch:
 
 def _stage_plan(slot: RunnerSlot, batch: ScheduledBatch):
     """Host side of one step's SamplingPlan (what RunnerSlot.prepare runs), published."""
-    with slot.publisher.producer_guard(slot._buffers):
+    with slot.publisher.producer_guard(slot._staged):
         n = len(batch.seqs)
         cu = np.arange(n + 1, dtype=np.int64)
         ends = np.fromiter((len(s) for s in batch.seqs), np.int64, n)

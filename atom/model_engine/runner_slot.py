@@ -107,7 +107,7 @@ class RunnerSlot:
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
         self.publisher = self.h2d.publisher
         self._publish = self.publisher.publish
-        self._buffers = list(self.h2d.buffers.values())  # under the producer guard
+        self._staged = list(self.h2d.buffers.values())  # every one, for the producer guard
         slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.buffers = StepBuffers.of(self.h2d, family, slot_mapping)
         self.page_table = PageTable(
@@ -132,7 +132,7 @@ class RunnerSlot:
         `padded_seqs` (decode only) is the CUDA-graph batch size the step will replay at;
         buffers the graph reads are staged at that length so publication can pad them.
         """
-        with self.publisher.producer_guard(self._buffers):
+        with self.publisher.producer_guard(self._staged):
             return self._prepare(batch, padded_seqs)
 
     def _prepare(self, batch: ScheduledBatch, padded_seqs: int | None) -> PreparedStep:
