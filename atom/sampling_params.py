@@ -48,7 +48,7 @@ class SamplingParams:
     stop_token_ids: extra token ids that end generation (the token is kept in the output).
     seed: makes random sampling of this request reproducible, whatever its batch.
 
-    OpenAI / vLLM options (atom/model_engine/logits_processors.py applies them, as vLLM
+    OpenAI / vLLM options (atom/model_engine/sampling/logits_processors.py applies them, as vLLM
     defines them):
     n: samples of the prompt (they share its KV blocks through the prefix cache; sample i
         of a seeded request uses seed + i).
@@ -91,7 +91,7 @@ class SamplingParams:
     # (within the compile timeout): the engine takes this grammar as it is, so its thread
     # never compiles one (xgrammar's cache may have evicted the schema meanwhile).
     compiled_grammar: object = field(default=None, repr=False, compare=False)
-    # Derived: some option above needs the runner's SamplingPlan (sampling_step.py).
+    # Derived: some option above needs the runner's SamplingPlan (sampling/plan.py).
     needs_sampling_plan: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -146,16 +146,8 @@ class PhaseClock:
 @contextlib.contextmanager
 def instrumented(clock: PhaseClock):
     """Wrap the engine's step methods (class attributes; restored on exit)."""
-    from atom.model_engine import (
-        cuda_graphs,
-        llm_engine,
-        logprobs,
-        model_runner,
-        runner_slot,
-        sampler,
-        sampling_step,
-        scheduler,
-    )
+    from atom.model_engine import cuda_graphs, llm_engine, model_runner, runner_slot, scheduler
+    from atom.model_engine.sampling import logprobs, plan, sampler
 
     originals = []
 
@@ -190,9 +182,9 @@ def instrumented(clock: PhaseClock):
     patch(runner, "launch", "launch_other")
     patch(runner, "_forward", "forward")
     patch(runner_slot.RunnerSlot, "prepare", "prepare")
-    patch(runner_slot.RunnerSlot, "flush", "publish")
-    patch(sampling_step.SamplingPlan, "publish", "publish")
-    patch(sampling_step.SamplingPlan, "sample", "sample")
+    patch(runner_slot.RunnerSlot, "_flush", "publish")
+    patch(plan.SamplingPlan, "publish", "publish")
+    patch(plan.SamplingPlan, "sample", "sample")
     patch(sampler.Sampler, "__call__", "sample")
     patch(cuda_graphs.DecodeGraphs, "run", "forward")
     patch(model_runner.StepHandle, "of", "d2h")

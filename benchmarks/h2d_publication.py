@@ -103,7 +103,7 @@ def measure(
         slot.publisher._graphs = []  # issue the copy and launch the Triton kernel every step
     batch = decode_batch(batch_size, 1000, 16)
     publisher = slot.publisher
-    buffers = slot._buffers
+    buffers = slot._staged
     samples = {key: [] for key in ("host", "slot", "gpu", "checks", "prepare", "views")}
     copies = kernels = nbytes = 0
     start_event, end_event = (
@@ -122,13 +122,11 @@ def measure(
         header_before = getattr(publisher, "_header_descriptors", None)
         start_event.record()
         t3 = time.perf_counter()
-        slot.publish_model_inputs(step)
-        slot.publish_sampling(step)
+        slot._queue(step)
         group = list(publisher._group)
         publisher.flush()
         t4 = time.perf_counter()
         # consumer side, not publication: page-table deltas applied, slot mapping derived
-        slot._derive = None
         slot.page_table.on_published()
         slot.backend.derive_views(slot, step.num_tokens, step.num_seqs, step.is_decode)
         t4b = time.perf_counter()
@@ -231,11 +229,9 @@ def breakdown(batch_size: int = 256) -> None:
             slot.wait_for_transfers()
             step = slot.prepare(batch)
             profile.enable()
-            slot.publish_model_inputs(step)
-            slot.publish_sampling(step)
+            slot._queue(step)
             slot.publisher.flush()
             profile.disable()
-            slot._derive = None
             slot.page_table.on_published()
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(12)

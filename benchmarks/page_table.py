@@ -94,14 +94,15 @@ def measure_atom(case: str, batch: int, width: int, device, iterations: int, bac
     state = {"step": 0, "layout": 0, "next_block": batch * width}
 
     def guard():
-        publisher.producer_guard(slot._buffers)
+        publisher.producer_guard(slot._staged)
 
     def sync(order, grown, new_layout):
         state["step"] += 1
         state["layout"] += new_layout
         table.sync(order, state["layout"], grown, state["step"])
         table.publish(batch)
-        slot.flush()
+        publisher.flush()
+        table.on_published()
 
     guard()
     sync(seqs, [], True)  # the first step writes every row

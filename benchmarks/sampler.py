@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from atom.model_engine.runner_slot import RunnerSlot
-from atom.model_engine.sampler import Sampler, SamplingTensors
+from atom.model_engine.sampling.sampler import Sampler, SamplingTensors
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import Sequence
 from atom.sampling_params import SamplingParams
@@ -79,13 +79,13 @@ def _decode_batch(seqs: list, layout: int, step: int) -> ScheduledBatch:
 
 def _stage_plan(slot: RunnerSlot, batch: ScheduledBatch):
     """Host side of one step's SamplingPlan (what RunnerSlot.prepare runs), published."""
-    with slot.publisher.producer_guard(slot._buffers):
+    with slot.publisher.producer_guard(slot._staged):
         n = len(batch.seqs)
         cu = np.arange(n + 1, dtype=np.int64)
         ends = np.fromiter((len(s) for s in batch.seqs), np.int64, n)
         plan = slot._stage_sampling_plan(batch, batch.seqs, cu, ends)
-        plan.publish(slot)
-    slot.flush()
+        plan.publish(slot.buffers.sampling)
+    slot.publisher.flush()
     return plan
 
 

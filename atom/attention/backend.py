@@ -59,8 +59,8 @@ class PagedAttentionBackend:
     def graph_metadata(self, slot, size: int) -> AttentionMetadata:
         """The metadata a decode CUDA graph of `size` rows is captured with (fixed views)."""
         return AttentionMetadata(
-            slot_mapping=slot.slot_mapping[:size],
-            context_lens=slot.context_lens.device[:size],
+            slot_mapping=slot.buffers.slot_mapping[:size],
+            context_lens=slot.buffers.context_lens.device[:size],
             block_tables=slot.page_table.device_rows[:size],
             cu_seqlens_q=None,
             max_seqlen_q=1,
@@ -71,10 +71,10 @@ class PagedAttentionBackend:
         """The metadata a multi-token CUDA graph (S = `size` sequences x `rows_per_seq`
         tokens, verify_graphs.py) is captured with: the slot's fixed views."""
         return AttentionMetadata(
-            slot_mapping=slot.slot_mapping[: size * rows_per_seq],
-            context_lens=slot.context_lens.device[:size],
+            slot_mapping=slot.buffers.slot_mapping[: size * rows_per_seq],
+            context_lens=slot.buffers.context_lens.device[:size],
             block_tables=slot.page_table.device_rows[:size],
-            cu_seqlens_q=slot.cu_seqlens_q.device[: size + 1],
+            cu_seqlens_q=slot.buffers.cu_seqlens_q.device[: size + 1],
             max_seqlen_q=rows_per_seq,
             is_decode=False,
         )
@@ -88,12 +88,12 @@ class PagedAttentionBackend:
         padded = step.padded_seqs or seqs
         padded_tokens = step.padded_seqs or step.num_tokens
         if step.is_decode:
-            context_lens = publish(slot.context_lens, seqs, padded)
+            context_lens = publish(slot.buffers.context_lens, seqs, padded)
             rows = slot.page_table.publish(padded)
             metadata = self._decode_metadata.get(padded)
             if metadata is None:
                 metadata = self._decode_metadata[padded] = AttentionMetadata(
-                    slot_mapping=slot.slot_mapping[:padded],
+                    slot_mapping=slot.buffers.slot_mapping[:padded],
                     context_lens=context_lens,
                     block_tables=rows,
                     cu_seqlens_q=None,
@@ -102,10 +102,10 @@ class PagedAttentionBackend:
                 )
             return metadata
         return AttentionMetadata(
-            slot_mapping=slot.slot_mapping[:padded_tokens],
-            context_lens=publish(slot.context_lens, seqs, padded),
+            slot_mapping=slot.buffers.slot_mapping[:padded_tokens],
+            context_lens=publish(slot.buffers.context_lens, seqs, padded),
             block_tables=slot.page_table.publish(padded),
-            cu_seqlens_q=None if step.is_decode else publish(slot.cu_seqlens_q, seqs + 1),
+            cu_seqlens_q=None if step.is_decode else publish(slot.buffers.cu_seqlens_q, seqs + 1),
             max_seqlen_q=step.max_seqlen_q,
             is_decode=step.is_decode,
         )
@@ -120,10 +120,10 @@ class PagedAttentionBackend:
         )
         derive(
             slot.page_table.device_rows,
-            slot.positions.device,
-            None if is_decode else slot.cu_seqlens_q.device,
-            slot.context_lens.device,
-            slot.slot_mapping,
+            slot.buffers.positions.device,
+            None if is_decode else slot.buffers.cu_seqlens_q.device,
+            slot.buffers.context_lens.device,
+            slot.buffers.slot_mapping,
             num_tokens,
             num_rows,
             slot.block_size,

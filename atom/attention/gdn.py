@@ -75,18 +75,20 @@ class GDNBackend(PagedAttentionBackend):
 
     def stage(self, slot, seqs, stage) -> None:
         # Staged at capacity: a decode step publishes them padded to its graph size.
-        n = len(seqs)
-        stage(slot.state_slots, slot.state_slots.capacity)[:n] = [s.state_slot for s in seqs]
+        n, family = len(seqs), slot.buffers.family
+        stage(family["state_slots"], family["state_slots"].capacity)[:n] = [
+            s.state_slot for s in seqs
+        ]
         fresh = [s.num_computed_tokens == 0 for s in seqs]
-        stage(slot.state_fresh, slot.state_fresh.capacity)[:n] = fresh
+        stage(family["state_fresh"], family["state_fresh"].capacity)[:n] = fresh
 
     def build_metadata(self, slot, step, publish) -> GDNAttentionMetadata:
         base = super().build_metadata(slot, step, publish)
         seqs, padded = step.num_seqs, step.padded_seqs or step.num_seqs
         metadata = GDNAttentionMetadata(
             **vars(base),
-            state_slots=publish(slot.state_slots, seqs, padded),
-            state_fresh=publish(slot.state_fresh, seqs, padded),
+            state_slots=publish(slot.buffers.family["state_slots"], seqs, padded),
+            state_fresh=publish(slot.buffers.family["state_fresh"], seqs, padded),
         )
         # CUDA prefill: the chunk bounds come from cu_seqlens once the flush has landed
         # them (packed publication copies at the flush), in `derive_views`.
@@ -104,22 +106,24 @@ class GDNBackend(PagedAttentionBackend):
         base = super().verify_graph_metadata(slot, size, rows_per_seq)
         return GDNAttentionMetadata(
             **vars(base),
-            state_slots=slot.state_slots.device[:size],
-            state_fresh=slot.state_fresh.device[:size],
+            state_slots=slot.buffers.family["state_slots"].device[:size],
+            state_fresh=slot.buffers.family["state_fresh"].device[:size],
         )
 
     def pad_graph_rows(self, slot, start: int, end: int) -> None:
-        slot.state_slots.device[start:end].fill_(-1)  # padded rows touch the scratch slot
-        slot.state_fresh.device[start:end].zero_()
+        # padded rows touch the scratch slot
+        slot.buffers.family["state_slots"].device[start:end].fill_(-1)
+        slot.buffers.family["state_fresh"].device[start:end].zero_()
 
     def graph_metadata(self, slot, size: int) -> GDNAttentionMetadata:
-        slot.state_slots.device.fill_(-1)  # padding at capture: touch only the scratch slot
-        slot.state_fresh.device.zero_()
+        # padding at capture: touch only the scratch slot
+        slot.buffers.family["state_slots"].device.fill_(-1)
+        slot.buffers.family["state_fresh"].device.zero_()
         base = super().graph_metadata(slot, size)
         return GDNAttentionMetadata(
             **vars(base),
-            state_slots=slot.state_slots.device[:size],
-            state_fresh=slot.state_fresh.device[:size],
+            state_slots=slot.buffers.family["state_slots"].device[:size],
+            state_fresh=slot.buffers.family["state_fresh"].device[:size],
         )
 
 

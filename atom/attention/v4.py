@@ -81,20 +81,26 @@ class V4Backend(PagedAttentionBackend):
     def stage(self, slot, seqs, stage) -> None:
         # Staged at capacity: a decode step publishes the rows padded to its graph size
         # (publish writes the pad value -1 into rows past the batch).
-        rows = stage(slot.state_slots, slot.state_slots.capacity)
+        rows = stage(
+            slot.buffers.family["state_slots"], slot.buffers.family["state_slots"].capacity
+        )
         rows[: len(seqs)] = [seq.state_slot for seq in seqs]
 
     def build_metadata(self, slot, step, publish) -> V4AttentionMetadata:
         base = super().build_metadata(slot, step, publish)
         padded = step.padded_seqs or step.num_seqs
         return V4AttentionMetadata(
-            **vars(base), state_slots=publish(slot.state_slots, step.num_seqs, padded)
+            **vars(base),
+            state_slots=publish(slot.buffers.family["state_slots"], step.num_seqs, padded),
         )
 
     def graph_metadata(self, slot, size: int) -> V4AttentionMetadata:
-        slot.state_slots.device.fill_(-1)  # padding at capture: touch only the scratch slot
+        # padding at capture: touch only the scratch slot
+        slot.buffers.family["state_slots"].device.fill_(-1)
         base = super().graph_metadata(slot, size)
-        return V4AttentionMetadata(**vars(base), state_slots=slot.state_slots.device[:size])
+        return V4AttentionMetadata(
+            **vars(base), state_slots=slot.buffers.family["state_slots"].device[:size]
+        )
 
 
 @dataclass

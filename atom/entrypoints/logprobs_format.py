@@ -9,7 +9,7 @@ Log-probabilities below -9999 (a masked token: -inf) are reported as -9999, as v
 
 from __future__ import annotations
 
-from atom.model_engine.logprobs import Logprob
+from atom.model_engine.sampling.logprobs import Logprob
 
 _FLOOR = -9999.0
 

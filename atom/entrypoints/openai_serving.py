@@ -49,7 +49,7 @@ from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRe
 from atom.entrypoints.reasoning import prompt_opens_reasoning
 from atom.entrypoints.request_limits import AdmissionBudget, Reservation, ServerLimits
 from atom.model_engine.grammar_limits import check_schema
-from atom.model_engine.structured_output import InvalidGrammarError
+from atom.model_engine.sampling.structured_output import InvalidGrammarError
 from atom.sampling_params import SamplingParamError, SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ row's logits once and, by its constexpr switches:
 
 - OPTIONS: applies logit_bias, min_tokens masking and vLLM's repetition / frequency /
   presence penalties, reading the row's state from device tensors owned by `SamplingState`
-  (atom/model_engine/sampling_state.py):
+  (atom/model_engine/sampling/state.py):
 
       counts      [R, V] int32   output-token counts of state row r; the sign bit
                                  (PROMPT_FLAG) set where the token occurs in the prompt

@@ -62,12 +62,12 @@ class DecodeGraphs:
     def capture(self) -> None:
         slot = self.slot
         # Well-defined padding everywhere: no cache writes, nothing to attend to.
-        slot.slot_mapping.fill_(-1)
-        slot.context_lens.device.fill_(0)
+        slot.buffers.slot_mapping.fill_(-1)
+        slot.buffers.context_lens.device.fill_(0)
         pool = None
         for size in reversed(self.batch_sizes):
-            input_ids = slot.input_ids.device[:size]
-            positions = slot.positions.device[:size]
+            input_ids = slot.buffers.input_ids.device[:size]
+            positions = slot.buffers.positions.device[:size]
             with forward_context(self._metadata(size), self.fusions):
                 self._forward_and_greedy(size, input_ids, positions)  # warm-up: compiled
                 torch.cuda.synchronize()

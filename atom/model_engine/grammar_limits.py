@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from atom.model_engine.structured_output import InvalidGrammarError
+from atom.model_engine.sampling.structured_output import InvalidGrammarError
 
 # Keywords whose value is a count that xgrammar unrolls into that many grammar rules.
 COUNT_KEYWORDS = (

@@ -17,8 +17,9 @@ from atom.model_engine.failures import (
     describe,
     is_device_fault,
 )
-from atom.model_engine.logprobs import Logprob
 from atom.model_engine.model_runner import ModelRunner
+from atom.model_engine.sampling.logprobs import Logprob
+from atom.model_engine.sampling.structured_output import GrammarBackend, accept_tokens
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
@@ -28,7 +29,6 @@ from atom.model_engine.speculative.draft_model import (
     draft_kv_block_bytes,
 )
 from atom.model_engine.state_slots import StateSlots
-from atom.model_engine.structured_output import GrammarBackend, accept_tokens
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.models.registry import model_class

@@ -35,10 +35,10 @@ from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
 from atom.model_engine.cpu_threads import set_cpu_threads
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
-from atom.model_engine.logprobs import merge_step_logprobs
 from atom.model_engine.runner_slot import RunnerSlot
-from atom.model_engine.sampler import ARGMAX_MAX_ROWS, Sampler
-from atom.model_engine.sampling_state import SamplingState
+from atom.model_engine.sampling.logprobs import merge_step_logprobs
+from atom.model_engine.sampling.sampler import ARGMAX_MAX_ROWS, Sampler
+from atom.model_engine.sampling.state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.speculative.state_rollback import StateSnapshots, uses_state_snapshots
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
@@ -387,23 +387,18 @@ class ModelRunner:
         with profiling.stage("prepare"):
             slot.wait_for_transfers()
             step = slot.prepare(batch, padded_seqs=graph_size)
-        # Each consumer asks for what it reads (publication at the first consumer); the
-        # flush then sends the step's group before any consumer kernel is queued.
-        input_ids, positions, metadata = slot.publish_model_inputs(step)
-        placeholders = slot.publish_placeholders(step)
-        sampling = step.sampling_seqs and slot.publish_sampling(step)
-        logits_indices = slot.publish_logits_indices(step)
-        drafts = slot.publish_draft_tokens(step)  # speculative steps only
+        # Published and flushed before any consumer kernel is queued.
+        inputs = slot.publish(step)
+        input_ids = inputs.input_ids
+        drafts = inputs.draft_token_ids  # speculative steps only
         # Log-probabilities, grammars, penalties...: None unless a request asks for them.
-        plan = slot.publish_sampling_plan(step)
-        with profiling.stage("publish"):
-            slot.flush()
+        plan = inputs.sampling_plan
         prompt = None
 
         verify_size = self._verify_graph_size(index, batch, step, plan)
         with profiling.stage("forward"):
-            if placeholders is not None and (self.pp is None or self.pp.is_first):
-                dst, src = placeholders
+            if inputs.placeholders is not None and (self.pp is None or self.pp.is_first):
+                dst, src = inputs.placeholders
                 if dst is None:  # in place: input_ids[:n] = previous[:n], one device copy
                     assert previous.dim() == 1, "one token per sampled row"
                     n = step.num_placeholders
@@ -421,36 +416,36 @@ class ModelRunner:
                 greedy_tokens = graphs.greedy_tokens(graph_size, step.num_seqs)
             elif verify_size is not None:
                 logits = self.verify_graphs[index].run(
-                    verify_size, step.num_seqs, step.num_tokens, logits_indices
+                    verify_size, step.num_seqs, step.num_tokens, inputs.logits_indices
                 )
             else:
                 self.eager_forwards += 1
-                with forward_context(metadata, self.config.fusions):
-                    hidden = self._forward(input_ids, positions, step.num_tokens)
+                with forward_context(inputs.metadata, self.config.fusions):
+                    hidden = self._forward(input_ids, inputs.positions, step.num_tokens)
                 if hidden is None:  # a pipeline stage that is not the last
                     return None, None
                 if plan is not None:
                     prompt = plan.prompt_logprobs(self.model, hidden)
                 if not step.sampling_seqs:
                     return None, None if plan is None else plan.step_logprobs(None, prompt)
-                if logits_indices is not None:
-                    hidden = hidden[logits_indices]
-                with forward_context(metadata, self.config.fusions):  # the LM head's GEMV
+                if inputs.logits_indices is not None:
+                    hidden = hidden[inputs.logits_indices]
+                with forward_context(inputs.metadata, self.config.fusions):  # the LM head's GEMV
                     logits = self.model.compute_logits(hidden)
         with profiling.stage("sample"):
             if logits is None:  # a tensor-parallel rank > 0: rows that rank 0 will fill
                 rows = len(step.sampling_seqs)
                 return torch.empty(rows, dtype=torch.int64, device=self.device), None
             if drafts is not None:  # [2, rows]: emitted token and acceptance of each row
-                verified = verify_rows(logits, sampling, drafts)
+                verified = verify_rows(logits, inputs.sampling, drafts)
                 if batch.device_drafts is not None:  # [3, rows]: and the drafts, for the host
                     verified = torch.cat((verified, drafts.unsqueeze(0)))
                 return verified, None
             if plan is None:
-                if greedy_tokens is not None and sampling.all_greedy:
+                if greedy_tokens is not None and inputs.sampling.all_greedy:
                     return greedy_tokens, None  # the graph's own argmax
-                return self.sampler(logits, sampling), None
-            return plan.sample(self.sampler, logits, sampling, prompt)
+                return self.sampler(logits, inputs.sampling), None
+            return plan.sample(self.sampler, logits, inputs.sampling, prompt)
 
     def _verify_graph_size(self, index: int, batch: ScheduledBatch, step, plan) -> int | None:
         """The multi-token graph size a step replays at, or None (eager): a verify step

@@ -1,8 +1,10 @@
 """The versioned page table: KV block ids per batch position, shared by every backend.
 
 One PageTable per RunnerSlot (pipeline stage / two-batch-overlap micro-batch), each with
-its own revisions, host rows and device mirror. Device row r holds the block ids of the
-sequence at batch position r of the slot's last step. Attention backends read it through
+its own revisions, host rows and device mirror. The slot hands it the two staged buffers
+that carry its changes (`page_moves`, `page_deltas`) and the publisher to send them with;
+the table never sees the slot. Device row r holds the block ids of the sequence at batch
+position r of the slot's last step. Attention backends read it through
 `publish` (atom/attention/backend.py) and derive their own views on the device (slot
 mapping, per-token indices); none builds a block table of its own.
 
@@ -39,6 +41,8 @@ import numpy as np
 import torch
 
 from atom.graph_capture import capture_graph
+from atom.h2d.contract import StagedBuffer
+from atom.h2d.publisher import Publisher
 from atom.kernels.page_table import (
     apply_row_deltas,
     apply_row_deltas_reference,
@@ -86,13 +90,19 @@ class _Deltas:
 class PageTable:
     def __init__(
         self,
-        slot,
+        moves: StagedBuffer,
+        deltas: StagedBuffer,
+        publisher: Publisher,
         max_rows: int,
         max_blocks_per_row: int,
         device: torch.device,
         checked: bool = False,
     ):
-        self.slot = slot  # its h2d buffers `page_moves` / `page_deltas` carry the changes
+        # Row moves [n | sources | destinations | lengths], then (row, start, block ids)
+        # deltas [n | rows | starts | offsets | ids]: only what changed since the last step.
+        self.moves = moves
+        self.deltas = deltas
+        self.publisher = publisher
         self.max_rows = max_rows
         self.width = max_blocks_per_row
         self.device = device
@@ -118,11 +128,11 @@ class PageTable:
 
     def _apply_moves(self) -> None:
         mover = move_rows if self.device.type == "cuda" else move_rows_reference
-        mover(self.device_rows, self._scratch, self.slot.page_moves.device, self.max_rows)
+        mover(self.device_rows, self._scratch, self.moves.device, self.max_rows)
 
     def _apply_deltas(self) -> None:
         apply = apply_row_deltas if self.device.type == "cuda" else apply_row_deltas_reference
-        apply(self.device_rows, self.slot.page_deltas.device, self.max_rows)
+        apply(self.device_rows, self.deltas.device, self.max_rows)
 
     def _capture(self) -> tuple:
         graphs = []
@@ -222,24 +232,24 @@ class PageTable:
         n = len(deltas.positions)
         if not moves and not n:
             return
-        stage = self.slot.publisher.stage
+        stage = self.publisher.stage
         if moves:
             m = len(moves)
-            staged = stage(self.slot.page_moves, 1 + 3 * m)
+            staged = stage(self.moves, 1 + 3 * m)
             staged[0] = m
             staged[1:] = np.asarray(moves, dtype=np.int32).T.reshape(-1)
             self.last_bytes += 4 * (1 + 3 * m)
         if n == 1:  # one row grew or arrived: no array building
             count = deltas.counts[0]
             start = deltas.starts[0]
-            staged = stage(self.slot.page_deltas, 5 + count)
+            staged = stage(self.deltas, 5 + count)
             staged[:5] = (1, deltas.positions[0], start, 0, count)
             staged[5:] = deltas.ids
             self.rows[deltas.host_rows[0], start : start + count] = staged[5:]
             self.last_bytes += 4 * (5 + count)
         elif n:
             total = len(deltas.ids)
-            staged = stage(self.slot.page_deltas, 3 * n + 2 + total)
+            staged = stage(self.deltas, 3 * n + 2 + total)
             staged[0] = n
             body = staged[1:]
             body[:n] = deltas.positions
@@ -262,24 +272,23 @@ class PageTable:
 
     # -- publication (at the first consumer: attention metadata) ----------------------------
     def publish(self, padded_rows: int) -> torch.Tensor:
-        """Queue this step's changes with the slot's publisher; returns the rows view
-        (current on the device once the slot has flushed)."""
+        """Queue this step's changes with the publisher; returns the rows view (current on
+        the device once the publisher has flushed and `on_published` has run)."""
         pending = self._pending
         if pending is not None:
-            publish = self.slot.publisher.publish
+            publish = self.publisher.publish
             _, num_moves, num_deltas = pending
             if num_moves:
-                publish(self.slot.page_moves, 1 + 3 * num_moves)
+                publish(self.moves, 1 + 3 * num_moves)
             if num_deltas:
-                deltas = self.slot.page_deltas
-                publish(deltas, deltas.staged_rows)
+                publish(self.deltas, self.deltas.staged_rows)
         view = self._views.get(padded_rows)
         if view is None:
             view = self._views[padded_rows] = self.device_rows[:padded_rows]
         return view
 
     def on_published(self) -> None:
-        """After the slot's flush: apply the changes on the device; advance gpu_revision."""
+        """After the publisher's flush: apply the changes on the device; advance gpu_revision."""
         pending, self._pending = self._pending, None
         if pending is None:
             return

@@ -1,16 +1,17 @@
 """A RunnerSlot: one step's host staging buffers and their fixed device destinations.
 
 The ModelRunner owns one slot per pipeline stage / two-batch-overlap micro-batch. A slot
-owns its staged buffers, its publisher (atom/h2d) and its page table. `prepare` writes
-numpy views of staged host memory (pinned on CUDA; in packed mode straight into the
-arena) without building torch tensors; the device side is allocated once, so CUDA graphs
-captured on it replay with each step's data. On CPU with the direct backend the two
-sides are the same memory.
+owns its step buffers (`buffers`, a StepBuffers: atom/model_engine/step_buffers.py), its
+publisher (atom/h2d) and its page table; it hands the page table and the SamplingPlan their
+own buffers and the publisher, never itself. A step is two calls:
 
-Each buffer declares its pad value, so a padded batch (CUDA-graph replay at a larger
-batch size) reads well-defined data: context lengths 0 (attend to nothing), cu_seqlens
-repeat their last value; the slot mapping, derived on the device from the page table,
-is -1 (write nothing) in padded rows.
+- `prepare` writes numpy views of staged host memory (pinned on CUDA; in packed mode
+  straight into the arena) without building torch tensors;
+- `publish` queues each buffer at its first consumer's turn, flushes, applies the
+  page-table changes, derives the backend's views, and returns a frozen StepInputs.
+
+The device side is allocated once, so CUDA graphs captured on it replay with each step's
+data. On CPU with the direct backend the two sides are the same memory.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 
 from atom import profiling
 from atom.attention.backend import MHABackend, PagedAttentionBackend
-from atom.h2d.contract import REPEAT_LAST
-from atom.h2d.slot_buffers import BufferSpec, SlotBuffers
+from atom.h2d.slot_buffers import SlotBuffers
 from atom.model_engine.page_table import PageTable
-from atom.model_engine.sampler import SamplingTensors
-from atom.model_engine.sampling_state import SamplingState
-from atom.model_engine.sampling_step import SamplingPlan
+from atom.model_engine.sampling.buffers import SamplingBuffers
+from atom.model_engine.sampling.plan import SamplingPlan
+from atom.model_engine.sampling.sampler import SamplingTensors
+from atom.model_engine.sampling.state import SamplingState
 from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.step_buffers import StepBuffers, StepInputs
 
 
 @dataclass
@@ -54,8 +56,17 @@ class PreparedStep:
     # Speculative verification: logits rows of the step (a drafting sequence has one per
     # draft plus one); `draft_token_ids` holds each row's draft (-1: none). 0 = no drafts.
     num_verify_rows: int = 0
-    # Logprobs, penalties, logit_bias, grammars... (sampling_step.py); None: plain sampling.
+    # Logprobs, penalties, logit_bias, grammars... (atom/model_engine/sampling/plan.py); None: plain sampling.
     sampling_plan: SamplingPlan | None = None
+
+
+@dataclass
+class _LastPlan:
+    """A slot's last SamplingPlan and its batch key: the next decode step of the same batch
+    may run it again with nothing staged."""
+
+    plan: SamplingPlan | None = None
+    key: tuple | None = None
 
 
 class RunnerSlot:
@@ -85,70 +96,34 @@ class RunnerSlot:
         # step's worth of prompts; larger builds are rare and made directly.
         build_entries = 2 * max(tokens, max_blocks_per_seq * block_size) + 16 * seqs
         self.sampling_state = sampling_state or SamplingState(seqs, vocab_size, device)
-        self._plan: SamplingPlan | None = None  # the last step's, with its batch key
-        self._plan_key: tuple | None = None
+        self._last_plan = _LastPlan()
         self.backend = backend or MHABackend()
+        family = self.backend.buffer_specs(seqs, tokens)
         specs = [
-            BufferSpec("input_ids", (tokens,), torch.int64, 0),
-            BufferSpec("positions", (tokens,), torch.int64, 0),
-            BufferSpec("context_lens", (seqs,), torch.int32, 0),
-            BufferSpec("cu_seqlens_q", (seqs + 1,), torch.int32, REPEAT_LAST),
-            # Page-table changes (atom/model_engine/page_table.py), only what changed
-            # since the slot's last step: row moves [n | sources | destinations | lengths],
-            # then (row, start, block ids) deltas [n | rows | starts | offsets | ids].
-            BufferSpec("page_moves", (1 + 3 * seqs,), torch.int32, 0),
-            BufferSpec("page_deltas", (3 * seqs + 2 + seqs * max_blocks_per_seq,), torch.int32, 0),
-            BufferSpec("logits_indices", (rows,), torch.int64, 0),
-            BufferSpec("temperatures", (rows,), torch.float32, 0.0),
-            BufferSpec("top_k", (rows,), torch.int64, vocab_size),
-            BufferSpec("top_p", (rows,), torch.float32, 1.0),
-            # Speculative verification: the draft each logits row is checked against.
-            BufferSpec("draft_token_ids", (rows,), torch.int64, -1),
-            # Placeholder fix-ups (asynchronous scheduling): input_ids[dst] = last_sampled[src].
-            BufferSpec("placeholder_dst", (seqs,), torch.int64, 0),
-            BufferSpec("placeholder_src", (seqs,), torch.int64, 0),
-            # Sampling plans (sampling_step.py): the SamplingState row of each sampling row,
-            # builds of state rows new this step (row, min_tokens, outputs, bias entries,
-            # stop ids | presence, frequency, repetition | (row, column, token) entries of
-            # prompt, output, bias and stop tokens | bias values), the grammar bitmask,
-            # logprob rows and prompt-logprob (hidden row, target token) pairs.
-            BufferSpec("sampling_state_rows", (rows,), torch.int32, 0),
-            BufferSpec("state_build_ints", (rows, 5), torch.int32, 0),
-            BufferSpec("state_build_floats", (rows, 3), torch.float32, 0.0),
-            BufferSpec("state_build_entries", (build_entries, 3), torch.int32, 0),
-            BufferSpec("state_build_values", (build_entries,), torch.float32, 0.0),
-            BufferSpec("token_bitmask", (rows, -(-vocab_size // 32)), torch.int32, -1, False),
-            BufferSpec("logprob_rows", (rows,), torch.int64, 0),
-            BufferSpec("prompt_logprob_rows", (tokens,), torch.int64, 0),
-            BufferSpec("prompt_logprob_targets", (tokens,), torch.int64, 0),
-            *self.backend.buffer_specs(seqs, tokens),
+            *StepBuffers.specs(seqs, tokens, rows, max_blocks_per_seq, vocab_size),
+            *SamplingBuffers.specs(rows, tokens, build_entries, vocab_size),
+            *family,
         ]
         self.h2d = SlotBuffers(index, device, h2d_backend, specs, checked=h2d_checked)
         self.publisher = self.h2d.publisher
         self._publish = self.publisher.publish
-        self._buffers = list(self.h2d.buffers.values())
-        for name, buffer in self.h2d.buffers.items():
-            setattr(self, name, buffer)
-        self.page_table = PageTable(self, seqs, max_blocks_per_seq, device, checked=h2d_checked)
-        # Derived on the device from the page table (backend.derive_views), never uploaded;
-        # -1 (write nothing) wherever a padded CUDA-graph batch has no token.
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        self._derive: PreparedStep | None = None
+        self._staged = list(self.h2d.buffers.values())  # every one, for the producer guard
+        slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.buffers = StepBuffers.of(self.h2d, family, slot_mapping)
+        self.page_table = PageTable(
+            self.buffers.page_moves,
+            self.buffers.page_deltas,
+            self.publisher,
+            seqs,
+            max_blocks_per_seq,
+            device,
+            checked=h2d_checked,
+        )
         self._sampling: dict[tuple, SamplingTensors] = {}
 
     def wait_for_transfers(self) -> None:
         """Block until the previous step's host-to-device copies have executed."""
         self.publisher.wait_for_transfers()
-
-    def flush(self):
-        """Send everything published for this step (packed: one copy + one scatter), then
-        apply the page-table deltas and derive the backend's views on the device."""
-        derive, self._derive = self._derive, None
-        event = self.publisher.flush()
-        self.page_table.on_published()
-        if derive is not None and derive.padded_seqs is None:  # graphs derive their own
-            self.backend.derive_views(self, derive.num_tokens, derive.num_seqs, derive.is_decode)
-        return event
 
     # -- host side -------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch, padded_seqs: int | None = None) -> PreparedStep:
@@ -157,11 +132,11 @@ class RunnerSlot:
         `padded_seqs` (decode only) is the CUDA-graph batch size the step will replay at;
         buffers the graph reads are staged at that length so publication can pad them.
         """
-        with self.publisher.producer_guard(self._buffers):
+        with self.publisher.producer_guard(self._staged):
             return self._prepare(batch, padded_seqs)
 
     def _prepare(self, batch: ScheduledBatch, padded_seqs: int | None) -> PreparedStep:
-        stage = self.publisher.stage
+        stage, buffers = self.publisher.stage, self.buffers
         seqs = batch.seqs
         num_seqs = len(seqs)
         padded = padded_seqs or num_seqs
@@ -188,7 +163,7 @@ class RunnerSlot:
         else:
             cu = np.zeros(num_seqs + 1, dtype=np.int64)
             np.cumsum(num_new, out=cu[1:])
-            stage(self.cu_seqlens_q, num_seqs + 1)[:] = cu
+            stage(buffers.cu_seqlens_q, num_seqs + 1)[:] = cu
             positions = np.arange(num_tokens) + np.repeat(starts - cu[:num_seqs], num_new)
             pieces = (
                 s.token_ids[a:b]
@@ -212,14 +187,14 @@ class RunnerSlot:
             # copy of a prefix, and the (dst, src) pairs need no upload.
             placeholders_in_place = rows_[-1] == n - 1 and dst[-1] == n - 1 and src == rows_
             if not placeholders_in_place:
-                stage(self.placeholder_dst, n)[:] = dst
-                stage(self.placeholder_src, n)[:] = src
+                stage(buffers.placeholder_dst, n)[:] = dst
+                stage(buffers.placeholder_src, n)[:] = src
             np.maximum(ids, 0, out=ids)  # keep the host copy a valid token id
         elif batch.device_drafts is not None:  # drafts filled on the device
             np.maximum(ids, 0, out=ids)
-        stage(self.input_ids, padded_tokens)[:num_tokens] = ids
-        stage(self.positions, padded_tokens)[:num_tokens] = positions
-        stage(self.context_lens, padded)[:num_seqs] = ends
+        stage(buffers.input_ids, padded_tokens)[:num_tokens] = ids
+        stage(buffers.positions, padded_tokens)[:num_tokens] = positions
+        stage(buffers.context_lens, padded)[:num_seqs] = ends
         self.backend.stage(self, seqs, stage)
 
         num_verify_rows = 0
@@ -237,7 +212,7 @@ class RunnerSlot:
             # Eager steps gather the sampling rows unless every token samples.
             gathers_logits = len(sample_rows) > 0 and len(sample_rows) != num_tokens
             if gathers_logits:
-                stage(self.logits_indices, len(sample_rows))[:] = cu[sample_rows + 1] - 1
+                stage(buffers.logits_indices, len(sample_rows))[:] = cu[sample_rows + 1] - 1
         params = [s.sampling_params for s in sampling_seqs]
         temperatures = {p.temperature for p in params}
         all_greedy = temperatures <= {0.0}
@@ -250,13 +225,13 @@ class RunnerSlot:
             if len(temperatures) == 1:
                 uniform_temperature = temperatures.pop()
             else:
-                stage(self.temperatures, n)[:] = [p.temperature for p in params]
+                stage(buffers.temperatures, n)[:] = [p.temperature for p in params]
             if needs_top_k:
-                stage(self.top_k, n)[:] = [
+                stage(buffers.top_k, n)[:] = [
                     p.top_k if p.top_k > 0 else self.vocab_size for p in params
                 ]
             if needs_top_p:
-                stage(self.top_p, n)[:] = [p.top_p for p in params]
+                stage(buffers.top_p, n)[:] = [p.top_p for p in params]
         plan = self._stage_sampling_plan(batch, sampling_seqs, cu, ends)
         return PreparedStep(
             num_seqs=num_seqs,
@@ -281,9 +256,9 @@ class RunnerSlot:
         """The step's SamplingPlan: the previous step's again when this decode batch is the
         same (layout, consecutive steps both decode-only, so the same sampling rows; no state
         row taken back since), else staged anew."""
-        previous, key = self._plan, self._plan_key
-        self._plan = None
-        self._plan_key = None
+        last = self._last_plan
+        previous, key = last.plan, last.key
+        last.plan = last.key = None
         if batch.needs_sampling_plan is False:
             return None
         epoch = self.sampling_state.epoch
@@ -299,32 +274,21 @@ class RunnerSlot:
         else:
             if cu is None:  # a decode step: token k is row k
                 cu = np.arange(len(batch.seqs) + 1, dtype=np.int64)
-            plan = SamplingPlan.stage(self, batch, sampling_seqs, cu, ends)
+            plan = SamplingPlan.stage(
+                self.buffers.sampling, self.sampling_state, batch, sampling_seqs, cu, ends
+            )
         if plan is not None and batch.layout is not None and batch.step is not None:
-            self._plan = plan
+            last.plan = plan
             epoch = self.sampling_state.epoch
-            self._plan_key = (batch.layout, batch.step, epoch, batch.is_decode_only)
+            last.key = (batch.layout, batch.step, epoch, batch.is_decode_only)
         return plan
-
-    def stage_builds(self, rows: int, entries: int):
-        """Views for SamplingState.stage_builds: (ints, floats, entries, values), or None
-        when `entries` exceeds the slot's staging."""
-        if entries > self.state_build_entries.capacity:
-            return None
-        stage = self.publisher.stage
-        return (
-            stage(self.state_build_ints, rows),
-            stage(self.state_build_floats, rows),
-            stage(self.state_build_entries, entries),
-            stage(self.state_build_values, entries),
-        )
 
     def _stage_verify_rows(self, seqs, drafts, ends, cu, num_tokens):
         """Logits rows of a step with drafts: a sampling sequence with d drafts reads its
         last d + 1 rows (the last real token's and each draft's); row j is checked against
         draft j + 1, its last row against nothing (-1). Returns (sampling sequences, one
         entry per row; whether the LM head gathers rows; number of rows)."""
-        stage = self.publisher.stage
+        stage, buffers = self.publisher.stage, self.buffers
         counts = np.fromiter((len(d) for d in drafts), np.int64, len(seqs))
         lengths = np.fromiter((len(s.token_ids) for s in seqs), np.int64, len(seqs))
         sample = np.flatnonzero(ends - counts == lengths).tolist()
@@ -339,66 +303,90 @@ class RunnerSlot:
         n = len(rows)
         gathers_logits = n > 0 and n != num_tokens
         if gathers_logits:
-            stage(self.logits_indices, n)[:] = rows
-        stage(self.draft_token_ids, n)[:] = checked
+            stage(buffers.logits_indices, n)[:] = rows
+        stage(buffers.draft_token_ids, n)[:] = checked
         return sampling_seqs, gathers_logits, n
 
-    # -- publication at the first consumer -------------------------------------------------
-    def publish_model_inputs(self, step: PreparedStep):
-        """Embedding lookup and attention metadata: (input_ids, positions, metadata)."""
+    # -- publication ------------------------------------------------------------------------
+    def publish(self, step: PreparedStep) -> StepInputs:
+        """Publish the step staged by `prepare` and return its device inputs.
+
+        Each input is queued at its first consumer's turn (embedding, attention metadata,
+        placeholders, sampler, LM head, verification, sampling plan), then the step's group
+        is flushed (packed: one copy + one scatter), the page-table changes are applied and
+        the backend derives its views on the device. Nothing published here is read before
+        this returns.
+        """
+        queued = self._queue(step)
+        with profiling.stage("publish"):
+            event = self._flush(step)
+        return StepInputs(**queued, event=event)
+
+    def _queue(self, step: PreparedStep) -> dict:
+        """Queue every publication of `step` with the publisher, in first-consumer order;
+        the views they return, by StepInputs field."""
+        publish, buffers = self._publish, self.buffers
         tokens = step.num_tokens
         padded_tokens = step.padded_seqs or tokens
         with profiling.stage("publish.embedding"):
-            input_ids = self._publish(self.input_ids, tokens, padded_tokens)
+            input_ids = publish(buffers.input_ids, tokens, padded_tokens)
         with profiling.stage("publish.attention_metadata"):
-            positions = self._publish(self.positions, tokens, padded_tokens)
-            metadata = self.backend.build_metadata(self, step, self._publish)
-            self._derive = step
-        return input_ids, positions, metadata
-
-    def publish_placeholders(self, step: PreparedStep):
-        """(dst, src) device index tensors of the placeholder fix-ups, (None, None) when
-        they are in place (input_ids[:n] = the last step's tokens[:n]), or None."""
-        if not step.num_placeholders:
-            return None
-        if step.placeholders_in_place:
-            return None, None
-        n = step.num_placeholders
-        with profiling.stage("publish.placeholders"):
-            return self._publish(self.placeholder_dst, n), self._publish(self.placeholder_src, n)
-
-    def publish_draft_tokens(self, step: PreparedStep) -> torch.Tensor | None:
-        """The draft each logits row is verified against (speculative steps), or None."""
-        if not step.num_verify_rows:
-            return None
-        with profiling.stage("publish.verify"):
-            return self._publish(self.draft_token_ids, step.num_verify_rows)
-
-    def publish_logits_indices(self, step: PreparedStep) -> torch.Tensor | None:
-        """Rows of the hidden states the LM head reads, or None when it reads all."""
-        if not step.gathers_logits:
-            return None
-        with profiling.stage("publish.logits_indices"):
-            return self._publish(self.logits_indices, len(step.sampling_seqs))
-
-    def publish_sampling_plan(self, step: PreparedStep) -> SamplingPlan | None:
-        """The step's SamplingPlan with its device views (None: plain sampling)."""
+            positions = publish(buffers.positions, tokens, padded_tokens)
+            metadata = self.backend.build_metadata(self, step, publish)
+        placeholders = None
+        if step.num_placeholders:
+            placeholders = (None, None)  # in place: input_ids[:n] = the last step's [:n]
+            if not step.placeholders_in_place:
+                n = step.num_placeholders
+                with profiling.stage("publish.placeholders"):
+                    placeholders = (
+                        publish(buffers.placeholder_dst, n),
+                        publish(buffers.placeholder_src, n),
+                    )
+        sampling = self._publish_sampling(step) if step.sampling_seqs else None
+        logits_indices = None
+        if step.gathers_logits:
+            with profiling.stage("publish.logits_indices"):
+                logits_indices = publish(buffers.logits_indices, len(step.sampling_seqs))
+        draft_token_ids = None
+        if step.num_verify_rows:
+            with profiling.stage("publish.verify"):
+                draft_token_ids = publish(buffers.draft_token_ids, step.num_verify_rows)
         plan = step.sampling_plan
         if plan is not None:
             with profiling.stage("publish.sampler"):
-                plan.publish(self)
-        return plan
+                plan.publish(buffers.sampling)
+        return dict(
+            input_ids=input_ids,
+            positions=positions,
+            metadata=metadata,
+            placeholders=placeholders,
+            sampling=sampling,
+            logits_indices=logits_indices,
+            draft_token_ids=draft_token_ids,
+            sampling_plan=plan,
+        )
 
-    def publish_sampling(self, step: PreparedStep) -> SamplingTensors:
+    def _flush(self, step: PreparedStep):
+        """Send everything queued for `step`, then apply the page-table changes and derive
+        the backend's views on the device (decode graphs derive their own)."""
+        event = self.publisher.flush()
+        self.page_table.on_published()
+        if step.padded_seqs is None:
+            self.backend.derive_views(self, step.num_tokens, step.num_seqs, step.is_decode)
+        return event
+
+    def _publish_sampling(self, step: PreparedStep) -> SamplingTensors:
         """Sampling parameters; uniform all-greedy steps upload nothing."""
         if step.all_greedy:
             return SamplingTensors(all_greedy=True)
+        publish, buffers = self._publish, self.buffers
         n = len(step.sampling_seqs)
         uniform = step.uniform_temperature
         with profiling.stage("publish.sampler"):
-            temperatures = None if uniform is not None else self._publish(self.temperatures, n)
-            top_k = self._publish(self.top_k, n) if step.needs_top_k else None
-            top_p = self._publish(self.top_p, n) if step.needs_top_p else None
+            temperatures = None if uniform is not None else publish(buffers.temperatures, n)
+            top_k = publish(buffers.top_k, n) if step.needs_top_k else None
+            top_p = publish(buffers.top_p, n) if step.needs_top_p else None
         if step.seeded:
             generators = [_generator_of(s, self.device) for s in step.sampling_seqs]
             return SamplingTensors(

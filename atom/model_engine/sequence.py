@@ -55,7 +55,7 @@ class Sequence:
         # last token is a placeholder; see Scheduler.on_launch.
         self.pending_token: tuple[int, int] | None = None
         self.finishing = False  # its last token is in flight and reaches a length limit
-        # Options beyond plain sampling (atom/model_engine/sampling_step.py): log-probabilities
+        # Options beyond plain sampling (atom/model_engine/sampling/plan.py): log-probabilities
         # of the output tokens and, by target position, of the prompt; a grammar matcher.
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: dict | None = (

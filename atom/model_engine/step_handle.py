@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from atom.h2d.publisher import stream_id_reader
-from atom.model_engine.logprobs import StepLogprobs
+from atom.model_engine.sampling.logprobs import StepLogprobs
 
 
 class _HostTokens:

@@ -409,7 +409,7 @@ def test_the_engine_thread_never_compiles_a_grammar(server, reference, monkeypat
     """The server compiles a request's schema on its grammar pool (within the timeout) and
     hands the compiled grammar to the engine, so the engine thread never compiles one, even
     when xgrammar's cache no longer holds the schema (here: a cache that never hits)."""
-    from atom.model_engine.structured_output import GrammarBackend
+    from atom.model_engine.sampling.structured_output import GrammarBackend
 
     threads = []
     original = GrammarBackend.compile

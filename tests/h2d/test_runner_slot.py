@@ -27,13 +27,11 @@ def _slot(backend):
 
 def _step(slot, batch, padded_seqs=None):
     step = slot.prepare(batch, padded_seqs=padded_seqs)
-    inputs = slot.publish_model_inputs(step)
-    sampling = slot.publish_sampling(step)
-    logits_indices = slot.publish_logits_indices(step)
-    event = slot.flush()
+    inputs = slot.publish(step)
     if padded_seqs is not None:  # what the decode CUDA graph runs before the forward
         slot.backend.derive_views(slot, padded_seqs, padded_seqs, is_decode=True)
-    return step, inputs, sampling, logits_indices, event
+    model_inputs = (inputs.input_ids, inputs.positions, inputs.metadata)
+    return step, model_inputs, inputs.sampling, inputs.logits_indices, inputs.event
 
 
 @pytest.mark.parametrize("backend", ["direct", "packed"])
@@ -69,15 +67,15 @@ def test_uniform_temperature_stays_on_the_host(backend):
     step, _, sampling, _, event = _step(slot, _decode_batch([0.7, 0.7]))
     assert step.uniform_temperature == 0.7
     assert sampling.temperature == 0.7 and sampling.temperatures is None
-    assert slot.temperatures.last_transfer is not event
+    assert slot.buffers.temperatures.last_transfer is not event
     step, _, sampling, _, event = _step(slot, _decode_batch([0.7, 0.0]))
     assert step.uniform_temperature is None
     assert sampling.temperatures.tolist() == pytest.approx([0.7, 0.0])
-    assert slot.temperatures.last_transfer is event
+    assert slot.buffers.temperatures.last_transfer is event
 
 
 def test_uniform_temperature_samples_like_per_row_temperatures():
-    from atom.model_engine.sampler import Sampler, SamplingTensors
+    from atom.model_engine.sampling.sampler import Sampler, SamplingTensors
 
     logits = torch.randn(3, 50)
     generators = [torch.Generator().manual_seed(i) for i in range(3)]
@@ -108,9 +106,8 @@ def test_sampling_plan_publishes_new_rows_once_then_nothing(backend):
 
     def step():
         prepared = slot.prepare(batch)
-        slot.publish_model_inputs(prepared)
-        plan = slot.publish_sampling_plan(prepared)
-        event = slot.flush()
+        inputs = slot.publish(prepared)
+        plan, event = inputs.sampling_plan, inputs.event
         sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
         return plan, sent & sampling
 

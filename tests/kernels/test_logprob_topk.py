@@ -73,7 +73,7 @@ def test_rows_with_minus_infinity_and_a_small_vocabulary():
 def test_statistics_of_the_greedy_options_pass():
     """The greedy pass's statistics (all rows) serve a subset of logprob rows: the raw
     logits' top k, whatever the options did to the argmax."""
-    from atom.model_engine.sampling_state import SamplingState
+    from atom.model_engine.sampling.state import SamplingState
 
     generator = torch.Generator().manual_seed(7)
     vocab, rows = 3 * BLOCK + 11, 4

@@ -1006,7 +1006,7 @@ def test_sampling_kernels_one_variant(mode):
     (one mode per sweep: its switches are constexprs, one variant per mode: the options
     written, their argmax, their argmax with the raw statistics, the statistics alone), the
     top-k selection, the rank count and the state update."""
-    from atom.model_engine.sampling_state import SamplingState
+    from atom.model_engine.sampling.state import SamplingState
 
     generator = _generator()
     options = sampling.apply_sampling_options if mode == "write" else sampling.greedy_with_sampling_options  # fmt: skip

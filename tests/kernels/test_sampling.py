@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from atom.kernels import sampling
-from atom.model_engine.logits_processors import LogitsInputs, apply_logits_processors
-from atom.model_engine.logprobs import compute_logprobs
-from atom.model_engine.sampling_state import NULL_ROW, SamplingState
+from atom.model_engine.sampling.logits_processors import LogitsInputs, apply_logits_processors
+from atom.model_engine.sampling.logprobs import compute_logprobs
+from atom.model_engine.sampling.state import NULL_ROW, SamplingState
 from atom.model_engine.sequence import Sequence, SequenceStatus
 from atom.sampling_params import SamplingParams
 

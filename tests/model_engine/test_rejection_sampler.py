@@ -4,7 +4,7 @@ distributed as the target's (a statistical test with fixed seeds, against the so
 import pytest
 import torch
 
-from atom.model_engine.sampler import SamplingTensors
+from atom.model_engine.sampling.sampler import SamplingTensors
 from atom.model_engine.speculative.verify import (
     accepted_tokens,
     fill_device_drafts,

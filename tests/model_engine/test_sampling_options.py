@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from atom.model_engine.logits_processors import LogitsInputs, apply_logits_processors
+from atom.model_engine.sampling.logits_processors import LogitsInputs, apply_logits_processors
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence
 from atom.sampling_params import SamplingParams
 from tests.engine_support import TINY, build_llm

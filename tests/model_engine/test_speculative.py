@@ -294,7 +294,8 @@ def test_trim_returns_draft_blocks_and_the_page_table_follows():
     assert len(seq.block_table) == 3
     table.sync([seq], layout=1, grown=[seq], step=1)
     table.publish(1)
-    slot.flush()
+    slot.publisher.flush()
+    table.on_published()
     assert bm.trim(seq, 1) == 1  # the next step drafts nothing: the third block returns
     assert bm.num_free_blocks == 6
     table.sync([seq], layout=1, grown=[seq], step=2)  # checked: host rows = block table
@@ -302,7 +303,8 @@ def test_trim_returns_draft_blocks_and_the_page_table_follows():
     bm.grow(seq, 5)  # drafting again: a (different) third block is sent as an append
     table.sync([seq], layout=1, grown=[seq], step=3)
     table.publish(1)
-    slot.flush()  # checked: device rows = host rows
+    slot.publisher.flush()
+    table.on_published()  # checked: device rows = host rows
     assert table.device_rows[0, :3].tolist() == seq.block_table
     bm.free(seq)
     assert bm.num_free_blocks == 8

@@ -1,4 +1,4 @@
-"""The host side of a step: its log-probability entries (atom/model_engine/logprobs.py),
+"""The host side of a step: its log-probability entries (atom/model_engine/sampling/logprobs.py),
 the frozen start-up heap of the stepping loops (atom/gc_heap.py), and the profile of a
 decode step's host phases (benchmarks/engine_host_profile.py).
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from atom.gc_heap import frozen_heap
-from atom.model_engine.logprobs import Logprob, LogprobTensors
+from atom.model_engine.sampling.logprobs import Logprob, LogprobTensors
 
 
 def _tensors(rows: int = 6, k: int = 5) -> LogprobTensors:
@@ -127,7 +127,7 @@ def test_steady_decode_fills_placeholders_in_place(tiny_model_dirs, monkeypatch)
     def recording(self, batch, padded_seqs):
         step = prepare(self, batch, padded_seqs)
         if step.num_placeholders:
-            staged = self.placeholder_dst.staged_step == self.publisher.step
+            staged = self.buffers.placeholder_dst.staged_step == self.publisher.step
             steps.append((step.num_placeholders, step.placeholders_in_place, staged))
         return step
 

@@ -75,8 +75,7 @@ class PageTableHarness:
         slot = self.slots[self.steps % len(self.slots)]
         self.steps += 1
         prepared = slot.prepare(batch)
-        slot.publish_model_inputs(prepared)
-        slot.flush()
+        slot.publish(prepared)
         tables = [list(seq.block_table) for seq in batch.seqs]
         self.scheduler.on_launch(batch)
         tokens = [self.rng.randrange(2, 100) for _ in batch.sampled]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_engine.sampler import SamplingTensors, apply_top_k_top_p
+from atom.model_engine.sampling.sampler import SamplingTensors, apply_top_k_top_p
 
 
 def target_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

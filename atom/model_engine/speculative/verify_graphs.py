@@ -64,15 +64,17 @@ class VerifyGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         tokens = size * self.rows_per_seq
         slot = self.slot
-        hidden = self.model(slot.input_ids.device[:tokens], slot.positions.device[:tokens])
+        hidden = self.model(
+            slot.buffers.input_ids.device[:tokens], slot.buffers.positions.device[:tokens]
+        )
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         slot = self.slot
-        slot.slot_mapping.fill_(-1)
-        slot.context_lens.device.fill_(0)
-        slot.cu_seqlens_q.device.fill_(0)
+        slot.buffers.slot_mapping.fill_(-1)
+        slot.buffers.context_lens.device.fill_(0)
+        slot.buffers.cu_seqlens_q.device.fill_(0)
         slot.backend.pad_graph_rows(slot, 0, max(self.batch_sizes, default=0))
         pool = None
         try:
@@ -109,12 +111,12 @@ class VerifyGraphs:
         slot = self.slot
         padded_tokens = padded_size * self.rows_per_seq
         if padded_size > batch_size:
-            slot.context_lens.device[batch_size:padded_size].fill_(0)
-            slot.cu_seqlens_q.device[batch_size + 1 : padded_size + 1].fill_(num_tokens)
+            slot.buffers.context_lens.device[batch_size:padded_size].fill_(0)
+            slot.buffers.cu_seqlens_q.device[batch_size + 1 : padded_size + 1].fill_(num_tokens)
             slot.backend.pad_graph_rows(slot, batch_size, padded_size)
             self.padded_replays += 1
         if padded_tokens > num_tokens:
-            slot.slot_mapping[num_tokens:padded_tokens].fill_(-1)
+            slot.buffers.slot_mapping[num_tokens:padded_tokens].fill_(-1)
         self.graphs[padded_size].replay()
         self.replays += 1
         logits = self.logits[padded_size][:num_tokens]

@@ -1,7 +1,7 @@
 """min_tokens, logit_bias and penalties as vLLM defines them: the torch reference.
 
 The engine applies them with one Triton kernel over the device-resident SamplingState
-(atom/kernels/sampling.py, atom/model_engine/sampling_state.py); this module is the
+(atom/kernels/sampling.py, atom/model_engine/sampling/state.py); this module is the
 independent reference that kernel is tested against: rebuilt from host token lists, a
 few batched tensor ops, in vLLM V1's order - min_tokens (end-of-sequence and stop ids at
 -inf while a request has fewer output tokens than its minimum) and logit_bias (added)

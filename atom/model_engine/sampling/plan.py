@@ -4,12 +4,13 @@ Made only when some request of the step asks for log-probabilities (sampled or p
 structured output, min_tokens, logit_bias or penalties; otherwise the runner samples as
 before and nothing here runs. Its three phases follow the runner slot's step:
 
-- `stage` (RunnerSlot.prepare, under the producer guard): numpy writes into the slot's
-  staged buffers - the map of sampling rows to SamplingState rows, the builds of rows new
+- `stage` (RunnerSlot.prepare, under the producer guard): numpy writes into its
+  SamplingBuffers (sampling/buffers.py) - the map of sampling rows to SamplingState rows, the builds of rows new
   this step, the grammar bitmask, logprob and prompt-logprob rows. A decode step whose batch
   is unchanged since the slot's previous step reuses that step's plan: nothing is staged
   and nothing uploaded (the map is still in its device destination).
-- `publish` (at the sampler, before the slot's flush): through the slot's publisher.
+- `publish` (at the sampler, inside RunnerSlot.publish, before the flush): through the
+  buffers' publisher.
 - `sample` (after the LM head), vLLM V1's order on the device: raw log-probability
   statistics of the logits as the LM head returns them; the grammar bitmask; logit_bias,
   min_tokens and penalties in one kernel over the SamplingState (for all-greedy steps
@@ -26,17 +27,18 @@ import numpy as np
 import torch
 
 from atom.kernels import sampling as kernels
-from atom.model_engine.logprobs import LogprobTensors, StepLogprobs, compute_logprobs
-from atom.model_engine.sampler import Sampler, SamplingTensors
-from atom.model_engine.sampling_state import SamplingState, StagedBuilds
-from atom.model_engine.structured_output import apply_token_bitmask, fill_bitmask
+from atom.model_engine.sampling.buffers import SamplingBuffers
+from atom.model_engine.sampling.logprobs import LogprobTensors, StepLogprobs, compute_logprobs
+from atom.model_engine.sampling.sampler import Sampler, SamplingTensors
+from atom.model_engine.sampling.state import SamplingState, StagedBuilds
+from atom.model_engine.sampling.structured_output import apply_token_bitmask, fill_bitmask
 
 
 @dataclass
 class SamplingPlan:
     num_rows: int  # sampling rows of the step
     state: SamplingState | None  # None: no row processes its logits
-    builds: StagedBuilds | None  # state rows built this step (staged in the slot)
+    builds: StagedBuilds | None  # state rows built this step (staged in the buffers)
     fallback_builds: tuple | None  # (builds, ints, floats, entries, values) on the device
     structured: bool  # the bitmask is staged
     logprob_rows: list[int]  # sampling rows that want logprobs
@@ -54,31 +56,39 @@ class SamplingPlan:
 
     # -- host: staging ----------------------------------------------------------------------
     @classmethod
-    def stage(cls, slot, batch, sampling_seqs: list, cu: np.ndarray, ends: np.ndarray):
-        """Stage the plan of `batch` in `slot` (inside its producer guard); None when no
-        request of the step needs one."""
+    def stage(
+        cls,
+        buffers: SamplingBuffers,
+        state: SamplingState,
+        batch,
+        sampling_seqs: list,
+        cu: np.ndarray,
+        ends: np.ndarray,
+    ):
+        """Stage the plan of `batch` in `buffers` (inside the slot's producer guard); None
+        when no request of the step needs one."""
         seqs = batch.seqs
         if batch.needs_sampling_plan is False or not any(
             s.sampling_params.needs_sampling_plan for s in seqs
         ):
             return None
-        stage, state, n = slot.publisher.stage, slot.sampling_state, len(sampling_seqs)
+        stage, n = buffers.publisher.stage, len(sampling_seqs)
         params = [s.sampling_params for s in sampling_seqs]
         builds = fallback = None
         processes = any(p.processes_logits for p in params)
         if processes:
-            built = state.rows_for(sampling_seqs, stage(slot.sampling_state_rows, n))
+            built = state.rows_for(sampling_seqs, stage(buffers.sampling_state_rows, n))
             if built:
-                builds = state.stage_builds(built, slot.stage_builds)
-                if builds is None:  # too large for the slot's staging: made directly
+                builds = state.stage_builds(built, buffers.stage_builds)
+                if builds is None:  # too large for the staging: made directly
                     fallback = state.build_tensors(built)
         structured = any(getattr(s, "grammar", None) is not None for s in sampling_seqs)
         if structured:
-            fill_bitmask(sampling_seqs, stage(slot.token_bitmask, n))
+            fill_bitmask(sampling_seqs, stage(buffers.token_bitmask, n))
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         all_rows = len(rows) == n
         if rows and not all_rows:
-            stage(slot.logprob_rows, len(rows))[:] = rows
+            stage(buffers.logprob_rows, len(rows))[:] = rows
 
         spans, hidden_rows, targets = [], [], []
         for row, seq in enumerate(seqs):
@@ -93,8 +103,8 @@ class SamplingPlan:
             hidden_rows.extend(range(int(cu[row]), int(cu[row]) + count))
             targets.extend(seq.token_ids[start + 1 : start + 1 + count])
         if spans:
-            stage(slot.prompt_logprob_rows, len(hidden_rows))[:] = hidden_rows
-            stage(slot.prompt_logprob_targets, len(targets))[:] = targets
+            stage(buffers.prompt_logprob_rows, len(hidden_rows))[:] = hidden_rows
+            stage(buffers.prompt_logprob_targets, len(targets))[:] = targets
         return cls(
             n,
             state if processes else None,
@@ -119,26 +129,26 @@ class SamplingPlan:
         return replace(self, builds=None, fallback_builds=None, build_tensors=None)
 
     # -- publication at the sampler ---------------------------------------------------------
-    def publish(self, slot) -> None:
-        publish = slot.publisher.publish
+    def publish(self, buffers: SamplingBuffers) -> None:
+        publish = buffers.publisher.publish
         if self.state is not None and self.state_rows is None:
-            self.state_rows = publish(slot.sampling_state_rows, self.num_rows)
+            self.state_rows = publish(buffers.sampling_state_rows, self.num_rows)
         if self.builds is not None and self.builds.rows:
             b = self.builds
             self.build_tensors = (
-                publish(slot.state_build_ints, b.rows),
-                publish(slot.state_build_floats, b.rows),
-                publish(slot.state_build_entries, b.num_entries),
-                publish(slot.state_build_values, b.num_entries),
+                publish(buffers.state_build_ints, b.rows),
+                publish(buffers.state_build_floats, b.rows),
+                publish(buffers.state_build_entries, b.num_entries),
+                publish(buffers.state_build_values, b.num_entries),
             )
         if self.structured:
-            self.bitmask = publish(slot.token_bitmask, self.num_rows)
+            self.bitmask = publish(buffers.token_bitmask, self.num_rows)
         if self.logprob_rows and not self.all_rows_logprobs and self.logprob_index is None:
-            self.logprob_index = publish(slot.logprob_rows, len(self.logprob_rows))
+            self.logprob_index = publish(buffers.logprob_rows, len(self.logprob_rows))
         if self.prompt_spans:
             count = len(self.prompt_token_ids)
-            self.prompt_indices = publish(slot.prompt_logprob_rows, count)
-            self.prompt_targets = publish(slot.prompt_logprob_targets, count)
+            self.prompt_indices = publish(buffers.prompt_logprob_rows, count)
+            self.prompt_targets = publish(buffers.prompt_logprob_targets, count)
 
     # -- device -----------------------------------------------------------------------------
     @property
