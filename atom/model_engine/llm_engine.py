@@ -22,11 +22,7 @@ from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
-from atom.model_engine.speculative.draft_model import (
-    CATCH_UP_TOKENS,
-    draft_config,
-    draft_kv_block_bytes,
-)
+from atom.model_engine.speculative.draft_model import build_draft_runner, draft_kv_block_bytes
 from atom.model_engine.state_slots import StateSlots
 from atom.model_engine.structured_output import GrammarBackend, accept_tokens
 from atom.models.default_model import default_model_path
@@ -174,7 +170,9 @@ class LLMEngine:
         if config.speculative_method is not None:
             draft_runner = None
             if draft_hf is not None:
-                draft_runner = self._draft_runner(draft_hf)
+                draft_runner = build_draft_runner(
+                    config, draft_hf, self.model_runner.num_kvcache_blocks, self.max_model_len
+                )
             snapshots = getattr(self.model_runner, "state_snapshots", None)
             self.speculator = make_decoder(config, self.max_model_len, draft_runner, snapshots)
             self.scheduler.lookahead = self.speculator.lookahead
@@ -223,22 +221,6 @@ class LLMEngine:
             )
         return draft_hf
 
-    def _draft_runner(self, draft_hf) -> ModelRunner:
-        config = draft_config(self.config, self.model_runner.num_kvcache_blocks)
-        weights = None
-        if config.load_format != "dummy":
-            weights = open_model(config.model).weights()
-        # After a verify step that kept every draft, the draft catches up on 2 tokens;
-        # its k launches per step alternate between two slots (back to back).
-        return ModelRunner(
-            config,
-            draft_hf,
-            weights,
-            self.max_model_len,
-            catch_up_rows=CATCH_UP_TOKENS,
-            alternate_slots=True,
-        )
-
     def _eos_token_ids(self) -> set[int]:
         ids = set()
         eos = getattr(self.hf_config, "eos_token_id", None)
@@ -283,8 +265,7 @@ class LLMEngine:
                 f"prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}"
             )
         params = self._engine_params(params)
-        seq = Sequence(token_ids, params)
-        seq.prompt = prompt if isinstance(prompt, str) else None
+        seq = Sequence(token_ids, params, prompt if isinstance(prompt, str) else None)
         if params.structured:
             backend = self.grammar_backend()
             compiled = params.compiled_grammar or backend.compile(params)
@@ -387,12 +368,11 @@ class LLMEngine:
             outputs += self._complete_in_flight()
         only = self._suspect_group()
         with profiling.stage("schedule"):
-            batch = self.scheduler.schedule(only)
+            batch = self.scheduler.schedule(only, needs_sampling_plan=self._num_planned > 0)
         if only is not None and batch is None:
             self._suspects.pop(0)  # none of them can run now: they rejoin the others
         launched = None
         if batch is not None:
-            batch.needs_sampling_plan = self._num_planned > 0
             now = time.monotonic()
             for seq in batch.grown or ():  # newly admitted sequences are among them
                 if seq.first_scheduled_time is None:
@@ -400,7 +380,7 @@ class LLMEngine:
             try:
                 if self.speculator is not None:
                     with profiling.stage("propose"):
-                        self.speculator.propose(batch)
+                        batch = self.speculator.propose(batch)  # with its drafts
                 launched = (batch, self.model_runner.launch(batch))
             except Exception as error:  # noqa: BLE001 - contained below, or raised
                 return outputs + self._launch_failed(batch, error, only is not None)
@@ -553,24 +533,13 @@ class LLMEngine:
                 ids = set(failure.seq_ids)
                 message = client_message(failure.stage, failure.cause)
                 failed = self._fail_seqs([s for s, _ in live if s.seq_id in ids], message)
-        updated = self.scheduler.on_complete(batch, tokens)
-        emitted = batch.emitted
-        positions = None  # id(seq) -> position of the token this step sampled
         outputs = failed
-        for seq in updated:
+        for seq, new in self.scheduler.on_complete(batch, tokens):
             finished = seq.is_finished
             if finished:
                 self.requests.pop(seq.seq_id, None)
                 self._release(seq)
             reason = seq.finish_reason.value if finished else None
-            if emitted is not None:
-                new = emitted[seq.seq_id]
-            else:
-                new = [seq.token_ids[-1]]
-                if new[0] == PLACEHOLDER_TOKEN:  # the next step (asynchronous) follows it
-                    if positions is None:
-                        positions = {id(s): position for s, position in batch.sampled}
-                    new = [seq.token_ids[positions[id(seq)]]]
             self.stats.generated_tokens += len(new)
             output = StepOutput(seq.seq_id, new, finished, reason)
             if seq.logprobs is not None:
@@ -598,7 +567,7 @@ class LLMEngine:
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
-            prompt=getattr(seq, "prompt", None),
+            prompt=seq.prompt,
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
             text=self.decode(seq.output_token_ids),
             token_ids=seq.output_token_ids,
