@@ -32,6 +32,7 @@ from atom.model_engine.distributed_runner import (
     validate_parallelism,
 )
 from atom.model_engine.llm_engine import LLMEngine, StepOutput, resolve_max_model_len
+from atom.model_engine.protocols import RunnerTotals
 from atom.model_engine.rendezvous import Rendezvous
 from atom.model_engine.sequence import Sequence
 from atom.models.default_model import default_model_path
@@ -87,7 +88,7 @@ class DataParallelEngine:
         self.stats = _SummedStats(self.replicas)
         self.scheduler = _JoinedSchedulers(self.replicas)
         self.block_manager = _SummedBlocks(self.replicas)
-        self.model_runner = _Runners(self.replicas)
+        self.model_runner: RunnerTotals = _Runners(self.replicas)
         logger.info(
             "data parallelism: %d replicas of %d rank(s), rendezvous at %s",
             size,
@@ -296,7 +297,8 @@ class _SummedSlots:
 
 
 class _Runners:
-    """The replicas' runners; their runner slots live in the spawned ranks."""
+    """The replicas' runners (RunnerTotals, protocols.py: counters only, since every
+    replica launches its own steps); their runner slots live in the spawned ranks."""
 
     slots: tuple = ()
 

@@ -19,7 +19,8 @@ from atom.model_engine.failures import (
 )
 from atom.model_engine.logprobs import Logprob
 from atom.model_engine.model_runner import ModelRunner
-from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.protocols import LaunchedStep, StepRunner
+from atom.model_engine.scheduler import ScheduledBatch, Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
 from atom.model_engine.speculative.draft_model import build_draft_runner, draft_kv_block_bytes
@@ -104,7 +105,9 @@ def fit_max_model_len(config: Config, max_model_len: int, num_blocks: int) -> in
 
 
 class LLMEngine:
-    def __init__(self, config: Config | None = None, model_runner=None, **kwargs):
+    def __init__(
+        self, config: Config | None = None, model_runner: StepRunner | None = None, **kwargs
+    ):
         """`model_runner`: one already started (a data-parallel replica's ranks)."""
         self.config = config = config or Config(**kwargs)
         if config.node_rank > 0:
@@ -124,6 +127,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(source or open_model(self.model_path))
         self.max_model_len = resolve_max_model_len(config, hf)
         draft_hf = self._draft_hf_config() if config.speculative_method == "draft" else None
+        self.model_runner: StepRunner
         if model_runner is not None:
             self.model_runner = model_runner
         elif config.ranks_per_replica > 1:  # spawned ranks load their own weight shards
@@ -179,7 +183,8 @@ class LLMEngine:
         self.requests: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self.async_scheduling = config.async_scheduling
-        self._in_flight = None  # (batch, StepHandle) launched but not yet read
+        # launched but not yet read
+        self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None
         self._grammar_backend: GrammarBackend | None = None  # made on first use
         # The server builds it on its compile pool while the engine thread may ask too.
         self._grammar_lock = threading.Lock()
@@ -509,13 +514,13 @@ class LLMEngine:
             state.release(o.seq_id for o in outputs)
         return outputs
 
-    def _complete(self, batch, handle) -> list[StepOutput]:
+    def _complete(self, batch: ScheduledBatch, handle: LaunchedStep) -> list[StepOutput]:
         tokens = handle.result()
         if batch.draft_token_ids is not None:  # rows of a verify step: accept, roll back
             tokens = self.speculator.on_verified(batch, tokens)
         # Log-probabilities, grammars: refused with speculation (_engine_params), so a
         # verify step has neither and `tokens` is one per sampled row below.
-        step_logprobs = handle.logprobs() if hasattr(handle, "logprobs") else None
+        step_logprobs = handle.logprobs()
         sampled_logprobs = {}
         if step_logprobs is not None:
             for seq, first, entries in step_logprobs.prompt_entries():
