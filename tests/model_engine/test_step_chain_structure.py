@@ -22,7 +22,9 @@ from atom.model_engine.distributed_runner import DistributedRunner, RemoteStepHa
 from atom.model_engine.model_runner import ModelRunner
 from atom.model_engine.scheduler import Scheduler
 from atom.model_engine.sequence import FinishReason, Sequence
+from atom.model_engine.speculative.decoder import SpeculativeDecoder
 from atom.model_engine.speculative.draft_runner import DraftModelRunner
+from atom.model_engine.speculative.proposers import NgramProposer
 from atom.model_engine.step_handle import StepHandle
 from atom.models.registry import MODELS
 from atom.sampling_params import SamplingParams
@@ -110,6 +112,34 @@ def test_scheduled_batch_is_built_once():
             setattr(batch, field, value)
     scheduler.on_launch(batch)
     assert scheduler.on_complete(batch, [9]) == [(seq, [9])]
+    scheduler.finish(seq, FinishReason.ABORT)
+
+
+def test_proposals_ride_on_the_speculators_copy_of_the_batch():
+    scheduler = Scheduler(
+        BlockManager(num_blocks=16, block_size=4),
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        eos_token_ids=set(),
+    )
+    decoder = SpeculativeDecoder(NgramProposer(1, 3), num_speculative_tokens=2, max_model_len=64)
+    scheduler.lookahead = decoder.lookahead
+    seq = Sequence([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0.0, max_tokens=8))
+    scheduler.add(seq)
+    prompt = scheduler.schedule()
+    assert decoder.propose(prompt) is prompt  # nothing to draft: the batch itself
+    scheduler.on_launch(prompt)
+    scheduler.on_complete(prompt, [7])
+    batch = scheduler.schedule()
+    assert batch.num_draft_tokens == [2] and batch.sampled == [(seq, 9)]
+    verify = decoder.propose(batch)
+    assert verify is not batch and batch.draft_token_ids is None
+    assert verify.draft_token_ids == [[5, 6]] and verify.sampled == batch.sampled
+    scheduler.on_launch(verify)
+    emitted = decoder.on_verified(verify, [[5, 6, 9], [1, 0, 0]])  # keeps draft 1 only
+    assert emitted == [[5, 6]] and verify.draft_token_ids == [[5, 6]]
+    assert scheduler.on_complete(verify, emitted) == [(seq, [5, 6])]
     scheduler.finish(seq, FinishReason.ABORT)
 
 
