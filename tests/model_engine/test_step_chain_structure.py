@@ -190,9 +190,14 @@ def test_classes_provide_their_protocol(cls, protocol):
 
 @pytest.mark.parametrize("cls", sorted(set(MODELS.values()), key=lambda c: c.__name__))
 def test_model_classes_are_causal_lms(cls):
-    for name in ("forward", "compute_logits", "load_weights"):
+    """Each method and property of CausalLM (`__call__`: nn.Module's, over `forward`)."""
+    methods, _ = _protocol_members(protocols.CausalLM)
+    for name in methods | {"forward"}:
         assert callable(getattr(cls, name, None)), f"{cls.__name__} lacks {name}"
-    assert isinstance(inspect.getattr_static(cls, "attention_layers"), property)
+    properties = [n for n, v in vars(protocols.CausalLM).items() if isinstance(v, property)]
+    assert properties == ["attention_layers"]
+    for name in properties:
+        assert isinstance(inspect.getattr_static(cls, name), property), (cls.__name__, name)
 
 
 def test_built_runner_model_and_handle_match_the_protocols(tiny_model_dirs):
