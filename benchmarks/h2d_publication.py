@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -66,17 +67,17 @@ def decode_batch(batch_size: int, context: int, block_size: int) -> ScheduledBat
     return ScheduledBatch(seqs, [1] * batch_size, batch_size, layout=1, grown=[], step=0)
 
 
-def advance(batch: ScheduledBatch, iteration: int, next_block: list[int]) -> None:
+def advance(batch: ScheduledBatch, iteration: int, next_block: list[int]) -> ScheduledBatch:
     """The next decode step of the same batch: every 16th sequence crosses a block boundary
     (block size 16), so the page table stages one appended id for each of those rows."""
-    batch.step += 1
-    batch.grown = batch.seqs[iteration % 16 :: 16]
-    for seq in batch.grown:
+    grown = batch.seqs[iteration % 16 :: 16]
+    for seq in grown:
         if len(seq.block_table) >= 120:  # stay inside the 128-block rows
             del seq.block_table[63:]
             seq.block_version += 1
         seq.block_table.append(next_block[0])
         next_block[0] += 1
+    return replace(batch, step=batch.step + 1, grown=grown)
 
 
 def measure(
@@ -112,7 +113,7 @@ def measure(
     )
     next_block = [batch_size * 70]
     for i in range(iterations + 10):
-        advance(batch, i, next_block)
+        batch = advance(batch, i, next_block)
         slot.wait_for_transfers()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -225,7 +226,7 @@ def breakdown(batch_size: int = 256) -> None:
         next_block = [batch_size * 70]
         profile = cProfile.Profile()
         for i in range(200):
-            advance(batch, i, next_block)
+            batch = advance(batch, i, next_block)
             slot.wait_for_transfers()
             step = slot.prepare(batch)
             profile.enable()

@@ -26,14 +26,17 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from atom.config import Config
+from atom.model_engine.context_length import resolve_max_model_len
 from atom.model_engine.distributed_runner import (
     DistributedRunner,
     start_rendezvous,
     validate_parallelism,
 )
-from atom.model_engine.llm_engine import LLMEngine, StepOutput, resolve_max_model_len
+from atom.model_engine.llm_engine import LLMEngine
+from atom.model_engine.protocols import RunnerTotals
 from atom.model_engine.rendezvous import Rendezvous
 from atom.model_engine.sequence import Sequence
+from atom.model_engine.step_outputs import StepOutput
 from atom.models.default_model import default_model_path
 from atom.models.loader import read_config
 from atom.sampling_params import SamplingParams
@@ -87,7 +90,7 @@ class DataParallelEngine:
         self.stats = _SummedStats(self.replicas)
         self.scheduler = _JoinedSchedulers(self.replicas)
         self.block_manager = _SummedBlocks(self.replicas)
-        self.model_runner = _Runners(self.replicas)
+        self.model_runner: RunnerTotals = _Runners(self.replicas)
         logger.info(
             "data parallelism: %d replicas of %d rank(s), rendezvous at %s",
             size,
@@ -296,7 +299,8 @@ class _SummedSlots:
 
 
 class _Runners:
-    """The replicas' runners; their runner slots live in the spawned ranks."""
+    """The replicas' runners (RunnerTotals, protocols.py: counters only, since every
+    replica launches its own steps); their runner slots live in the spawned ranks."""
 
     slots: tuple = ()
 

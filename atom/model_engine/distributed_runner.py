@@ -75,9 +75,9 @@ def start_rendezvous(config: Config, world_size: int | None = None) -> Rendezvou
 
 
 class DistributedRunner:
-    """Same interface as ModelRunner for the engine: `launch(batch)` returns a handle
-    whose `result()` is the sampled tokens; `num_kvcache_blocks`; `h2d_totals()`;
-    `shutdown()`."""
+    """The engine's StepRunner (protocols.py), as ModelRunner is in one process:
+    `launch(batch)` returns a handle whose `result()` is the sampled tokens;
+    `num_kvcache_blocks`; `h2d_totals()`; and `shutdown()`."""
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class DistributedRunner:
 
 
 class RemoteStepHandle:
-    """Tokens of a step launched on the ranks; read in launch order (rank 0 answers each
+    """The LaunchedStep (protocols.py) of a step launched on the ranks: its tokens, read in launch order (rank 0 answers each
     step once, in order)."""
 
     def __init__(self, runner: DistributedRunner, batch: ScheduledBatch):
@@ -170,6 +170,10 @@ class RemoteStepHandle:
             self._runner._h2d_totals = h2d_totals
             self._runner.encoder.record_sampled(self._batch, tokens)
         return self._tokens
+
+    def logprobs(self) -> None:
+        """None: log-probabilities are refused with spawned ranks (LLMEngine._engine_params)."""
+        return None
 
 
 def _rank_device(config: Config, spec: RendezvousSpec, local_rank: int) -> str:

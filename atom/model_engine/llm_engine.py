@@ -1,15 +1,20 @@
-"""LLMEngine (add requests, step, abort) and LLM (batch `generate` with a progress bar)."""
+"""LLMEngine: add requests, step, abort.
+
+A step is a chain of objects, each built once by its owner (protocols.py): the
+scheduler's ScheduledBatch (with a verify step's drafts: the speculator's copy of it),
+the runner's LaunchedStep, then the StepOutputs built here (step_outputs.py).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 from atom import envs, profiling
 from atom.config import Config
 from atom.model_engine.block_manager import BlockManager
+from atom.model_engine.context_length import fit_max_model_len, resolve_max_model_len
 from atom.model_engine.distributed_runner import DistributedRunner
 from atom.model_engine.failures import (
     RequestFailed,
@@ -18,97 +23,34 @@ from atom.model_engine.failures import (
     is_device_fault,
 )
 from atom.model_engine.model_runner import ModelRunner
-from atom.model_engine.sampling.logprobs import Logprob
+from atom.model_engine.protocols import LaunchedStep, StepRunner
 from atom.model_engine.sampling.structured_output import GrammarBackend, accept_tokens
-from atom.model_engine.scheduler import Scheduler
+from atom.model_engine.scheduler import ScheduledBatch, Scheduler
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence
 from atom.model_engine.speculative.decoder import SpeculativeDecoder, make_decoder
-from atom.model_engine.speculative.draft_model import (
-    CATCH_UP_TOKENS,
-    draft_config,
-    draft_kv_block_bytes,
-)
+from atom.model_engine.speculative.draft_model import build_draft_runner, draft_kv_block_bytes
 from atom.model_engine.state_slots import StateSlots
+from atom.model_engine.step_outputs import (
+    EngineStats,
+    RequestOutput,
+    StepOutput,
+    request_output,
+    step_output,
+)
 from atom.models.default_model import default_model_path
 from atom.models.loader import load_tokenizer, open_model, read_config
 from atom.models.registry import model_class
 from atom.sampling_params import SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_MODEL_LEN = 8192
 _BATCH_STAGE = "the step (model forward or sampler)"
 _DEVICE_FAULT = "the device failed"
 
 
-@dataclass
-class StepOutput:
-    """What one step produced for one request."""
-
-    seq_id: int
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[Logprob] | None = None  # of new_token_ids, when the request asked
-    # On a request's first output, when it asked: one per prompt token (the first None).
-    prompt_logprobs: list[Logprob | None] | None = None
-    num_cached_tokens: int = 0  # prefix-cache hits, set on the first output
-    queue_seconds: float | None = None  # arrival to first step, set on the first output
-    error: str | None = None  # finish_reason "error": why (for the client; no traceback)
-
-
-@dataclass
-class RequestOutput:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    logprobs: list[Logprob] | None = None
-    prompt_logprobs: list[Logprob | None] | None = None
-    # All n samples of the prompt (n > 1), index order; the fields above are sample 0's.
-    outputs: list[RequestOutput] | None = None
-
-
-def resolve_max_model_len(config: Config, hf_config) -> int:
-    """The context length the engine serves: the user's, capped by the model's."""
-    model_len = int(getattr(hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-    if config.max_model_len is not None and config.max_model_len > model_len:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's context length {model_len}"
-        )
-    return config.max_model_len or min(model_len, DEFAULT_MAX_MODEL_LEN)
-
-
-def fit_max_model_len(config: Config, max_model_len: int, num_blocks: int) -> int:
-    """`max_model_len`, checked against the KV cache: one request of that length must fit.
-
-    A request longer than the cache would preempt itself forever. A max_model_len the
-    user asked for is refused; the model's own (the default) is lowered to the cache.
-    """
-    capacity = num_blocks * config.block_size
-    if max_model_len <= capacity:
-        return max_model_len
-    if config.max_model_len is not None:
-        raise ValueError(
-            f"max_model_len {max_model_len} does not fit the KV cache: it holds {num_blocks} "
-            f"blocks of {config.block_size} tokens ({capacity} tokens); lower --max-model-len "
-            f"to at most {capacity}, or give the cache more memory (--gpu-memory-utilization "
-            "on CUDA, --kv-cache-memory-gb on CPU)"
-        )
-    logger.warning(
-        "the KV cache holds %d tokens (%d blocks), fewer than the model's context of %d: "
-        "serving max_model_len %d (give the cache more memory for longer requests)",
-        capacity,
-        num_blocks,
-        max_model_len,
-        capacity,
-    )
-    return capacity
-
-
 class LLMEngine:
-    def __init__(self, config: Config | None = None, model_runner=None, **kwargs):
+    def __init__(
+        self, config: Config | None = None, model_runner: StepRunner | None = None, **kwargs
+    ):
         """`model_runner`: one already started (a data-parallel replica's ranks)."""
         self.config = config = config or Config(**kwargs)
         if config.node_rank > 0:
@@ -128,6 +70,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(source or open_model(self.model_path))
         self.max_model_len = resolve_max_model_len(config, hf)
         draft_hf = self._draft_hf_config() if config.speculative_method == "draft" else None
+        self.model_runner: StepRunner
         if model_runner is not None:
             self.model_runner = model_runner
         elif config.ranks_per_replica > 1:  # spawned ranks load their own weight shards
@@ -176,14 +119,17 @@ class LLMEngine:
         if config.speculative_method is not None:
             draft_runner = None
             if draft_hf is not None:
-                draft_runner = self._draft_runner(draft_hf)
+                draft_runner = build_draft_runner(
+                    config, draft_hf, self.model_runner.num_kvcache_blocks, self.max_model_len
+                )
             snapshots = getattr(self.model_runner, "state_snapshots", None)
             self.speculator = make_decoder(config, self.max_model_len, draft_runner, snapshots)
             self.scheduler.lookahead = self.speculator.lookahead
         self.requests: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self.async_scheduling = config.async_scheduling
-        self._in_flight = None  # (batch, StepHandle) launched but not yet read
+        # launched but not yet read
+        self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None
         self._grammar_backend: GrammarBackend | None = None  # made on first use
         # The server builds it on its compile pool while the engine thread may ask too.
         self._grammar_lock = threading.Lock()
@@ -224,22 +170,6 @@ class LLMEngine:
                 f"fewer than max_model_len {self.max_model_len}; lower --max-model-len"
             )
         return draft_hf
-
-    def _draft_runner(self, draft_hf) -> ModelRunner:
-        config = draft_config(self.config, self.model_runner.num_kvcache_blocks)
-        weights = None
-        if config.load_format != "dummy":
-            weights = open_model(config.model).weights()
-        # After a verify step that kept every draft, the draft catches up on 2 tokens;
-        # its k launches per step alternate between two slots (back to back).
-        return ModelRunner(
-            config,
-            draft_hf,
-            weights,
-            self.max_model_len,
-            catch_up_rows=CATCH_UP_TOKENS,
-            alternate_slots=True,
-        )
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()
@@ -285,8 +215,7 @@ class LLMEngine:
                 f"prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}"
             )
         params = self._engine_params(params)
-        seq = Sequence(token_ids, params)
-        seq.prompt = prompt if isinstance(prompt, str) else None
+        seq = Sequence(token_ids, params, prompt if isinstance(prompt, str) else None)
         if params.structured:
             backend = self.grammar_backend()
             compiled = params.compiled_grammar or backend.compile(params)
@@ -389,12 +318,11 @@ class LLMEngine:
             outputs += self._complete_in_flight()
         only = self._suspect_group()
         with profiling.stage("schedule"):
-            batch = self.scheduler.schedule(only)
+            batch = self.scheduler.schedule(only, needs_sampling_plan=self._num_planned > 0)
         if only is not None and batch is None:
             self._suspects.pop(0)  # none of them can run now: they rejoin the others
         launched = None
         if batch is not None:
-            batch.needs_sampling_plan = self._num_planned > 0
             now = time.monotonic()
             for seq in batch.grown or ():  # newly admitted sequences are among them
                 if seq.first_scheduled_time is None:
@@ -402,7 +330,7 @@ class LLMEngine:
             try:
                 if self.speculator is not None:
                     with profiling.stage("propose"):
-                        self.speculator.propose(batch)
+                        batch = self.speculator.propose(batch)  # with its drafts
                 launched = (batch, self.model_runner.launch(batch))
             except Exception as error:  # noqa: BLE001 - contained below, or raised
                 return outputs + self._launch_failed(batch, error, only is not None)
@@ -531,13 +459,13 @@ class LLMEngine:
             state.release(o.seq_id for o in outputs)
         return outputs
 
-    def _complete(self, batch, handle) -> list[StepOutput]:
+    def _complete(self, batch: ScheduledBatch, handle: LaunchedStep) -> list[StepOutput]:
         tokens = handle.result()
         if batch.draft_token_ids is not None:  # rows of a verify step: accept, roll back
             tokens = self.speculator.on_verified(batch, tokens)
         # Log-probabilities, grammars: refused with speculation (_engine_params), so a
         # verify step has neither and `tokens` is one per sampled row below.
-        step_logprobs = handle.logprobs() if hasattr(handle, "logprobs") else None
+        step_logprobs = handle.logprobs()
         sampled_logprobs = {}
         if step_logprobs is not None:
             for seq, first, entries in step_logprobs.prompt_entries():
@@ -555,43 +483,15 @@ class LLMEngine:
                 ids = set(failure.seq_ids)
                 message = client_message(failure.stage, failure.cause)
                 failed = self._fail_seqs([s for s, _ in live if s.seq_id in ids], message)
-        updated = self.scheduler.on_complete(batch, tokens)
-        emitted = batch.emitted
-        positions = None  # id(seq) -> position of the token this step sampled
         outputs = failed
-        for seq in updated:
-            finished = seq.is_finished
-            if finished:
+        for seq, new in self.scheduler.on_complete(batch, tokens):
+            if seq.is_finished:
                 self.requests.pop(seq.seq_id, None)
                 self._release(seq)
-            reason = seq.finish_reason.value if finished else None
-            if emitted is not None:
-                new = emitted[seq.seq_id]
-            else:
-                new = [seq.token_ids[-1]]
-                if new[0] == PLACEHOLDER_TOKEN:  # the next step (asynchronous) follows it
-                    if positions is None:
-                        positions = {id(s): position for s, position in batch.sampled}
-                    new = [seq.token_ids[positions[id(seq)]]]
             self.stats.generated_tokens += len(new)
-            output = StepOutput(seq.seq_id, new, finished, reason)
-            if seq.logprobs is not None:
-                seq.logprobs.append(sampled_logprobs[id(seq)])
-                output.logprobs = [seq.logprobs[-1]]
-            seq.num_emitted_tokens += len(new)
-            if seq.num_emitted_tokens == len(new):  # the request's first output
-                output.num_cached_tokens = seq.num_cached_tokens
-                if seq.first_scheduled_time is not None:
-                    output.queue_seconds = seq.first_scheduled_time - seq.arrival_time
-                output.prompt_logprobs = self.prompt_logprobs_of(seq)
-            outputs.append(output)
+            logprob = sampled_logprobs[id(seq)] if seq.logprobs is not None else None
+            outputs.append(step_output(seq, new, logprob))
         return outputs
-
-    @staticmethod
-    def prompt_logprobs_of(seq: Sequence) -> list[Logprob | None] | None:
-        if seq.prompt_logprobs is None:
-            return None
-        return [None] + [seq.prompt_logprobs.get(p) for p in range(1, seq.num_prompt_tokens)]
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -599,32 +499,4 @@ class LLMEngine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def output_of(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            prompt=getattr(seq, "prompt", None),
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            text=self.decode(seq.output_token_ids),
-            token_ids=seq.output_token_ids,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            num_cached_tokens=seq.num_cached_tokens,
-            logprobs=seq.logprobs,
-            prompt_logprobs=self.prompt_logprobs_of(seq),
-        )
-
-
-class EngineStats:
-    """Cumulative counters (the server's /metrics reads these)."""
-
-    def __init__(self):
-        self.requests = 0
-        self.steps = 0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.step_seconds = 0.0
-
-    def record(self, batch, seconds: float) -> None:
-        """Called after launch: each sequence's computed count includes this step."""
-        self.steps += 1
-        self.step_seconds += seconds
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            before = seq.num_computed_tokens - n
-            self.prompt_tokens += max(0, min(seq.num_prompt_tokens, before + n) - before)
+        return request_output(seq, self.decode(seq.output_token_ids))

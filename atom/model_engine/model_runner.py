@@ -59,18 +59,8 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         extra_kv_block_bytes: int = 0,
         pp: PipelineGroup | None = None,
-        catch_up_rows: int | None = None,
-        alternate_slots: bool = False,
     ):
         self.config = config
-        # A speculative draft model's runner: its short catch-up steps (at most
-        # `catch_up_rows` tokens per sequence) replay CUDA graphs (verify_graphs.py), and
-        # its launches alternate between two slots, so that the host stages launch n + 1
-        # while launch n - 1's copies may still be in flight (a slot's producer guard waits
-        # for its own previous copies only).
-        self.catch_up_rows = catch_up_rows
-        self.alternate_slots = alternate_slots
-        self._next_slot = 0
         # Bytes per block of a cache that shares these block ids (a speculative draft
         # model's): the budget is split so that both caches hold the same blocks.
         self.extra_kv_block_bytes = extra_kv_block_bytes
@@ -117,14 +107,9 @@ class ModelRunner:
                 max_sampling_rows=verify_rows_per_step(config),
                 sampling_state=self.sampling_state,
             )
-            for index in range(2 if alternate_slots else config.num_micro_batches)
+            for index in range(self._num_slots())
         ]
-        # The decode graphs may hold their greedy tokens (_decode_graphs) only where no step's
-        # tokens are read after the next replay of its graph: not with speculation, whose
-        # draft launches keep their device tokens until the verify step.
-        self.graph_greedy = (
-            config.speculative_method is None and catch_up_rows is None and not alternate_slots
-        )
+        self.graph_greedy = self._graphs_hold_greedy_tokens()
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self._last_sampled: torch.Tensor | None = None  # source of placeholder fix-ups
         # pinned memory and events the steps' tokens come back through (reused)
@@ -141,14 +126,33 @@ class ModelRunner:
             logger.info("GEMV policy: %s", gemv_policy.current_policy().summary())
         self.verify_graphs: list[VerifyGraphs] | None = None
         # (a family whose multi-token steps read the host has none: it verifies eagerly)
-        multi_token_graphs = self.graphs is not None and self.speculation.verify_graphs
-        if multi_token_graphs and config.speculative_method is not None:
-            self.verify_graphs = self._capture_verify_graphs(
-                sizes, config.num_speculative_tokens + 1
-            )
-        elif multi_token_graphs and catch_up_rows:
-            self.verify_graphs = self._capture_verify_graphs(sizes, catch_up_rows)
+        multi_token_rows = self._multi_token_graph_rows()
+        if self.graphs is not None and self.speculation.verify_graphs and multi_token_rows:
+            self.verify_graphs = self._capture_verify_graphs(sizes, multi_token_rows)
         self.eager_forwards = 0  # forwards run outside CUDA graphs (tests, benchmarks)
+
+    # -- what a subclass (the draft runner, speculative/draft_runner.py) decides ------------
+    def _num_slots(self) -> int:
+        """Runner slots: one per micro-batch."""
+        return self.config.num_micro_batches
+
+    def _graphs_hold_greedy_tokens(self) -> bool:
+        """Whether the decode graphs may hold their greedy tokens (_decode_graphs): only
+        where no step's tokens are read after the next replay of its graph; not with
+        speculation, whose draft launches keep their device tokens until the verify step."""
+        return self.config.speculative_method is None
+
+    def _multi_token_graph_rows(self) -> int | None:
+        """Tokens per sequence of the multi-token CUDA graphs (verify_graphs.py): k + 1 for
+        a speculating target's verify steps; None: no such graphs."""
+        if self.config.speculative_method is None:
+            return None
+        return self.config.num_speculative_tokens + 1
+
+    def _replays_short_steps(self) -> bool:
+        """Whether steps without drafts may replay the multi-token graphs: a target whose
+        rejected drafts roll back by state snapshot recomputes the kept tokens in them."""
+        return self.snapshot_state
 
     def set_fusions(self, fusions: Fusions) -> None:
         """Switch the fused kernels (atom/fusions.py) of this runner: the sampler's argmax
@@ -289,10 +293,6 @@ class ModelRunner:
         """
         previous = self._last_sampled
         self.sampling_state.begin_step(batch.seqs)
-        if self.alternate_slots:  # the whole batch on the slot not used last time
-            index, self._next_slot = self._next_slot, 1 - self._next_slot
-            results = [self._launch_part(index, batch, previous)]
-            return self._handle(results)
         parts = split_batch(batch, len(self.slots))
         if self.pp is not None:
             return self._launch_stage(batch, parts, previous)
@@ -454,7 +454,7 @@ class ModelRunner:
         whose sequences have at most the graph's tokens each, and that samples."""
         if self.verify_graphs is None or batch.is_decode_only or not step.sampling_seqs:
             return None
-        short_steps = self.catch_up_rows or self.snapshot_state
+        short_steps = self._replays_short_steps()
         if plan is not None or (batch.draft_token_ids is None and not short_steps):
             return None
         return self.verify_graphs[index].fits(step.num_seqs, step.max_seqlen_q)

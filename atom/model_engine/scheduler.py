@@ -19,14 +19,23 @@ from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, FinishReason, Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledBatch:
-    """One step's work: `seqs[i]` computes `num_new_tokens[i]` tokens (decodes first)."""
+    """One step's work: `seqs[i]` computes `num_new_tokens[i]` tokens (decodes first).
+
+    Built once, by its owner, and never changed after: the scheduler builds the engine's
+    batches (Scheduler.schedule), the speculator a verify step's copy with its drafts
+    (`dataclasses.replace`, speculative/decoder.py), `split_batch` the micro-batches, the
+    draft proposer and the tensor-parallel mirror their own. What happens to the batch
+    later (launch, completion) is returned by those calls, not written here.
+    """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     num_decodes: int  # the first num_decodes entries are single-token decodes
-    # Set by Scheduler.on_launch: (sequence, placeholder position) of each sampling row.
+    # (sequence, placeholder position) of each sampling row, in row order: where
+    # Scheduler.on_launch puts the placeholder of the token it will receive. None: a batch
+    # the scheduler did not build (micro-batches, draft steps, a rank's mirror).
     sampled: list[tuple[Sequence, int]] | None = None
     # For the page table: batches with equal `layout` hold the same sequences in the same
     # order; `grown` received KV blocks while this batch was scheduled; `step` numbers
@@ -35,18 +44,18 @@ class ScheduledBatch:
     grown: list[Sequence] | None = None
     step: int | None = None
     # Speculative decoding (atom/model_engine/speculative): draft slots reserved per
-    # sequence (num_new_tokens includes them), the proposals filling them (set before the
-    # launch; None = nothing to verify), and after on_complete each sequence's new tokens.
+    # sequence (num_new_tokens includes them; the scheduler's), and the proposals filling
+    # them (the speculator's copy of the batch; None = nothing to verify).
     num_draft_tokens: list[int] | None = None
     draft_token_ids: list[list[int]] | None = None
-    emitted: dict[int, list[int]] | None = None
     # Drafts left on the device by the proposer (a torch int64 tensor [num_seqs * d], batch
     # order; every sequence decodes with d drafts): `draft_token_ids` then holds
     # placeholders, which the runner fills on the device, and the verify step's result
     # brings the drafts to the host.
     device_drafts: object | None = None
     # False when no request of the batch asks for logprobs, penalties, grammars... (the
-    # engine knows without a scan); None: unknown, the runner looks (sampling_step.py).
+    # engine knows without a scan and tells the scheduler); None: unknown, the runner
+    # looks (sampling_step.py).
     needs_sampling_plan: bool | None = None
 
     @property
@@ -94,9 +103,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- scheduling ------------------------------------------------------------------------
-    def schedule(self, only: set[Sequence] | None = None) -> ScheduledBatch | None:
+    def schedule(
+        self, only: set[Sequence] | None = None, needs_sampling_plan: bool | None = None
+    ) -> ScheduledBatch | None:
         """The next step's batch. `only`: schedule none but these running sequences and
-        admit nothing (the engine isolating a failed step's requests, failures.py)."""
+        admit nothing (the engine isolating a failed step's requests, failures.py).
+        `needs_sampling_plan`: whether a live request asks for a sampling plan (the
+        engine counts them), recorded in the batch."""
         budget = self.max_num_batched_tokens
         chosen: dict[Sequence, int] = {}  # insertion order = batch order
         bm = self.block_manager
@@ -168,17 +181,21 @@ class Scheduler:
             self._layout += 1
             self._last_seqs = seqs
         self._steps += 1
-        batch = ScheduledBatch(
+        num_new_tokens = [chosen[s] for s in seqs]
+        num_draft_tokens = None
+        if self.lookahead is not None:
+            num_draft_tokens = [max(0, chosen[s] - s.num_uncomputed_tokens) for s in seqs]
+        return ScheduledBatch(
             seqs,
-            [chosen[s] for s in seqs],
+            num_new_tokens,
             num_decodes,
+            sampled=_sampling_rows(seqs, num_new_tokens, num_draft_tokens),
             layout=self._layout,
             grown=grown,
             step=self._steps,
+            num_draft_tokens=num_draft_tokens,
+            needs_sampling_plan=needs_sampling_plan,
         )
-        if self.lookahead is not None:
-            batch.num_draft_tokens = [max(0, chosen[s] - s.num_uncomputed_tokens) for s in seqs]
-        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -199,23 +216,21 @@ class Scheduler:
         on the device from this step's sampled tokens. A sequence whose length limit this
         token reaches is not scheduled again.
         """
-        batch.sampled = []
-        for index, seq in enumerate(batch.seqs):
-            samples = batch.samples(index)
-            seq.num_computed_tokens += batch.num_new_tokens[index]
-            if not samples:
-                continue
-            position = len(seq.token_ids)
-            seq.pending_token = (position, len(batch.sampled))
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+        for row, (seq, position) in enumerate(batch.sampled):
+            seq.pending_token = (position, row)
             seq.token_ids.append(PLACEHOLDER_TOKEN)
-            batch.sampled.append((seq, position))
             limit = seq.sampling_params.max_tokens
             if seq.num_output_tokens >= limit or len(seq) >= self.max_model_len:
                 seq.finishing = True
 
-    def on_complete(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
+    def on_complete(
+        self, batch: ScheduledBatch, sampled: list[int] | list[list[int]]
+    ) -> list[tuple[Sequence, list[int]]]:
         """Fill the placeholders with the sampled tokens (in sampling order) and retire
-        finished sequences. Returns the sequences that received a token."""
+        finished sequences. Returns each sequence that received tokens, with them (a
+        speculative step's: the accepted drafts and one more, cut at a stop)."""
         updated = []
         for (seq, position), token in zip(batch.sampled, sampled, strict=True):
             if seq.status == SequenceStatus.FINISHED:  # aborted, or stopped a step earlier
@@ -225,7 +240,6 @@ class Scheduler:
             seq.token_ids[position] = tokens[0]
             if seq.pending_token is not None and seq.pending_token[0] == position:
                 seq.pending_token = None
-            updated.append(seq)
             end = position + 1
             reason = self._finish_reason(seq, tokens[0], end)
             for extra in tokens[1:]:  # synchronous steps only: no placeholder follows
@@ -234,8 +248,7 @@ class Scheduler:
                 seq.token_ids.append(extra)
                 end += 1
                 reason = self._finish_reason(seq, extra, end)
-            if batch.emitted is not None:
-                batch.emitted[seq.seq_id] = seq.token_ids[position:end]
+            updated.append((seq, seq.token_ids[position:end]))
             if reason is not None:
                 del seq.token_ids[end:]  # a placeholder of a step still in flight
                 self.finish(seq, reason)
@@ -263,3 +276,17 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _sampling_rows(
+    seqs: list[Sequence], num_new_tokens: list[int], num_draft_tokens: list[int] | None
+) -> list[tuple[Sequence, int]]:
+    """(sequence, placeholder position) of each sequence that reaches its last token in a
+    step of `num_new_tokens` (drafts after it excluded), and so samples one."""
+    rows = []
+    for index, seq in enumerate(seqs):
+        drafts = num_draft_tokens[index] if num_draft_tokens else 0
+        length = len(seq.token_ids)
+        if seq.num_computed_tokens + num_new_tokens[index] - drafts == length:
+            rows.append((seq, length))
+    return rows

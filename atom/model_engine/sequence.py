@@ -34,8 +34,14 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams):
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+    ):
         self.seq_id = next(Sequence._ids)
+        self.prompt = prompt  # the request's text, when it came as text (RequestOutput)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
@@ -62,6 +68,9 @@ class Sequence:
             {} if sampling_params.prompt_logprobs is not None else None
         )
         self.grammar = None  # xgrammar GrammarMatcher of a structured-output request
+        # A seeded request's torch.Generator, made on its first sampled step (runner_slot.py)
+        # and kept across preemption, so seeded sampling does not restart.
+        self.generator = None
         self.num_emitted_tokens = 0  # tokens the engine has handed out in StepOutputs
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # first step that computed it

@@ -1,5 +1,7 @@
 """What a RunnerSlot publishes: only what a consumer reads, uniform sampling on the host."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -54,7 +56,7 @@ def test_decode_step_publishes_only_what_its_consumers_read(backend):
     for seq in batch.seqs:
         seq.num_computed_tokens += 1
         seq.token_ids.append(7)
-    batch.step = 2
+    batch = replace(batch, step=2)
     *_, event = _step(slot, batch, padded_seqs=4)
     sent = {name for name, b in slot.h2d.buffers.items() if b.last_transfer is event}
     assert sent == {"input_ids", "positions", "context_lens"}
@@ -118,7 +120,7 @@ def test_sampling_plan_publishes_new_rows_once_then_nothing(backend):
     for seq in batch.seqs:
         seq.num_computed_tokens += 1
         seq.token_ids.append(7)
-    batch.step = 2
+    batch = replace(batch, step=2)
     again, sent = step()
     assert sent == set() and again.builds is None
     assert again.state_rows.tolist() == plan.state_rows.tolist()

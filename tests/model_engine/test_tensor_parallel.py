@@ -142,6 +142,9 @@ class _RecordingHandle:
         self.encoder.record_sampled(self.batch, tokens)
         return tokens
 
+    def logprobs(self):
+        return self.handle.logprobs()
+
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_step_messages_keep_the_mirror_equal_to_the_engine(tiny_model_dirs, async_scheduling):

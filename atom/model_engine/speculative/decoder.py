@@ -6,7 +6,7 @@ successor cannot draft, `needs_tokens` False, stays in flight as usual):
 
     scheduler.lookahead = decoder.lookahead  # before scheduling: drafts each decode may get
     batch = scheduler.schedule()             # 1 + drafts tokens per decode, blocks for them
-    decoder.propose(batch)                   # batch.draft_token_ids (or device_drafts)
+    batch = decoder.propose(batch)           # a copy with draft_token_ids (or device_drafts)
     handle = runner.launch(batch)            # one forward verifies every row
     emitted = decoder.on_verified(batch, handle.result())  # KV rollback, counters
                                              # (device drafts come back with the result)
@@ -31,6 +31,7 @@ the page table only ever sees blocks that a forward writes.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from atom.config import Config
 from atom.model_engine.scheduler import ScheduledBatch
@@ -109,19 +110,21 @@ class SpeculativeDecoder:
             if seq.pending_token is not None and not seq.finishing
         )
 
-    def propose(self, batch: ScheduledBatch) -> None:
-        """Fill `batch.draft_token_ids` (left None when no sequence drafts: a plain step)
-        and, when the proposer leaves them on the device, `batch.device_drafts`."""
+    def propose(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch to launch: `batch` itself when no sequence drafts (a plain step), else
+        its copy carrying the proposals (`draft_token_ids`, and `device_drafts` when the
+        proposer leaves them on the device)."""
         counts = batch.num_draft_tokens
         if not counts or not any(counts):
-            return
+            return batch
         on_device = getattr(self.proposer, "propose_on_device", None)
         if on_device is not None and _uniform_decodes(batch):
             drafts = on_device(batch.seqs, counts)
         else:
             drafts = self.proposer.propose(batch.seqs, counts)
+        device_drafts = None
         if isinstance(drafts, DeviceDrafts):
-            batch.device_drafts = drafts.tokens
+            device_drafts = drafts.tokens
             drafts = [[PLACEHOLDER_TOKEN] * count for count in counts]
         for seq, draft, count in zip(batch.seqs, drafts, counts, strict=True):
             if len(draft) != count:
@@ -129,25 +132,24 @@ class SpeculativeDecoder:
                     f"the proposer gave {len(draft)} drafts for sequence {seq.seq_id}, "
                     f"{count} were scheduled"
                 )
-        batch.draft_token_ids = drafts
-        batch.emitted = {}
         if self.state_snapshots is not None:  # queued before the verify step's forward
             self.state_snapshots.save(
                 [s.state_slot for s, d in zip(batch.seqs, drafts, strict=True) if d]
             )
+        return replace(batch, draft_token_ids=drafts, device_drafts=device_drafts)
 
     def on_verified(self, batch: ScheduledBatch, result) -> list[list[int]]:
         """From the verify rows' (tokens, accepted) to each sampling sequence's new tokens;
         moves each drafting sequence's computed count back past its rejected drafts."""
         tokens, accepted, *checked = result
         index = {seq: i for i, seq in enumerate(batch.seqs)}
-        if checked:  # the drafts came from the device: the rows carry them back
-            row = 0
-            for seq, _ in batch.sampled:
-                draft = batch.draft_token_ids[index[seq]]
-                draft[:] = checked[0][row : row + len(draft)]
-                row += len(draft) + 1
         drafts = [batch.draft_token_ids[index[seq]] for seq, _ in batch.sampled]
+        if checked:  # the drafts came from the device: the rows carry them back
+            row, on_host = 0, []
+            for draft in drafts:
+                on_host.append(checked[0][row : row + len(draft)])
+                row += len(draft) + 1
+            drafts = on_host
         emitted = accepted_tokens(drafts, tokens, accepted)
         restore = []  # state slots of sequences that rejected a draft (snapshot rollback)
         for (seq, position), draft, new in zip(batch.sampled, drafts, emitted, strict=True):

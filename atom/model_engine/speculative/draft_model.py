@@ -1,6 +1,6 @@
 """The draft-model proposer: a smaller model with the target's vocabulary guesses ahead.
 
-The draft runs on a ModelRunner of its own (its model, its runner slot with its own
+The draft runs on a runner of its own (DraftModelRunner, draft_runner.py) (its model, its runner slot with its own
 buffers, publisher and page table, its decode CUDA graphs) and its own KV cache tensors
 with the target's number of blocks, addressed by the target sequence's block ids: the
 draft's KV of position p lives at the same slot as the target's, in the draft's tensors.
@@ -37,7 +37,9 @@ import torch
 
 from atom.model_engine.scheduler import ScheduledBatch
 from atom.model_engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from atom.model_engine.speculative.draft_runner import DraftModelRunner
 from atom.model_engine.speculative.proposers import DeviceDrafts
+from atom.models.loader import open_model
 from atom.sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -68,8 +70,8 @@ class _DraftView:
 
 
 class DraftModelProposer:
-    def __init__(self, runner, max_num_batched_tokens: int):
-        self.runner = runner  # a ModelRunner over the draft model (greedy, synchronous)
+    def __init__(self, runner: DraftModelRunner, max_num_batched_tokens: int):
+        self.runner = runner  # over the draft model (greedy, synchronous)
         self.budget = max_num_batched_tokens
         # seq -> (block_version, positions whose draft KV is valid)
         self._computed: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = (
@@ -192,6 +194,16 @@ class DraftModelProposer:
 
     def on_verified(self, seq: Sequence, position: int, num_drafts: int, num_accepted: int):
         self._computed[seq] = (seq.block_version, position + min(num_accepted, num_drafts - 1))
+
+
+def build_draft_runner(config, draft_hf, num_blocks: int, max_model_len: int) -> DraftModelRunner:
+    """The draft model's runner, over the target's `num_blocks` KV block ids. After a
+    verify step that kept every draft, the draft catches up on CATCH_UP_TOKENS tokens."""
+    config = draft_config(config, num_blocks)
+    weights = None
+    if config.load_format != "dummy":
+        weights = open_model(config.model).weights()
+    return DraftModelRunner(config, draft_hf, weights, max_model_len, CATCH_UP_TOKENS)
 
 
 def draft_config(config, num_blocks: int):
