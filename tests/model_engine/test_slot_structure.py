@@ -175,8 +175,9 @@ def test_publish_returns_the_drafts_of_a_verify_step():
     checked against draft j + 1, its last row against nothing (-1)."""
     slot = RunnerSlot(0, 4, 32, 8, 4, 1000, CPU, h2d_checked=True)
     a = _seq(range(10, 18), 7, [0, 1, 2])
-    batch = ScheduledBatch([a], [3], 0, layout=1, grown=[], step=1)
-    batch.num_draft_tokens, batch.draft_token_ids = [2], [[50, 51]]
+    batch = ScheduledBatch(
+        [a], [3], 0, layout=1, grown=[], step=1, num_draft_tokens=[2], draft_token_ids=[[50, 51]]
+    )
     inputs = slot.publish(slot.prepare(batch))
     assert inputs.input_ids.tolist() == [17, 50, 51]
     assert inputs.positions.tolist() == [7, 8, 9]
