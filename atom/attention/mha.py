@@ -11,8 +11,7 @@ call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py).
 
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
-(atom/kernels/rotary_kv.py); `Fusions.decode_merge` picks the decode kernel's in-kernel
-split merge (atom/fusions.py).
+(atom/kernels/rotary_kv.py).
 """
 
 from __future__ import annotations
@@ -154,7 +153,6 @@ class MHAAttention(nn.Module):
                 meta.context_lens,
                 self.scale,
                 **kv_scales,
-                merge_in_kernel=fusions.decode_merge,
                 early_kv=self.early_kv,
             )
         else:

@@ -65,6 +65,7 @@ class ModelRunner:
         alternate_slots: bool = False,
     ):
         self.config = config
+        gemv_policy.configure(config.gemv_policy, config.cache_dir, config.gemv_trial_budget_s)
         # A speculative draft model's runner: its short catch-up steps (at most
         # `catch_up_rows` tokens per sequence) replay CUDA graphs (verify_graphs.py), and
         # its launches alternate between two slots, so that the host stages launch n + 1

@@ -260,10 +260,6 @@ KERNELS = {
         [],
     ),
     (sampling, "_count_sampled_kernel"): (["vocab_size"], []),
-    (sampling, "_logprob_candidates_kernel"): (
-        ["vocab_size", "logits_stride", "num_blocks", "k"],
-        [],
-    ),
     (sampling, "_count_greater_kernel"): (["vocab_size", "logits_stride", "num_blocks"], []),
     (logprob_topk, "_select_topk_kernel"): (
         ["logits_stride", "vocab_size", "num_blocks", "sub_width", "k"],
@@ -465,37 +461,6 @@ def test_paged_decode_one_variant(kv_cache_dtype, early_kv):
         )
 
     assert_one_variant(decode_attention, ["_paged_decode_kernel", "_merge_splits_kernel"], run)
-
-
-@pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="H200 2026-12-01: the merged-in-kernel decode compiled more than one variant over "
-    "the length sweep; Fusions.decode_merge is off by default (it also lost the ablation)",
-    strict=False,
-)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_paged_decode_merged_in_kernel_one_variant(kv_cache_dtype):
-    """Fusions.decode_merge: the same sweep; the splits a row uses follow its length on the
-    device, the grid's split count the block-table width (one variant for all)."""
-    num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
-    k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
-    q = torch.randn(max(SWEEP), num_q_heads, head_dim, device=DEVICE, dtype=BF16)
-    generator = _generator()
-    merge = dict(merge_in_kernel=True, **scales)
-
-    def run(n):
-        lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32, generator=generator)
-        tables = _block_tables(n, 64, num_blocks)
-        decode_attention.paged_decode_attention(
-            q[:n], k_cache, v_cache, tables, lens, head_dim**-0.5, **merge
-        )
-        lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
-        tables = _block_tables(3, n, num_blocks)
-        decode_attention.paged_decode_attention(
-            q[:3], k_cache, v_cache, tables, lens, head_dim**-0.5, **merge
-        )
-
-    assert_one_variant(decode_attention, ["_paged_decode_kernel"], run)
 
 
 @pytest.mark.gpu
