@@ -102,8 +102,8 @@ class MHAAttention(nn.Module):
         fused with the cache write on CUDA when `Fusions.rope_kv_write` is on."""
         context = get_forward_context()
         meta = context.attention
-        # fp8 caches keep rotary + store: on the H200 the fused kernel's e4m3 bytes did not
-        # equal the store kernel's (tests/kernels/test_rotary_kv.py, xfail there).
+        # fp8 caches keep rotary + store: the fused kernel's e4m3 bytes did not equal the
+        # store kernel's on the GPU (tests/kernels/test_rotary_kv.py, xfail there).
         fused = context.fusions.rope_kv_write and self.k_scale is None
         if not (q.is_cuda and fused and meta.block_tables is not None):
             q, k = rotary(positions, q, k)

@@ -9,8 +9,8 @@ is a kernel of its own; these kernels read the weight in one pass and write the 
 GEMV: each program normalises the input row itself, so a decoder layer's two norms launch
 nothing of their own. Used only with their Fusions switches (atom/fusions.py), at one row
 (batch-1 decode), on the shapes where the GEMV policy measured them faster
-(atom/kernels/gemv_policy.py): more rows run the torch references (F.linear: cuBLAS, which a tl.dot
-GEMV for 2..16 rows lost to in the H200 ablation; that kernel is gone).
+(atom/kernels/gemv_policy.py): more rows run the torch references (F.linear: cuBLAS, which a
+tl.dot GEMV for 2..16 rows lost to; that kernel is gone, docs/benchmarks.md).
 
 Shapes and dtypes:
     x        [num_rows, in_features], fp32/bf16/fp16, unit-stride columns; the kernel
@@ -49,8 +49,7 @@ once, from L1/L2, as without the norm.
 Under programmatic dependent launch (``PDL``, atom/kernels/pdl.py: the GEMVs of under 4 MB
 of weight, which latency bounds) the program loads its first weight chunk, then waits for
 the kernel before it, then reads x: the weight is never written by a forward, so its load
-overlaps the previous kernel's tail (SmolLM2-135M's batch-1 graph 572 -> 469 us on the
-H200 with the other kernels' PDL; docs/benchmarks.md, "Fourth pass").
+overlaps the previous kernel's tail (figures in docs/benchmarks.md).
 
 Runtime lengths: none (one row). Geometry: in/out features (plain arguments: Triton
 specializes them by divisibility by 16 only, which keeps the masked loads vectorised, so

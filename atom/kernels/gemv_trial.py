@@ -27,9 +27,9 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     weight streamed once) with K chunks of up to 1024, 1 to 8 warps, and the heuristic's
     choice (atom/kernels/gemv.py); with the norm prologue also 2 and 4 rows over narrower
     chunks (each program reads x, the residual and the norm weight again). The winners of
-    the H200 sweep on the 1B and 135M shapes are of this family (gemv_sweep,
-    docs/benchmarks.md); on the H200 these tiles stream the 7-13B shapes' large matrices
-    at 85-96% of a streaming read, where the heuristic's wider tiles reached about half."""
+    the wider sweep (benchmarks/gemv_sweep.py) are of this family, and these narrow tiles
+    stream large matrices near a streaming read's rate, where the heuristic's wider tiles
+    fall well short (docs/benchmarks.md)."""
     block_k = max(64, min(1024, 1 << math.ceil(math.log2(max(site.in_features, 1)))))
     rows = site.rows // 2 if site.silu_mul else site.rows
     out = [
