@@ -136,6 +136,7 @@ class GemvPolicy:
         self.spent_s = 0.0  # timed trials so far
         self.compile_s = 0.0  # compiling candidates (not in the budget)
         self.choices: dict[tuple, GemvChoice] = {}  # (cache key) -> choice
+        self.engine_made = False  # made by `configure` (an engine replaces it), not set_policy
         self._cache: dict | None = None  # the file's entries, read once
 
     def start_engine(self) -> None:
@@ -379,7 +380,6 @@ def _describe(choice: GemvChoice) -> str:
 
 
 _policy: GemvPolicy | None = None
-_set_by_caller = False  # set_policy's (a test or benchmark): the engine keeps it
 
 
 def _install(policy: GemvPolicy | None) -> None:
@@ -390,15 +390,19 @@ def _install(policy: GemvPolicy | None) -> None:
 
 def configure(mode: str, cache_dir: str | None, budget_s: float) -> GemvPolicy:
     """An engine starts (the ModelRunner, from its Config): the process's policy becomes
-    one of these settings, unless ``set_policy`` gave one; the same settings as before keep
-    the policy's choices. Its trials get the whole budget again."""
+    one of these settings, unless ``set_policy`` gave one (a test's or benchmark's, kept);
+    the same settings as before keep the policy and its choices. Its trials get the whole
+    budget again."""
     cache_path = cache_path_in(cache_dir)
     current = _policy
-    if not _set_by_caller and (
+    replaceable = current is None or current.engine_made
+    if replaceable and (
         current is None
         or (current.mode, current.cache_path, current.budget_s) != (mode, cache_path, budget_s)
     ):
-        _install(GemvPolicy(mode, cache_path, budget_s))
+        policy = GemvPolicy(mode, cache_path, budget_s)
+        policy.engine_made = True
+        _install(policy)
     _policy.start_engine()
     return _policy
 
@@ -407,17 +411,18 @@ def current_policy() -> GemvPolicy:
     """The process's policy: the one ``configure`` or ``set_policy`` gave; before either,
     the defaults without a cache file (layers run outside an engine)."""
     if _policy is None:
-        _install(GemvPolicy())
+        policy = GemvPolicy()
+        policy.engine_made = True  # the next engine replaces it
+        _install(policy)
     return _policy
 
 
 def set_policy(policy: GemvPolicy | None) -> GemvPolicy | None:
-    """Replace the process's policy (tests, A/B benchmarks); returns the previous one.
-    None: the next engine makes its own from its Config again."""
-    global _set_by_caller
+    """Replace the process's policy (tests, A/B benchmarks; an engine then keeps it);
+    returns the previous one, which a caller may set back. None: the next engine makes its
+    own from its Config again."""
     previous = _policy
     _install(policy)
-    _set_by_caller = policy is not None
     return previous
 
 

@@ -250,6 +250,9 @@ def test_forced_modes_and_environment(monkeypatch, tmp_path):
         mine = GemvPolicy("fused", None)
         gemv_policy.set_policy(mine)  # a test's or benchmark's: the engine keeps it
         assert gemv_policy.configure("unfused", config.cache_dir, 0.5) is mine
+        gemv_policy.set_policy(policy)  # an engine's policy set back: the next engine's again
+        assert gemv_policy.configure("fused", None, 0.5) is not policy
+        assert gemv_policy.current_policy().mode == "fused"
     finally:
         gemv_policy.set_policy(previous)
 
