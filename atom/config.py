@@ -106,8 +106,15 @@ class Config:
     ngram_max: int = 4  # longest suffix tried first
     speculative_model: str | None = None  # the draft model (method "draft")
     # Fused kernels of the CUDA path, one switch each (atom/fusions.py); None = the
-    # defaults there, overridden by the ATOM_FUSE_* environment variables.
+    # defaults there, overridden by the ATOM_FUSE_* (and ATOM_PDL_*) environment variables.
     fusions: Fusions | None = None
+    # The batch-1 GEMV policy (atom/kernels/gemv_policy.py): measure | fused | unfused, its
+    # seconds of timed trials per process, and the directory of its cache file. None: the
+    # ATOM_GEMV_POLICY, ATOM_GEMV_TRIAL_BUDGET_S and ATOM_CACHE_DIR variables, else
+    # measure, 1 s and ~/.cache/atom.
+    gemv_policy: str | None = None
+    gemv_trial_budget_s: float | None = None
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -134,6 +141,7 @@ class Config:
             self.profiler_dir = envs.torch_profiler_dir()
         if self.fusions is None:
             self.fusions = Fusions.from_env()
+        self._resolve_gemv_policy()
         if self.async_scheduling is None:
             self.async_scheduling = self.device.startswith("cuda")
         if self.device == "cpu" and self.torch_dtype != torch.float32:
@@ -158,6 +166,19 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         self._validate_parallelism()
         self._validate_speculation()  # after num_micro_batches is resolved
+
+    def _resolve_gemv_policy(self) -> None:
+        if self.gemv_policy is None:
+            self.gemv_policy = envs.gemv_policy()
+        elif self.gemv_policy not in envs.GEMV_POLICY_MODES:
+            raise ValueError(
+                f"gemv_policy must be one of {', '.join(envs.GEMV_POLICY_MODES)}, "
+                f"got {self.gemv_policy!r}"
+            )
+        if self.gemv_trial_budget_s is None:
+            self.gemv_trial_budget_s = envs.gemv_trial_budget_s()
+        if self.cache_dir is None:
+            self.cache_dir = envs.cache_dir()
 
     def _validate_speculation(self) -> None:
         method = self.speculative_method

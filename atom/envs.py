@@ -45,12 +45,6 @@ def grammar_cache_bytes() -> int:
     return int(megabytes * (1 << 20))
 
 
-def logprob_candidates() -> str:
-    """`ATOM_LOGPROB_CANDIDATES`: how logprob candidates are found on the device (default
-    select; atom/kernels/sampling.py reads it once, at import)."""
-    return os.environ.get("ATOM_LOGPROB_CANDIDATES", "select")
-
-
 def gdn_chunked_min_tokens() -> int:
     """`ATOM_GDN_CHUNKED_MIN_TOKENS`: the longest new run from which a GDN prefill takes the
     chunked kernels (default 8192; a huge value: never; atom/kernels/gdn_chunk.py reads it
@@ -70,3 +64,62 @@ def cpu_threads() -> int | None:
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a thread count") from None
     return max(1, threads)
+
+
+def fusion_settings(variables: list[str]) -> dict[str, str]:
+    """The `ATOM_FUSE_*` switches that are set, lower-cased ({variable: value}; atom/fusions.py
+    parses them: 1 on, 0 off, unset or `default` the default)."""
+    values = {name: os.environ.get(name, "").strip().lower() for name in variables}
+    return {name: value for name, value in values.items() if value not in ("", "default")}
+
+
+PDL_KERNELS = ("latency", "small", "all")
+PDL_RELEASES = ("start", "end")
+
+
+def pdl_kernels() -> str:
+    """`ATOM_PDL_KERNELS`: which GEMVs join a PDL chain (measurement, atom/kernels/pdl.py):
+    latency (the default: those under its latency bound) | small (none) | all."""
+    return _choice("ATOM_PDL_KERNELS", PDL_KERNELS)
+
+
+def pdl_release() -> str:
+    """`ATOM_PDL_RELEASE`: when a GEMV under PDL lets the next kernel launch (measurement):
+    start (the default) | end (after its K loop)."""
+    return _choice("ATOM_PDL_RELEASE", PDL_RELEASES)
+
+
+GEMV_POLICY_MODES = ("measure", "fused", "unfused")
+
+
+def gemv_policy() -> str:
+    """`ATOM_GEMV_POLICY`: how batch-1 linear layers pick the Triton GEMV
+    (atom/kernels/gemv_policy.py): measure (the default) | fused | unfused."""
+    return _choice("ATOM_GEMV_POLICY", GEMV_POLICY_MODES)
+
+
+def gemv_trial_budget_s() -> float:
+    """`ATOM_GEMV_TRIAL_BUDGET_S`: seconds of timed GEMV trials per process (default 1)."""
+    raw = os.environ.get("ATOM_GEMV_TRIAL_BUDGET_S", "").strip()
+    try:
+        return float(raw) if raw else 1.0
+    except ValueError:
+        raise ValueError(
+            f"ATOM_GEMV_TRIAL_BUDGET_S={raw!r}: seconds of timed trials, e.g. 1.0"
+        ) from None
+
+
+def cache_dir() -> str:
+    """`ATOM_CACHE_DIR`: where measured choices are kept across starts (the GEMV policy's
+    gemv_policy.json; default ~/.cache/atom)."""
+    return os.environ.get("ATOM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "atom"
+    )
+
+
+def _choice(name: str, valid: tuple[str, ...]) -> str:
+    """One of ``valid`` (the first when unset or empty), lower-cased."""
+    value = os.environ.get(name, "").strip().lower() or valid[0]
+    if value not in valid:
+        raise ValueError(f"{name}={value!r}: use one of {', '.join(valid)}")
+    return value

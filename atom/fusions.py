@@ -1,30 +1,18 @@
 """Which fused kernels the CUDA path uses (issue 17: batch-1 decode with fewer kernels).
 
 One switch per fusion, each an environment variable (``1`` on, ``0`` off) read once when a
-``Config`` is built, or a ``Fusions`` passed as ``Config.fusions``. ``DEFAULTS`` holds the
-default of each: a fusion should be on by default only where the H200 ablation
-(``python -m benchmarks.offline_throughput --ablate``, docs/benchmarks.md) shows it
-wins; flip a default there. Second H200 ablation of 2026-12-01 (docs/benchmarks.md), with
-the one-row GEMV and its measured tiles: the kernel set rope_kv_write + greedy_argmax +
-gemv_silu + gemv_linear + norm_gemv ("gemv_set") ran the Llama-3.2-1B shape at 1.25x and
-SmolLM2-135M at 1.47x the all-off baseline (GPU time per step 1100 -> 903 us, 925 -> 626
-us); with gemv_rope_kv too, 1.33x and 1.58x (866 and 573 us). These six are on. The
-attention variant decode_merge is off: it lost on both shapes (0.97x alone); a one-launch
-small-batch decode kernel (decode_short) added GPU time and was deleted (docs/benchmarks.md).
+``Config`` is built (atom/envs.py), or a ``Fusions`` passed as ``Config.fusions``.
+``DEFAULTS`` holds the default of each: a fusion is on by default only where the ablation
+(``python -m benchmarks.offline_throughput --ablate``) shows it winning on every shape of
+the batch-1 matrix, against every fusion off; the figures and the alternatives that lost
+are in docs/benchmarks.md. Flip a default there, after measuring.
 rope_kv_write and gemv_rope_kv serve bf16/fp32 caches; fp8 caches keep rotary + store
-(atom/attention/mha.py). pdl (programmatic dependent launch) is on since its fourth pass
-(docs/benchmarks.md): with the GEMVs' first weight chunk loaded before the wait, the
-batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 839 us.
+(atom/attention/mha.py).
 
     rope_kv_write   ATOM_FUSE_ROPE_KV      RoPE of q and k and the KV-cache write (bf16 or
                                            fp8) in one kernel reading the fused QKV output
                                            in place (atom/kernels/rotary_kv.py), instead of
                                            a rotary kernel and a store kernel.
-    decode_merge    ATOM_FUSE_DECODE_MERGE paged decode attention that merges its context
-                                           splits in-kernel (the last split of a sequence and
-                                           kv head merges) and picks the number of splits it
-                                           uses from the context length on the device: no
-                                           merge kernel, one split for short contexts.
     greedy_argmax   ATOM_FUSE_ARGMAX       greedy sampling through a two-stage Triton argmax
                                            over the vocabulary (atom/kernels/argmax.py)
                                            instead of torch's argmax.
@@ -52,7 +40,9 @@ batch-1 graph of SmolLM2-135M went from 572 to 469 us and the 1B's from 851 to 8
                                            RMSNorm): each may start while the one before it
                                            ends, loading its weights, block ids or cached
                                            K / V before it waits (atom/kernels/pdl.py;
-                                           Hopper or newer).
+                                           Hopper or newer). Two measurement knobs
+                                           beside it: ATOM_PDL_KERNELS (``pdl_kernels``)
+                                           and ATOM_PDL_RELEASE (``pdl_release``).
 
 The three GEMV switches allow the one-row kernel of atom/kernels/gemv.py (batch-1 decode,
 as in the decode graph of batch size 1); whether a layer takes it, and with which tile, is
@@ -75,14 +65,13 @@ captured with.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 from dataclasses import dataclass
 
-# field -> (environment variable, default). Flip a default here after the H200 ablation.
+from atom import envs
+
+# field -> (environment variable, default). Flip a default here after the ablation.
 DEFAULTS = {
     "rope_kv_write": ("ATOM_FUSE_ROPE_KV", True),
-    "decode_merge": ("ATOM_FUSE_DECODE_MERGE", False),
     "greedy_argmax": ("ATOM_FUSE_ARGMAX", True),
     "gemv_silu": ("ATOM_FUSE_GEMV_SILU", True),
     "gemv_linear": ("ATOM_FUSE_GEMV_LINEAR", True),
@@ -99,21 +88,26 @@ class FusionSettingError(ValueError):
 @dataclass(frozen=True)
 class Fusions:
     rope_kv_write: bool = DEFAULTS["rope_kv_write"][1]
-    decode_merge: bool = DEFAULTS["decode_merge"][1]
     greedy_argmax: bool = DEFAULTS["greedy_argmax"][1]
     gemv_silu: bool = DEFAULTS["gemv_silu"][1]
     gemv_linear: bool = DEFAULTS["gemv_linear"][1]
     norm_gemv: bool = DEFAULTS["norm_gemv"][1]
     gemv_rope_kv: bool = DEFAULTS["gemv_rope_kv"][1]
     pdl: bool = DEFAULTS["pdl"][1]
+    # Which GEMVs join a PDL chain and when a GEMV releases the next kernel (measurement
+    # knobs, atom/kernels/pdl.py; ATOM_PDL_KERNELS, ATOM_PDL_RELEASE): not switches.
+    pdl_kernels: str = "latency"  # latency | small | all
+    pdl_release: str = "start"  # start | end
 
     @classmethod
     def from_env(cls) -> Fusions:
-        """The defaults, overridden by the ATOM_FUSE_* variables that are set."""
+        """The defaults, overridden by the ATOM_FUSE_* variables that are set, and the PDL
+        knobs ATOM_PDL_KERNELS / ATOM_PDL_RELEASE (all read in atom/envs.py)."""
+        settings = envs.fusion_settings([variable for variable, _ in DEFAULTS.values()])
         values = {}
         for name, (variable, default) in DEFAULTS.items():
-            raw = os.environ.get(variable, "").strip().lower()
-            if raw in ("", "default"):
+            raw = settings.get(variable)
+            if raw is None:
                 values[name] = default
             elif raw in ("1", "true", "on"):
                 values[name] = True
@@ -121,7 +115,7 @@ class Fusions:
                 values[name] = False
             else:
                 raise FusionSettingError(f"{variable}={raw!r}: use 1 (fusion on) or 0 (off)")
-        return cls(**values)
+        return cls(**values, pdl_kernels=envs.pdl_kernels(), pdl_release=envs.pdl_release())
 
     @classmethod
     def none(cls) -> Fusions:
@@ -137,7 +131,7 @@ class Fusions:
         return cls(**{name: name in names for name in DEFAULTS})
 
     def enabled(self) -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        return [name for name in DEFAULTS if getattr(self, name)]
 
 
 def names() -> list[str]:

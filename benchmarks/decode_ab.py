@@ -20,9 +20,7 @@ Variants:
                           heuristic tile: ATOM_GEMV_POLICY=fused); gemv_unfused: none does
     split_4_tiles         decode attention splits of >= 4 tiles (the earlier policy)
     splits<N>             N context splits at batch 1 (N in 1, 2, 4, 8, 13, 16, 32)
-    decode_merge          Fusions.decode_merge on (the in-kernel split merge);
-                          decode_merge1: with one tile per split (default 2)
-    a+b                   both (e.g. pdl+decode_merge1)
+    a+b                   both (e.g. pdl_late+splits8)
     pdl                   Fusions.pdl on (the default): the small kernels and the
                           latency-bound GEMVs (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
                           GEMV; pdl_late: GEMVs release the next kernel after their K loop;
@@ -35,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import types
@@ -47,8 +44,6 @@ from atom.fusions import Fusions
 from atom.kernels import decode_attention, gemv_policy
 from benchmarks import decode_profile, harness
 from benchmarks.model_shapes import MATRIX, hf_config
-
-PDL_KNOBS = ("ATOM_PDL_RELEASE", "ATOM_PDL_KERNELS")
 
 
 def _apply(name: str, pick) -> None:
@@ -62,28 +57,19 @@ def _apply(name: str, pick) -> None:
         decode_attention._pick_num_splits = lambda q, kv, ctx, tokens: (
             n if q.shape[0] == 1 else pick(q, kv, ctx, tokens)
         )
-    elif name == "pdl_small":
-        os.environ["ATOM_PDL_KERNELS"] = "small"
-    elif name == "pdl_all":
-        os.environ["ATOM_PDL_KERNELS"] = "all"
-    elif name == "pdl_late":
-        os.environ["ATOM_PDL_RELEASE"] = "end"
-    elif name == "decode_merge1":
-        decode_attention.MERGED_SPLIT_TILES = 1
     elif name == "no_early_kv":
         decode_attention.PDL_EARLY_KV = False
-    elif name not in ("default", "decode_merge", "pdl", "no_pdl"):
+    elif name not in ("default", "pdl", "pdl_small", "pdl_all", "pdl_late", "no_pdl"):
         raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
 
 
 @contextmanager
 def variant(name: str):
-    """Apply variant `name` (the GEMV policy, the split policy, PDL knobs) for its block;
-    `a+b` applies both."""
+    """Apply variant `name` (the GEMV policy, the split policy, early K / V) for its
+    block; `a+b` applies both. The fusions and PDL knobs are `fusions_of(name)`."""
     policy = gemv_policy.current_policy()
-    pick, merged_tiles = decode_attention._pick_num_splits, decode_attention.MERGED_SPLIT_TILES
+    pick = decode_attention._pick_num_splits
     early_kv = decode_attention.PDL_EARLY_KV
-    knobs = {k: os.environ.pop(k) for k in PDL_KNOBS if k in os.environ}
     try:
         for part in name.split("+"):
             _apply(part, pick)
@@ -91,20 +77,20 @@ def variant(name: str):
     finally:
         gemv_policy.set_policy(policy)
         decode_attention._pick_num_splits = pick
-        decode_attention.MERGED_SPLIT_TILES = merged_tiles
         decode_attention.PDL_EARLY_KV = early_kv
-        for k in PDL_KNOBS:
-            os.environ.pop(k, None)
-        os.environ.update(knobs)
 
 
 def fusions_of(name: str) -> Fusions:
+    """The engine's fusions with variant `name`'s switches and PDL knobs."""
     fusions = Fusions.from_env()
+    knobs = dict(pdl_small=("pdl_kernels", "small"), pdl_all=("pdl_kernels", "all"),
+                 pdl_late=("pdl_release", "end"))  # fmt: skip
     for part in name.split("+"):
-        if part.startswith("decode_merge"):
-            fusions = dataclasses.replace(fusions, decode_merge=True)
         if part.startswith("pdl"):
             fusions = dataclasses.replace(fusions, pdl=True)
+        if part in knobs:
+            field, value = knobs[part]
+            fusions = dataclasses.replace(fusions, **{field: value})
         if part == "no_pdl":
             fusions = dataclasses.replace(fusions, pdl=False)
     return fusions

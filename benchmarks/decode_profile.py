@@ -232,7 +232,6 @@ def measure(llm, shape: str, fusions: Fusions, args, bandwidth: dict) -> dict:
 KERNEL_SET = ("rope_kv_write", "greedy_argmax", "gemv_silu", "gemv_linear", "norm_gemv")
 CANDIDATE_SETS = {
     "gemv_set": KERNEL_SET,
-    "gemv_set+merge": (*KERNEL_SET, "decode_merge"),
     "gemv_set+rope_kv": (*KERNEL_SET, "gemv_rope_kv"),
     "gemv_set+rope_kv+pdl": (*KERNEL_SET, "gemv_rope_kv", "pdl"),
 }

@@ -1,5 +1,6 @@
-"""DeepSeek-V4.1 kernels on the GPU: the Triton two-level top-k and Engram lookup against
-their torch references (device time, CUDA graphs), and whether they agree.
+"""DeepSeek-V4.1 kernels on the GPU: the Triton two-level top-k and Engram lookup (candidates
+that lost, benchmarks/candidates/) against their torch references, which the engine runs
+(device time, CUDA graphs), and whether they agree.
 
     python -m benchmarks.deepseek_v41_kernels
 
@@ -18,6 +19,8 @@ import argparse
 import torch
 
 from atom.kernels import v41_engram, v41_topk
+from benchmarks.candidates import v41_engram_lookup
+from benchmarks.candidates import v41_topk as v41_topk_triton
 from benchmarks.harness import device_us, emit
 
 DEVICE = "cuda"
@@ -31,8 +34,8 @@ def bench_topk(rows: int, entries: int, topk: int, block_size: int, topk_blocks:
     scores = scores.masked_fill(~visible, float("-inf"))
 
     def triton_path():
-        blocks = v41_topk.candidate_blocks(scores, num_visible, topk_blocks, block_size)
-        return blocks, v41_topk.two_level_topk(scores, visible, topk, blocks)
+        blocks = v41_topk_triton.candidate_blocks(scores, num_visible, topk_blocks, block_size)
+        return blocks, v41_topk_triton.two_level_topk(scores, visible, topk, blocks)
 
     def reference_path():
         blocks = v41_topk.candidate_blocks_reference(scores, num_visible, topk_blocks, block_size)
@@ -62,11 +65,11 @@ def bench_engram(tokens: int, hc: int, hidden: int, cols: int, head_dim: int, ro
     args = (streams, hash_ids, table, wkv, q_weight, k_weight, 1e-6)
     fp32 = [a.float() if a.is_floating_point() else a for a in args[:-1]]
     expected = v41_engram.engram_reference(*fp32, 1e-6)
-    got = v41_engram.engram(*args).float()
+    got = v41_engram_lookup.engram(*args).float()
     gap = ((got - expected).abs().max() / expected.abs().max()).item()
     emit(
         case="engram", tokens=tokens, hc=hc, hidden=hidden, cols=cols, head_dim=head_dim,
-        triton_us=round(device_us(lambda: v41_engram.engram(*args)), 2),
+        triton_us=round(device_us(lambda: v41_engram_lookup.engram(*args)), 2),
         reference_us=round(device_us(lambda: v41_engram.engram_reference(*args)), 2),
         gap=gap,
     )  # fmt: skip

@@ -9,18 +9,19 @@ per measurement (CUDA events on a GPU, wall time on CPU; milliseconds per call):
   the plan's pass when logprobs are on), `options_write` (the pass writing the processed
   logits: steps that sample), `stats_only` (the statistics alone), `select` (the top-k
   selection from the statistics: atom/kernels/logprob_topk.py), `rounds_kernel` /
-  `rounds_merge` (the k-rounds alternative), `count_greater`, `chosen_gather`,
+  `rounds_merge` (the k-rounds candidate, benchmarks/candidates/logprob_rounds.py),
+  `count_greater`, `chosen_gather`,
   `state_update` (`count_sampled`).
 - `case: candidates`, `method`: the top-k alternatives side by side, each checked against a
   stable descending sort of the fp32 rows: `values_equal`, `ids_exact` (ties to the lower
   index), `ids_valid` (each id's logit is its value, ids distinct per row), `lse_max_diff`.
-  Methods: `select` (statistics pass + selection), `rounds`, `torch` (logsumexp + topk of
-  the fp32 rows), `torch_topk_only`.
-- `case: plan_sample`, `method`: all of `plan.sample` with sampling.CANDIDATES set to it:
+  Methods: `select` (statistics pass + selection: the engine's), `rounds` (the candidate),
+  `torch` (logsumexp + topk of the fp32 rows), `torch_topk_only`.
+- `case: plan_sample`, `method` select: all of `plan.sample` (the engine's method):
   `ms` (events around back-to-back calls), `host_enqueue_ms` (the host's time per call,
   not waiting for the device), and on CUDA from torch.profiler `kernels_per_call`,
   `device_us_per_call` and the `top_kernels` [name, per call, us per call].
-- `case: breakdown_summary`: the fastest exact / valid method, plan.sample per method.
+- `case: breakdown_summary`: the fastest exact / valid method, plan.sample's figures.
 - last, on CUDA: `case: plan_sample_graph` / `candidates_graph` / `breakdown_graph`:
   `graph_ms`, plan.sample, each top-k method and each piece replayed from a CUDA graph
   (device time without the host's launches), then `case: graph_summary` with all of them.
@@ -34,6 +35,7 @@ import time
 import torch
 
 from atom.kernels import logprob_topk, sampling, use_triton
+from benchmarks.candidates import logprob_rounds
 
 
 def _check(got, want, logits, rows) -> dict:
@@ -135,9 +137,9 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         piece("stats_only", lambda: sampling.logit_stats(logits, rows))
         stats = sampling.greedy_with_sampling_options(logits, *tables, stats=True)[1]
         piece("select", lambda: logprob_topk.select_topk(logits, rows, stats, rows, k))
-        blocks = sampling.block_candidates(logits, rows, k)
-        piece("rounds_kernel", lambda: sampling.block_candidates(logits, rows, k))
-        piece("rounds_merge", lambda: sampling.merge_block_candidates(*blocks, k))
+        blocks = logprob_rounds.block_candidates(logits, rows, k)
+        piece("rounds_kernel", lambda: logprob_rounds.block_candidates(logits, rows, k))
+        piece("rounds_merge", lambda: logprob_rounds.merge_block_candidates(*blocks, k))
     chosen = logits[rows, tokens].float()
     piece("count_greater", lambda: sampling.count_greater(logits, rows, chosen))
     piece("chosen_gather", lambda: logits[rows, tokens].float())
@@ -147,8 +149,8 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
     methods = {"torch": lambda: sampling.logprob_candidates_reference(logits, rows, k)}
     methods["torch_topk_only"] = lambda: logits[rows].float().topk(k, dim=1)
     if kernels:
-        for method in ("select", "rounds"):
-            methods[method] = lambda m=method: sampling.logprob_candidates(logits, rows, k, method=m)  # fmt: skip
+        methods["select"] = lambda: sampling.logprob_candidates(logits, rows, k)
+        methods["rounds"] = lambda: logprob_rounds.rounds_candidates(logits, rows, k)
     results = {}
     for name, fn in methods.items():
         record = dict(case="candidates", method=name, k=k, ms=ms(fn))
@@ -175,18 +177,13 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
         return round(elapsed * 1e3 / calls, 4)
 
     plan_ms, plan_records = {}, {}
-    default = sampling.CANDIDATES
-    try:
-        for method in sampling.CANDIDATE_METHODS:
-            sampling.CANDIDATES = method
-            record = dict(case="plan_sample", method=method, ms=ms(sample))
-            record["host_enqueue_ms"] = host_enqueue_ms()
-            if device.type == "cuda":
-                record.update(device_profile(sample))
-            plan_ms[method], plan_records[method] = record["ms"], record
-            emit(record)
-    finally:
-        sampling.CANDIDATES = default
+    method = "select"  # the engine's (sampling.logprob_candidates)
+    record = dict(case="plan_sample", method=method, ms=ms(sample))
+    record["host_enqueue_ms"] = host_enqueue_ms()
+    if device.type == "cuda":
+        record.update(device_profile(sample))
+    plan_ms[method], plan_records[method] = record["ms"], record
+    emit(record)
 
     def fastest(flag):
         ok = [r for r in results.values() if r[flag] and r["method"] != "torch_topk_only"]
@@ -208,16 +205,12 @@ def run_breakdown(plan, sampler, logits, params, timed, emit, device, iters: int
 
 
 def graph_section(plan, sample, piece_fns, methods, timed, emit, device, iters) -> dict:
-    """Device time without the host's launches: plan.sample per method, each top-k method
-    and each piece replayed from a CUDA graph; then `case: graph_summary`."""
+    """Device time without the host's launches: plan.sample, each top-k method and each
+    piece replayed from a CUDA graph; then `case: graph_summary`."""
     figures: dict[str, dict] = {"plan_sample": {}, "candidates": {}, "pieces": {}}
-    default = sampling.CANDIDATES
     try:
-        for method in sampling.CANDIDATE_METHODS:
-            sampling.CANDIDATES = method
-            figures["plan_sample"][method] = graph_ms(sample, timed, device, iters)
-            emit(dict(case="plan_sample_graph", method=method, graph_ms=figures["plan_sample"][method]))  # fmt: skip
-        sampling.CANDIDATES = default
+        figures["plan_sample"]["select"] = graph_ms(sample, timed, device, iters)
+        emit(dict(case="plan_sample_graph", method="select", graph_ms=figures["plan_sample"]["select"]))  # fmt: skip
         for name, fn in methods.items():
             figures["candidates"][name] = graph_ms(fn, timed, device, iters)
             emit(dict(case="candidates_graph", method=name, graph_ms=figures["candidates"][name]))  # fmt: skip
@@ -226,8 +219,6 @@ def graph_section(plan, sample, piece_fns, methods, timed, emit, device, iters) 
             emit(dict(case="breakdown_graph", piece=name, graph_ms=figures["pieces"][name]))
     except Exception as error:  # noqa: BLE001 - a broken capture: the figures so far stand
         emit(dict(case="graph_error", error=f"{type(error).__name__}: {str(error)[:200]}"))
-    finally:
-        sampling.CANDIDATES = default
     emit(dict(case="graph_summary", **figures))
     return figures
 

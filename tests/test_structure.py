@@ -6,8 +6,8 @@
 - no test imports the `benchmarks` package (measurement sits beside the product; what tests
   and benchmarks share lives under tests/ or in the product).
 
-Issue 31 leaves a few known exceptions below; each list may only shrink (an entry that no
-longer applies fails the test, so that it is removed).
+The known-exception lists below are empty; an entry that no longer applies fails the test,
+so that it is removed. The benchmarks' own tests (benchmarks/tests/) may import them.
 """
 
 from __future__ import annotations
@@ -17,35 +17,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Still to fix (issue 31, part 5): gemv picks its tile through gemv_policy, which trials gemv.
-KNOWN_CIRCLES = [
-    [
-        "atom.kernels.gemv",
-        "atom.kernels.gemv_policy",
-        "atom.kernels.gemv_rope_kv",
-        "atom.kernels.gemv_trial",
-    ],
-]
-# Still to move into atom/envs.py (issue 31, part 5): fusions (ATOM_FUSE_*), the GEMV policy
-# (ATOM_GEMV_*, ATOM_CACHE_DIR) and PDL (ATOM_PDL_*, read on every launch).
-KNOWN_ENV_READERS: set[str] = {
-    "atom/fusions.py",
-    "atom/kernels/gemv_policy.py",
-    "atom/kernels/pdl.py",
-}
-
-# Still to move off the benchmarks (issue 31, part 4): mostly tests that run a benchmark at a
-# toy shape on CPU; they belong beside the benchmarks, or their shared pieces in tests/support.
-KNOWN_BENCHMARK_IMPORTERS = {
-    "tests/kernels/test_gemv.py",
-    "tests/kernels/test_logprob_topk.py",
-    "tests/kernels/test_moe.py",
-    "tests/model_engine/test_block_manager.py",
-    "tests/model_engine/test_fusions.py",
-    "tests/model_engine/test_qwen3_next_parity.py",
-    "tests/model_engine/test_step_host_path.py",
-    "tests/page_table/test_benchmark_backends.py",
-}
+# Known exceptions: none (issue 31 removed the last); a new one needs a reason here.
+KNOWN_CIRCLES: list[list[str]] = []
+KNOWN_ENV_READERS: set[str] = set()
+KNOWN_BENCHMARK_IMPORTERS: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

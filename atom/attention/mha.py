@@ -11,8 +11,7 @@ call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py).
 
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
-(atom/kernels/rotary_kv.py); `Fusions.decode_merge` picks the decode kernel's in-kernel
-split merge (atom/fusions.py).
+(atom/kernels/rotary_kv.py).
 """
 
 from __future__ import annotations
@@ -103,8 +102,8 @@ class MHAAttention(nn.Module):
         fused with the cache write on CUDA when `Fusions.rope_kv_write` is on."""
         context = get_forward_context()
         meta = context.attention
-        # fp8 caches keep rotary + store: on the H200 the fused kernel's e4m3 bytes did not
-        # equal the store kernel's (tests/kernels/test_rotary_kv.py, xfail there).
+        # fp8 caches keep rotary + store: the fused kernel's e4m3 bytes did not equal the
+        # store kernel's on the GPU (tests/kernels/test_rotary_kv.py, xfail there).
         fused = context.fusions.rope_kv_write and self.k_scale is None
         if not (q.is_cuda and fused and meta.block_tables is not None):
             q, k = rotary(positions, q, k)
@@ -154,7 +153,6 @@ class MHAAttention(nn.Module):
                 meta.context_lens,
                 self.scale,
                 **kv_scales,
-                merge_in_kernel=fusions.decode_merge,
                 early_kv=self.early_kv,
             )
         else:

@@ -49,18 +49,7 @@ from atom.kernels.v4_attention import (
 )
 from atom.kernels.v4_compressor import entry_rows, rows_per_block
 from atom.kernels.v4_indexer import index_scores, index_scores_decode
-from atom.kernels.v41_topk import (
-    candidate_blocks,
-    candidate_blocks_reference,
-    two_level_topk,
-    two_level_topk_reference,
-)
-
-# The Triton two-level top-k (atom/kernels/v41_topk.py) matches the references exactly but
-# measured slower on the H200 (`python -m benchmarks.deepseek_v41_kernels`, 2026-12-01:
-# 218 us vs 59 us at 4K entries, 3.0 ms vs 0.09 ms at 64K): the references (no host sync,
-# CUDA-graph capturable) serve on CUDA until a kernel wins.
-TRITON_TOPK = False
+from atom.kernels.v41_topk import candidate_blocks_reference, two_level_topk_reference
 
 
 class V41Backend(V4Backend):
@@ -232,19 +221,16 @@ class V41Attention(nn.Module):
         )  # fmt: skip
 
     def _choose(self, scores, visible, num_visible, published_candidates):
-        """(top-k entry ids, this layer's candidate blocks or None): the torch references
-        (Triton on CUDA when TRITON_TOPK). The candidate source chooses among all visible entries; a
-        later index source inside the published candidates."""
-        on_gpu = scores.is_cuda and TRITON_TOPK
+        """(top-k entry ids, this layer's candidate blocks or None), by the torch references
+        on CPU and CUDA alike (atom/kernels/v41_topk.py). The candidate source chooses among
+        all visible entries; a later index source inside the published candidates."""
         candidates = None
         if self.is_candidate_source:
-            choose_blocks = candidate_blocks if on_gpu else candidate_blocks_reference
-            candidates = choose_blocks(
+            candidates = candidate_blocks_reference(
                 scores, num_visible, self.candidate_topk_blocks, self.candidate_block_size
             )
         inside = published_candidates if self.uses_candidates else None
-        choose = two_level_topk if on_gpu else two_level_topk_reference
-        return choose(scores, visible, self.index_topk, inside), candidates
+        return two_level_topk_reference(scores, visible, self.index_topk, inside), candidates
 
     def _emit_decode(self, source: SourceInputs, state_slots, positions, tables) -> None:
         """Write the token into the partial group; where it closes a group (every token at

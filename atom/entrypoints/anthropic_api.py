@@ -33,12 +33,9 @@ from pydantic import (
 
 from atom.entrypoints.api_translation import ChatStream, chat_request, run_chat, sse_event
 from atom.entrypoints.openai_errors import OpenAIError, validation_error
-from atom.entrypoints.openai_protocol import _UnicodeChecked
-from atom.entrypoints.openai_serving import (
-    CLIENT_CLOSED_REQUEST,
-    ClientDisconnected,
-    OpenAIServing,
-)
+from atom.entrypoints.openai_serving import OpenAIServing
+from atom.entrypoints.sample_runs import CLIENT_CLOSED_REQUEST, ClientDisconnected
+from atom.entrypoints.sampling_request import UnicodeChecked
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +128,7 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: StrictBool | None = None
 
 
-class MessagesRequest(_UnicodeChecked):
+class MessagesRequest(UnicodeChecked):
     model_config = ConfigDict(extra="allow")  # metadata, service_tier...: ignored
     model: StrictStr
     max_tokens: Annotated[StrictInt, Field(ge=1)]

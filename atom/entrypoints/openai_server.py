@@ -53,11 +53,7 @@ from atom.entrypoints.openai_errors import (
     install_error_handlers,
 )
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from atom.entrypoints.openai_serving import (
-    CLIENT_CLOSED_REQUEST,
-    ClientDisconnected,
-    OpenAIServing,
-)
+from atom.entrypoints.openai_serving import OpenAIServing
 from atom.entrypoints.reasoning import REASONING_PARSERS
 from atom.entrypoints.request_limits import (
     RequestLimitsContext,
@@ -72,6 +68,7 @@ from atom.entrypoints.responses_api import (
     ResponseStore,
     add_responses_routes,
 )
+from atom.entrypoints.sample_runs import CLIENT_CLOSED_REQUEST, ClientDisconnected
 from atom.entrypoints.tokenizer_endpoints import add_tokenizer_routes
 from atom.entrypoints.tool_parsers import TOOL_PARSERS
 from atom.model_engine.data_parallel import build_engine

@@ -7,7 +7,8 @@ one JSON body or Server-Sent Events (`data: {chunk}` lines, then `data: [DONE]`)
 Tokenization and chat templating run on worker threads, not on the event loop: a
 megabytes-long prompt takes seconds to tokenize, and /health and every open stream
 must keep answering meanwhile. A request's prompts join the engine in one command, up
-to its share of the engine; the rest follow as its earlier samples finish.
+to its share of the engine; the rest follow as its earlier samples finish (sample_runs.py:
+admission, merged deltas, collected answers and event streams).
 
 What one request may ask is bounded (request_limits.py: prompts, prompts x n, samples
 queued server-wide, json_schema size, depth and counts, compile time), and a client that
@@ -17,48 +18,40 @@ leaves while its request is still being prepared or admitted aborts it at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
-from dataclasses import dataclass, field
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse, Response
 
 from atom.entrypoints.async_engine import (
     AsyncEngine,
-    EngineDeadError,
-    RequestFailedError,
-    RequestStream,
 )
 from atom.entrypoints.chat_output import ChatFormat
-from atom.entrypoints.generation import TextDelta, special_marker_ids, text_deltas
+from atom.entrypoints.generation import special_marker_ids
 from atom.entrypoints.grammar_compile import GrammarCompilePool
 from atom.entrypoints.logprobs_format import CompletionLogprobs, TokenTexts, chat_logprobs
 from atom.entrypoints.metrics import RequestMetrics
-from atom.entrypoints.openai_errors import NOT_FOUND, SERVER_ERROR, OpenAIError, error_body
+from atom.entrypoints.openai_errors import NOT_FOUND, OpenAIError
 from atom.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from atom.entrypoints.reasoning import prompt_opens_reasoning
 from atom.entrypoints.request_limits import AdmissionBudget, Reservation, ServerLimits
+from atom.entrypoints.sample_runs import (
+    SampleRuns,
+    Usage,
+    sse,
+    unless_disconnected,
+)
 from atom.model_engine.grammar_limits import check_schema
 from atom.model_engine.sampling.structured_output import InvalidGrammarError
 from atom.sampling_params import SamplingParamError, SamplingParams, check_token_ids
 
 logger = logging.getLogger(__name__)
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
-
-
-class ClientDisconnected(Exception):
-    pass
 
 
 class OpenAIServing:
@@ -91,6 +84,7 @@ class OpenAIServing:
         self.chat_format = ChatFormat(self._chat_template())
         grammar = self.limits.grammar
         self.grammar_pool = GrammarCompilePool(grammar.compile_threads, grammar.compile_timeout_s)
+        self.runs = SampleRuns(engine, self.tokenizer, self.samples_in_engine, metrics)
 
     async def start(self) -> None:
         """Build the grammar backend before serving (a fraction of a second), so neither
@@ -136,7 +130,7 @@ class OpenAIServing:
         self, request: CompletionRequest, raw: Request, reservation: Reservation
     ) -> Response:
         stop = self._stop_strings(request)
-        prompt_ids, _, streams = await _unless_disconnected(raw, self._prepare_completion(request))
+        prompt_ids, _, streams = await unless_disconnected(raw, self._prepare_completion(request))
         echo_only = request.echo and request.max_tokens == 0
         n = request.n
         echoes = [
@@ -158,9 +152,9 @@ class OpenAIServing:
                 if k is None:  # without logprobs the echo goes first, as it is
                     for index, echo in enumerate(echoes):
                         if echo:
-                            yield _sse(_completion_chunk(head, index, echo, None))
+                            yield sse(_completion_chunk(head, index, echo, None))
                     pending = [False] * len(echoes)
-                async for index, delta in self._merged_deltas(streams, stop, usage):
+                async for index, delta in self.runs.merged_deltas(streams, stop, usage):
                     text, token_ids, entries = delta.text, delta.token_ids, delta.logprobs
                     if echo_only:
                         text, token_ids, entries = "", [], []
@@ -173,15 +167,15 @@ class OpenAIServing:
                     if k is not None:
                         logprobs = formats[index].body(token_ids, entries or [])
                     reason = "length" if echo_only and delta.finish_reason else delta.finish_reason
-                    yield _sse(_completion_chunk(head, index, text, reason, logprobs))
+                    yield sse(_completion_chunk(head, index, text, reason, logprobs))
                 if request.include_usage:
-                    yield _sse(
+                    yield sse(
                         {**head, "object": "text_completion", "choices": [], "usage": usage.body()}
                     )
 
-            return self._event_stream(events(), streams, reservation)
+            return self.runs.event_stream(events(), streams, reservation)
 
-        results = await self._collect(streams, stop, usage, raw)
+        results = await self.runs.collect(streams, stop, usage, raw)
         choices = []
         for index, result in enumerate(results):
             text, token_ids, entries = result.text, result.token_ids, result.logprobs
@@ -232,9 +226,9 @@ class OpenAIServing:
                 logprobs=k if request.logprobs else None,
             )
             await self._check_grammar(params, "tools" if request.structured_by_tools else None)
-            return ids, await self._add_requests([ids], [params])
+            return ids, await self.runs.add([ids], [params])
 
-        ids, streams = await _unless_disconnected(raw, prepare())
+        ids, streams = await unless_disconnected(raw, prepare())
         usage = Usage(len(ids))
         head = dict(
             id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_name
@@ -255,20 +249,20 @@ class OpenAIServing:
             async def events() -> AsyncIterator[str]:
                 for index in range(len(streams)):
                     role = {"role": "assistant", "content": ""}
-                    yield _sse(_chat_chunk(head, role, None, index=index))
-                async for index, delta in self._merged_deltas(streams, stop, usage, keep):
+                    yield sse(_chat_chunk(head, role, None, index=index))
+                async for index, delta in self.runs.merged_deltas(streams, stop, usage, keep):
                     output = outputs[index]
                     parsed = output.delta(delta.text, final=delta.finish_reason is not None)
                     if parsed or (request.logprobs and delta.logprobs):
                         parsed = parsed or {"content": ""}
-                        yield _sse(
+                        yield sse(
                             _chat_chunk(head, parsed, None, logprobs_of(delta.logprobs), index)
                         )
                     if delta.finish_reason:
                         reason = output.finish_reason(delta.finish_reason)
-                        yield _sse(_chat_chunk(head, {}, reason, index=index))
+                        yield sse(_chat_chunk(head, {}, reason, index=index))
                 if request.include_usage:
-                    yield _sse(
+                    yield sse(
                         {
                             **head,
                             "object": "chat.completion.chunk",
@@ -277,9 +271,9 @@ class OpenAIServing:
                         }
                     )
 
-            return self._event_stream(events(), streams, reservation)
+            return self.runs.event_stream(events(), streams, reservation)
 
-        results = await self._collect(streams, stop, usage, raw, keep)
+        results = await self.runs.collect(streams, stop, usage, raw, keep)
         choices = [
             {
                 "index": index,
@@ -334,7 +328,7 @@ class OpenAIServing:
         await self._check_grammar(params[0])
         for each in params[1:]:  # the same schema: one compile serves every prompt
             each.compiled_grammar = params[0].compiled_grammar
-        return prompt_ids, params, await self._add_requests(prompt_ids, params)
+        return prompt_ids, params, await self.runs.add(prompt_ids, params)
 
     def _stop_strings(self, request) -> list[str]:
         stop = request.stop_strings
@@ -439,292 +433,6 @@ class OpenAIServing:
             return prompt
         return self.llm.decode(ids)
 
-    # -- running requests ------------------------------------------------------------------
-    async def _add_requests(self, prompt_ids, params) -> list[Choice]:
-        """Admit a request's samples: the first at once, the rest as room frees up.
-
-        Sample 0 of every prompt goes in one engine command (one step boundary, all or
-        none: one refused prompt aborts the rest). n > 1: samples 1.. of a prompt are added
-        once sample 0 has its first token, so its prompt's KV blocks are in the prefix
-        cache and they share them (choice order: prompt by prompt, then sample by sample).
-
-        A request holds at most `samples_in_engine` samples in the engine at once (waiting
-        or running); the others join as earlier ones finish, behind whatever other
-        clients queued meanwhile. So one large request cannot put all of its samples
-        ahead of a later small one (first come, first served per share, not per body)."""
-        loop = asyncio.get_running_loop()
-        admission = Admission(asyncio.Semaphore(self.samples_in_engine))
-        choices: list[Choice] = []
-        firsts: list[tuple[Choice, list[int], SamplingParams]] = []
-        later: list[tuple[Choice, list[int], SamplingParams]] = []
-        for ids, p in zip(prompt_ids, params, strict=True):
-            parent = Choice(RequestStream(loop), len(ids), admission=admission)
-            choices.append(parent)
-            firsts.append((parent, ids, p.for_sample(0)))
-            for i in range(1, p.n):
-                choice = Choice(RequestStream(loop), len(ids), admission=admission, parent=parent)
-                choices.append(choice)
-                later.append((choice, ids, p.for_sample(i)))
-        now, rest = firsts[: self.samples_in_engine], firsts[self.samples_in_engine :] + later
-        try:
-            for choice, _, _ in now:
-                await choice.take_slot()  # free: the window is new
-            await self.engine.add_requests(
-                [(ids, p) for _, ids, p in now], [choice.stream for choice, _, _ in now]
-            )
-        except BaseException as error:
-            self._abort(choices)
-            if isinstance(error, ValueError):
-                raise OpenAIError(str(error)) from None
-            if isinstance(error, EngineDeadError):
-                raise _engine_dead(error) from None
-            raise
-        if rest:
-            admission.task = asyncio.ensure_future(self._admit_later(rest))
-        return choices
-
-    async def _admit_later(self, pending: list[tuple[Choice, list[int], SamplingParams]]) -> None:
-        """Admit `pending` in order, each once its request has room (and, for samples
-        1.., once their sample 0 has a token); ready ones go in one command."""
-        queue = deque(pending)
-        batch: list = []
-        try:
-            while queue:
-                head = queue[0][0]
-                if head.parent is not None:
-                    await head.parent.started.wait()
-                await head.take_slot()
-                batch = [queue.popleft()]
-                while queue and queue[0][0].ready_now():
-                    await queue[0][0].take_slot()  # free: ready_now saw room
-                    batch.append(queue.popleft())
-                for choice, _, _ in batch:
-                    if choice.stream.finished:  # aborted while it waited
-                        choice.done()
-                batch = [item for item in batch if not item[0].stream.finished]
-                if batch:
-                    await self.engine.add_requests(
-                        [(ids, p) for _, ids, p in batch], [choice.stream for choice, _, _ in batch]
-                    )
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - handed to the request's readers
-            # Headers may be sent already: each sample not admitted ends with the error.
-            if isinstance(error, ValueError):
-                error = OpenAIError(str(error))
-            for choice, _, _ in [*batch, *queue]:
-                choice.stream._put(error)
-
-    def _abort(self, choices: list[Choice]) -> None:
-        """Stop admitting a request's samples and abort those admitted (idempotent)."""
-        for choice in choices:
-            choice.stop_admission()
-            self.engine.abort(choice.stream)
-
-    async def _merged_deltas(
-        self, streams: list[Choice], stop: list[str], usage: Usage, keep_special=frozenset()
-    ) -> AsyncIterator[tuple[int, TextDelta]]:
-        """(choice index, delta) of all streams as they come; counts completion tokens.
-        `keep_special`: special token ids kept in the text (generation.py)."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, choice: Choice) -> None:
-            timer = RequestTimer(self.metrics, choice.arrival)
-            try:
-                async with aclosing(
-                    text_deltas(
-                        self.engine,
-                        choice.stream,
-                        self.tokenizer,
-                        stop,
-                        choice.watched(),
-                        keep_special=keep_special,
-                    )
-                ) as deltas:
-                    async for delta in deltas:
-                        timer.observe(delta, choice.prompt_tokens)
-                        queue.put_nowait((index, delta))
-            except Exception as error:  # noqa: BLE001 - re-raised by the reader below
-                queue.put_nowait((index, error))
-            finally:
-                choice.done()
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        try:
-            remaining = len(streams)
-            while remaining:
-                index, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finish_reason is not None:
-                    remaining -= 1
-                    usage.completion_tokens += item.num_output_tokens
-                yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()  # their text_deltas abort the requests
-
-    async def _collect(
-        self, streams, stop, usage, raw: Request, keep_special=frozenset()
-    ) -> list[Collected]:
-        """What each stream produced; a client that goes away aborts them."""
-
-        async def gather() -> list[Collected]:
-            results = [Collected() for _ in streams]
-            async for index, delta in self._merged_deltas(streams, stop, usage, keep_special):
-                result = results[index]
-                result.text += delta.text
-                result.token_ids += delta.token_ids
-                result.logprobs += delta.logprobs or []
-                result.prompt_logprobs = result.prompt_logprobs or delta.prompt_logprobs
-                result.finish_reason = delta.finish_reason or result.finish_reason
-                if delta.num_kept_tokens is not None:  # a stop string cut the text
-                    del result.token_ids[delta.num_kept_tokens :]
-                    del result.logprobs[delta.num_kept_tokens :]
-            return results
-
-        try:
-            return await _unless_disconnected(raw, gather())
-        except EngineDeadError as error:
-            raise _engine_dead(error) from None
-        except RequestFailedError as error:  # this request alone: the engine goes on
-            raise OpenAIError(str(error), status=500, type=SERVER_ERROR) from None
-        finally:
-            self._abort(streams)
-
-    def _event_stream(
-        self, events: AsyncIterator[str], streams, reservation: Reservation
-    ) -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for event in events:
-                    yield event
-            except (EngineDeadError, RequestFailedError) as error:
-                yield _sse(error_body(str(error), SERVER_ERROR))
-            except Exception:
-                # Headers are sent: report in the stream, the trace only in the log.
-                logger.exception("a stream failed")
-                yield _sse(error_body("internal server error", SERVER_ERROR))
-            finally:
-                reservation.release()
-            yield "data: [DONE]\n\n"
-
-        def abort_all() -> None:
-            # Also covers a client that left before the body started (its generator,
-            # never entered, has no `finally` to run).
-            self._abort(streams)
-            reservation.release()
-
-        return StreamingResponse(
-            body(), media_type="text/event-stream", background=BackgroundTask(abort_all)
-        )
-
-
-@dataclass
-class Admission:
-    """The samples of one request in the engine: a window of slots, and the task that
-    admits the samples that wait for one."""
-
-    window: asyncio.Semaphore
-    task: asyncio.Task | None = None
-
-
-@dataclass
-class Choice:
-    """One choice's request: its stream (made before it is admitted), the admission it
-    takes a slot of, and its sample 0 if it is a later sample of the same prompt."""
-
-    stream: RequestStream
-    prompt_tokens: int = 0
-    admission: Admission | None = None
-    parent: Choice | None = None
-    arrival: float = field(default_factory=time.monotonic)
-    started: asyncio.Event = field(default_factory=asyncio.Event)  # its first output came
-    _holds_slot: bool = False
-
-    async def take_slot(self) -> None:
-        await self.admission.window.acquire()
-        self._holds_slot = True
-
-    def ready_now(self) -> bool:
-        """Whether it could be admitted without waiting."""
-        parent_ready = self.parent is None or self.parent.started.is_set()
-        return parent_ready and not self.admission.window.locked()
-
-    async def watched(self) -> AsyncIterator:
-        """The stream's outputs; marks `started` at the first."""
-        try:
-            async for output in self.stream:
-                self.started.set()
-                yield output
-        finally:
-            self.done()
-
-    def done(self) -> None:
-        """The choice ended (finished, stopped, failed or aborted): free its slot, and
-        let its other samples go in even if it never produced a token."""
-        self.started.set()
-        if self._holds_slot:
-            self._holds_slot = False
-            self.admission.window.release()
-
-    def stop_admission(self) -> None:
-        task = self.admission.task if self.admission is not None else None
-        if task is not None:
-            task.cancel()
-
-
-class RequestTimer:
-    """Observes one request's latencies and sizes into the server's histograms."""
-
-    def __init__(self, metrics: RequestMetrics | None, arrival: float):
-        self.metrics = metrics
-        self.arrival = arrival
-        self.last: float | None = None
-
-    def observe(self, delta: TextDelta, prompt_tokens: int) -> None:
-        metrics = self.metrics
-        if metrics is None:
-            return
-        now = time.monotonic()
-        if self.last is None:
-            metrics.time_to_first_token.observe(now - self.arrival)
-            if delta.queue_seconds is not None:
-                metrics.queue_time.observe(max(0.0, delta.queue_seconds))
-        else:
-            metrics.inter_token_latency.observe(now - self.last)
-        self.last = now
-        if delta.finish_reason is not None:
-            metrics.e2e_latency.observe(now - self.arrival)
-            metrics.prompt_tokens.observe(prompt_tokens)
-            metrics.generation_tokens.observe(delta.num_output_tokens)
-
-
-@dataclass
-class Collected:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    finish_reason: str | None = None
-
-
-class Usage:
-    def __init__(self, prompt_tokens: int):
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
-
-    def body(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
 
 def _completion_chunk(
     head: dict, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None
@@ -738,29 +446,3 @@ def _chat_chunk(
 ) -> dict:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {**head, "object": "chat.completion.chunk", "choices": [choice]}
-
-
-def _engine_dead(error: EngineDeadError) -> OpenAIError:
-    return OpenAIError(str(error), status=503, type=SERVER_ERROR)
-
-
-async def _unless_disconnected(raw: Request, work):
-    """Await `work`, cancelling it if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()  # its text_deltas abort the requests
-    raise ClientDisconnected()

@@ -30,12 +30,9 @@ from pydantic import (
 
 from atom.entrypoints.api_translation import ChatStream, chat_request, run_chat, sse_event
 from atom.entrypoints.openai_errors import OpenAIError
-from atom.entrypoints.openai_protocol import _UnicodeChecked, _valid_unicode
-from atom.entrypoints.openai_serving import (
-    CLIENT_CLOSED_REQUEST,
-    ClientDisconnected,
-    OpenAIServing,
-)
+from atom.entrypoints.openai_serving import OpenAIServing
+from atom.entrypoints.sample_runs import CLIENT_CLOSED_REQUEST, ClientDisconnected
+from atom.entrypoints.sampling_request import UnicodeChecked, valid_unicode
 
 DEFAULT_STORE_SIZE = 1000  # responses kept for previous_response_id
 DEFAULT_STORE_TTL_S = 3600.0
@@ -127,7 +124,7 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_UnicodeChecked):
+class ResponsesRequest(UnicodeChecked):
     # Unknown fields (metadata, reasoning, truncation...) are ignored, as the chat API does.
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
@@ -147,7 +144,7 @@ class ResponsesRequest(_UnicodeChecked):
     @field_validator("input", mode="before")
     @classmethod
     def _input(cls, value: Any) -> Any:
-        return _input_items(_valid_unicode(value))
+        return _input_items(valid_unicode(value))
 
     def messages(self) -> list[dict]:
         """This turn's input as chat messages (the instructions are not part of it: they

@@ -19,10 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 import atom
 from atom.entrypoints.openai_errors import NOT_FOUND, OpenAIError
-from atom.entrypoints.openai_protocol import ChatMessage, _UnicodeChecked
+from atom.entrypoints.openai_protocol import ChatMessage
+from atom.entrypoints.sampling_request import UnicodeChecked
 
 
-class TokenizeRequest(_UnicodeChecked):  # a lone surrogate is a 400, not a tokenizer crash
+class TokenizeRequest(UnicodeChecked):  # a lone surrogate is a 400, not a tokenizer crash
     model_config = ConfigDict(extra="forbid")
     model: StrictStr | None = None
     prompt: StrictStr | None = None

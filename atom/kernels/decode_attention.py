@@ -56,7 +56,6 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     tl = SimpleNamespace(constexpr=None)
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
-MERGED_SPLIT_TILES = 2  # Fusions.decode_merge: tiles per split by default
 # False: no cached K / V before the PDL wait, whatever early_kv says (the A/B's no_early_kv)
 PDL_EARLY_KV = True
 
@@ -73,7 +72,6 @@ def _paged_decode_kernel(
     partial_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, log2 domain, used when split
     k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] fp32, used when KV_FP8
     v_scale_ptr,
-    split_counters_ptr,  # [>= batch * num_kv_heads] int32, zeros, used when MERGE_IN_KERNEL
     sm_scale,
     stride_q_batch,
     stride_q_head,
@@ -93,8 +91,6 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile
     KV_FP8: tl.constexpr,  # e4m3 cache with per-(token, head) scales
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
-    MERGE_IN_KERNEL: tl.constexpr,  # splits used from the context length, merged in-kernel
-    SPLIT_TOKENS: tl.constexpr,  # MERGE_IN_KERNEL: context tokens per split, at least
     PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
     EARLY_KV: tl.constexpr = True,  # PDL: the first tile's cached K / V before the wait
 ):
@@ -105,48 +101,33 @@ def _paged_decode_kernel(
     # The step's lengths and block table are written before the forward's first kernel:
     # under PDL they are read (with the first tile's block ids) before the wait.
     context_len = tl.load(context_lens_ptr + batch_idx)
-    if MERGE_IN_KERNEL:
-        # The grid holds the most splits any row may use; this row uses one per
-        # SPLIT_TOKENS of its context (one for a short one), the others return at once.
-        used_splits = tl.minimum(tl.maximum(tl.cdiv(context_len, SPLIT_TOKENS), 1), num_splits)
-        if split < used_splits:
-            _decode_split(
-                q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
-                partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr, sm_scale,
-                stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
-                stride_cache_head, stride_scale_block, stride_scale_offset,
-                stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
-                split, num_splits, used_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-                BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, True, PDL, EARLY_KV,
-            )  # fmt: skip
-    else:
-        _decode_split(
-            q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
-            partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr, sm_scale,
-            stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
-            stride_cache_head, stride_scale_block, stride_scale_offset,
-            stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
-            split, num_splits, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-            BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, False, PDL, EARLY_KV,
-        )  # fmt: skip
+    _decode_split(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
+        partial_lse_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
+        stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
+        stride_cache_head, stride_scale_block, stride_scale_offset,
+        stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
+        split, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
+        BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, PDL, EARLY_KV,
+    )  # fmt: skip
 
 
 @triton.jit
 def _decode_split(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, out_ptr, partial_out_ptr,
-    partial_lse_ptr, k_scale_ptr, v_scale_ptr, split_counters_ptr, sm_scale,
+    partial_lse_ptr, k_scale_ptr, v_scale_ptr, sm_scale,
     stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
     stride_cache_head, stride_scale_block, stride_scale_offset,
     stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
-    split, num_splits, used_splits, context_len,
+    split, num_splits, context_len,
     GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr, EARLY_KV: tl.constexpr,
 ):  # fmt: skip
-    # Split `split` of `used_splits`: its share of the context, in whole tiles; empty when
-    # context_len == 0. Partial results are laid out by the grid's num_splits.
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, used_splits), BLOCK_N) * BLOCK_N
+    # Split `split` of `num_splits`: its share of the context, in whole tiles; empty when
+    # context_len == 0.
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
 
@@ -233,43 +214,11 @@ def _decode_split(
     out_ptrs = (
         out_ptr + batch_idx * stride_out_batch + q_head[:, None] * stride_out_head + offs_d[None, :]
     )
-    if used_splits > 1:  # a runtime branch: the same compiled kernel serves both cases
+    if num_splits > 1:  # a runtime branch: the same compiled kernel serves both cases
         row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-        if MERGE_IN_KERNEL:
-            # The last split of this (sequence, kv head) to finish merges them all: every
-            # thread's partial stores precede the counter's release (barrier, then an
-            # acq_rel atomic); the merging program reads the others' after its acquire.
-            tl.debug_barrier()
-            counter = split_counters_ptr + batch_idx * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == used_splits - 1:
-                first_row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits
-                lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for s in range(0, used_splits):
-                    lse_s = tl.load(partial_lse_ptr + first_row + s, mask=g_mask, other=0.0,
-                                    cache_modifier=".cg")  # fmt: skip
-                    lse_max = tl.maximum(lse_max, lse_s)
-                lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all splits empty
-                total = tl.zeros([BLOCK_G], dtype=tl.float32)
-                merged = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-                for s in range(0, used_splits):
-                    lse_s = tl.load(partial_lse_ptr + first_row + s, mask=g_mask, other=0.0,
-                                    cache_modifier=".cg")  # fmt: skip
-                    weight = tl.exp2(lse_s - lse_max)
-                    partial = tl.load(
-                        partial_out_ptr + (first_row + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    total += weight
-                    merged += weight[:, None] * partial
-                merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-                tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(counter, 0)  # ready for the next launch (graph replays too)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -332,29 +281,6 @@ def _multi_processors(device: torch.device) -> int:
     return _SM_COUNTS[device]
 
 
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, count: int) -> torch.Tensor:
-    """int32 zeros, one per (sequence, kv head), for the in-kernel merge (one per device).
-
-    Each launch leaves them zero again (the merging program resets its counter), so one
-    buffer serves every layer and every graph replay; launches on one device must not run
-    concurrently on two streams (the engine runs its steps on one stream). Grown outside
-    CUDA-graph capture only: the graph warm-up runs the largest batch first.
-    """
-    counters = _SPLIT_COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"paged decode: the split counters ({count} needed) must be allocated before "
-                "CUDA-graph capture; run the largest batch once first"
-            )
-        counters = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
-        _SPLIT_COUNTERS[device] = counters
-    return counters
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -367,25 +293,16 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    merge_in_kernel: bool = False,
-    split_tokens: int | None = None,
     early_kv: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; returns ``out``.
 
     ``num_splits`` (context splits per sequence, at most MAX_SPLITS) is picked from the
     shapes when None: enough programs for twice the SM count, no more than the widest
-    context (the block table's width) has ``split_tokens`` tokens for (default one tile:
-    at batch 1 each program then loads one tile of its share, the least latency; the
-    H200 A/B in docs/benchmarks.md). An fp8 cache needs
+    context (the block table's width) has tiles for (at batch 1 each program then loads
+    one tile of its share, the least latency; docs/benchmarks.md). An fp8 cache needs
     ``k_scale`` and ``v_scale``. Runs the Triton kernel on CUDA (or under
     TRITON_INTERPRET=1), the reference otherwise.
-
-    ``merge_in_kernel`` (``Fusions.decode_merge``): ``num_splits`` becomes the most splits
-    a row may use; each row uses one per ``split_tokens`` of its own context length (read
-    on the device, so a CUDA graph replays it right for any length), and the last of its
-    splits to finish merges them: one kernel, no merge launch, a single pass for a short
-    context. Without it every row uses ``num_splits`` and a second kernel merges.
 
     ``early_kv``: under PDL, load the first tile's cached K / V before waiting for the
     previous kernel. It pays behind a kernel that lets this one start early (a latency-bound
@@ -417,16 +334,11 @@ def paged_decode_attention(
     group_size = num_q_heads // num_kv_heads
     # Big tiles in the interpreter (cost per program), 64 tokens on a GPU.
     block_n = 64 if q.is_cuda else 256
-    if split_tokens is None:  # one tile per split (2 when merged in-kernel), room allowing
-        split_tokens = (MERGED_SPLIT_TILES if merge_in_kernel else 1) * block_n
-    if num_splits is None:
+    if num_splits is None:  # one tile per split, room allowing
         max_context = block_tables.shape[1] * block_size
-        num_splits = _pick_num_splits(q, num_kv_heads, max_context, split_tokens)
+        num_splits = _pick_num_splits(q, num_kv_heads, max_context, block_n)
     assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
     split = num_splits > 1
-    counters = placeholder(q.device)
-    if merge_in_kernel and split:
-        counters = split_counters(q.device, batch * num_kv_heads)
     # Placeholders of the split buffers' dtype when not split: the pointer dtypes are part
     # of the compiled signature, so both cases share one variant.
     partial_out = partial_lse = placeholder(q.device)
@@ -446,7 +358,6 @@ def paged_decode_attention(
         partial_lse,
         k_scale,
         v_scale,
-        counters,
         scale,
         q.stride(0),
         q.stride(1),
@@ -466,13 +377,11 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         KV_FP8=kv_fp8,
         DOT_PRECISION=dot_precision(q.dtype),
-        MERGE_IN_KERNEL=merge_in_kernel and split,
-        SPLIT_TOKENS=split_tokens,
         PDL=pdl,
         EARLY_KV=PDL_EARLY_KV and early_kv,
         **launch,
     )
-    if split and not merge_in_kernel:
+    if split:
         _merge_splits_kernel[(batch, num_q_heads)](
             partial_out,
             partial_lse,

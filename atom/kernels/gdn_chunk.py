@@ -51,10 +51,9 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 CHUNK = 64
 # The GDN backend's choice on CUDA (`use_chunked`): the chunked kernels for a step of at most
 # CHUNKED_MAX_SEQS sequences whose longest new run reaches CHUNKED_MIN_TOKENS, the
-# sequential kernel otherwise. From `python -m benchmarks.gdn_prefill` on the H200
-# (2026-12-01, Qwen3-Next shape, bf16): chunked / sequential speed-up 1.13x at 1 x 8192
-# tokens, 0.96x at 1 x 2048, 0.54x at 1 x 512, and 0.28x-0.43x for 4-64 sequences (the
-# sequential kernel's grid fills the GPU once there are several sequences).
+# sequential kernel otherwise: the chunked kernels win only on one long run, the sequential
+# kernel's grid fills the GPU once there are several sequences (`python -m
+# benchmarks.gdn_prefill`, figures in docs/benchmarks.md).
 # ATOM_GDN_CHUNKED_MIN_TOKENS overrides the length (a huge value: never chunked).
 CHUNKED_MIN_TOKENS = envs.gdn_chunked_min_tokens()
 CHUNKED_MAX_SEQS = 1
@@ -287,6 +286,6 @@ def chunked_gated_delta_rule(
         q.stride(0), k.stride(0), v.stride(0), out.stride(0), state.shape[0] - 1, dk**-0.5,
         **geometry, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v, CHUNK=CHUNK,
         DOT_PRECISION=precision, num_warps=num_warps or wide,
-        num_stages=1,  # pipelined chunk loads overflowed the H200's 227 KiB of shared memory
+        num_stages=1,  # pipelined chunk loads overflow a Hopper SM's 227 KiB of shared memory
     )  # fmt: skip
     return out

@@ -9,8 +9,8 @@ is a kernel of its own; these kernels read the weight in one pass and write the 
 GEMV: each program normalises the input row itself, so a decoder layer's two norms launch
 nothing of their own. Used only with their Fusions switches (atom/fusions.py), at one row
 (batch-1 decode), on the shapes where the GEMV policy measured them faster
-(atom/kernels/gemv_policy.py): more rows run the torch references (F.linear: cuBLAS, which a tl.dot
-GEMV for 2..16 rows lost to in the H200 ablation; that kernel is gone).
+(atom/kernels/gemv_policy.py): more rows run the torch references (F.linear: cuBLAS, which a
+tl.dot GEMV for 2..16 rows lost to; that kernel is gone, docs/benchmarks.md).
 
 Shapes and dtypes:
     x        [num_rows, in_features], fp32/bf16/fp16, unit-stride columns; the kernel
@@ -49,8 +49,7 @@ once, from L1/L2, as without the norm.
 Under programmatic dependent launch (``PDL``, atom/kernels/pdl.py: the GEMVs of under 4 MB
 of weight, which latency bounds) the program loads its first weight chunk, then waits for
 the kernel before it, then reads x: the weight is never written by a forward, so its load
-overlaps the previous kernel's tail (SmolLM2-135M's batch-1 graph 572 -> 469 us on the
-H200 with the other kernels' PDL; docs/benchmarks.md, "Fourth pass").
+overlaps the previous kernel's tail (figures in docs/benchmarks.md).
 
 Runtime lengths: none (one row). Geometry: in/out features (plain arguments: Triton
 specializes them by divisibility by 16 only, which keeps the masked loads vectorised, so
@@ -65,14 +64,18 @@ small BLOCK_N gives enough programs (e.g. 2048 for the 1B shape's down projectio
 BLOCK_N 1) without a second pass or a zeroed output.
 """
 
-from dataclasses import dataclass
-
 import torch
 
-from atom.kernels.gemv_rope_kv import RopeKV, _rope_kv_epilogue
+from atom.kernels.gemv_tiles import (  # noqa: F401 (GemvConfig, heuristic_config: this module's API)
+    GemvConfig,
+    GemvSite,
+    chosen_tile,
+    heuristic_config,
+)
 from atom.kernels.pdl import pdl_launch, pdl_release, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 from atom.kernels.rmsnorm import rms_norm_reference
+from atom.kernels.rope_kv_epilogue import RopeKV, _rope_kv_epilogue
 
 try:
     import triton
@@ -234,31 +237,6 @@ def _gemv_row_kernel(
     tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """A GEMV kernel's launch geometry."""
-
-    block_n: int  # output features per program
-    block_k: int  # input features per chunk of the K loop
-    num_warps: int
-    num_stages: int  # software-pipelining depth of the K loop
-
-
-# the SMs of an H100 / H200: the heuristic aims at several programs per SM
-_NUM_SMS = 132
-
-
-def heuristic_config(in_features: int, out_features: int, silu_mul: bool) -> GemvConfig:
-    """A launch geometry from the shape alone: the largest BLOCK_N that still gives ~8
-    programs per SM, and ~8 KB of weight per tile (32 elements per thread of 4 warps)."""
-    rows = out_features // 2 if silu_mul else out_features
-    block_n = 16
-    while block_n > 1 and triton.cdiv(rows, block_n) < 8 * _NUM_SMS:
-        block_n //= 2
-    block_k = max(128, min(2048, 4096 // block_n, triton.next_power_of_2(in_features)))
-    return GemvConfig(block_n, block_k, 4, 2 if in_features > block_k else 1)
-
-
 def gemv_config(
     in_features: int,
     out_features: int,
@@ -275,8 +253,6 @@ def gemv_config(
     rows = out_features // 2 if silu_mul else out_features
     if not on_gpu:  # the interpreter pays per program: few, big ones
         return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
-    from atom.kernels.gemv_policy import GemvSite, chosen_tile
-
     dtype_name = str(dtype).removeprefix("torch.")
     site = GemvSite(in_features, out_features, silu_mul, norm, dtype_name, rope)
     tile = chosen_tile(site, device or torch.device("cuda"))

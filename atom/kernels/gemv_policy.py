@@ -13,16 +13,17 @@ forward before the batch-1 decode graph is captured), and keeps the Triton GEMV 
 where its best tile is faster by ``MARGIN``; else the layer keeps the unfused path. So
 a default never loses to every fusion off by more than the trial's noise.
 
-The trials share a budget (``ATOM_GEMV_TRIAL_BUDGET_S``, 1 s of timing per process;
+The trials share a budget (``Config.gemv_trial_budget_s``, from ATOM_GEMV_TRIAL_BUDGET_S:
+1 s of timing per process;
 compiling the candidates is not counted: Triton caches it on disk). A site met once the
 budget is spent keeps the unfused path and is not cached (the next start measures it).
-Choices are cached in a JSON file (``ATOM_CACHE_DIR``, default ~/.cache/atom,
-``gemv_policy.json``) under the full key, so the next start reads them: an entry of
+Choices are cached in a JSON file (``gemv_policy.json`` in ``Config.cache_dir``, from
+ATOM_CACHE_DIR, default ~/.cache/atom) under the full key, so the next start reads them: an entry of
 another GPU, Triton or torch is another key (never read for this one); an entry that
 does not parse or holds an impossible tile is ignored and measured again, never
 trusted; a file that is not JSON is ignored whole (and rewritten).
 
-``ATOM_GEMV_POLICY``: ``measure`` (the default), ``fused`` (every site that fits takes
+``Config.gemv_policy`` (ATOM_GEMV_POLICY): ``measure`` (the default), ``fused`` (every site that fits takes
 the Triton GEMV with its heuristic tile: tests, A/B runs) or ``unfused`` (never).
 Without a CUDA device nothing is measured: a site keeps the unfused path (the CPU
 engine runs the torch references anyway; interpreter tests ask for ``fused``).
@@ -31,6 +32,10 @@ PDL (atom/kernels/pdl.py) follows the choice: only a GEMV chosen to run in Trito
 a PDL chain (a cuBLAS GEMV launches as it always did), and the trial measures each
 candidate with the forward's PDL setting. ``report()`` lists each choice and why (the
 start-up log at INFO and ``--profile-kernels`` print it).
+
+The ModelRunner makes the process's policy from its Config (``configure``) unless a test or
+benchmark set one (``set_policy``); the policy hands its tiles to atom/kernels/gemv_tiles.py,
+where the kernels ask for them (they never import this module).
 """
 
 from __future__ import annotations
@@ -44,12 +49,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atom import envs
 from atom.forward_context import current_fusions
-from atom.kernels.gemv import GemvConfig, fits_gemv, heuristic_config
+from atom.kernels import gemv_tiles
+from atom.kernels.gemv import fits_gemv
 from atom.kernels.gemv_rope_kv import RopeKV
-from atom.kernels.gemv_trial import (  # noqa: F401 (GemvSite, candidates: this module's API)
+from atom.kernels.gemv_tiles import GemvConfig, GemvSite, heuristic_config
+from atom.kernels.gemv_trial import (  # noqa: F401 (candidates: this module's API)
     TOLERANCE,
-    GemvSite,
     TrialInputs,
     candidates,
     cuda_seconds_per_call,
@@ -58,7 +65,7 @@ from atom.kernels.gemv_trial import (  # noqa: F401 (GemvSite, candidates: this 
 
 logger = logging.getLogger(__name__)
 
-MODES = ("measure", "fused", "unfused")
+MODES = envs.GEMV_POLICY_MODES  # measure | fused | unfused
 MARGIN = 0.03  # the Triton GEMV must beat the unfused path by 3% (a step adds its noise)
 BUDGET_S = 1.0  # seconds of timed trials per process
 CACHE_VERSION = 1
@@ -96,11 +103,9 @@ def valid_config(values) -> GemvConfig | None:
     return GemvConfig(block_n, block_k, warps, stages)
 
 
-def default_cache_path() -> str:
-    root = os.environ.get("ATOM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "atom"
-    )
-    return os.path.join(root, "gemv_policy.json")
+def cache_path_in(cache_dir: str | None) -> str | None:
+    """The policy's cache file in ``cache_dir`` (None: no file, nothing kept)."""
+    return None if cache_dir is None else os.path.join(cache_dir, "gemv_policy.json")
 
 
 class GemvPolicy:
@@ -131,19 +136,8 @@ class GemvPolicy:
         self.spent_s = 0.0  # timed trials so far
         self.compile_s = 0.0  # compiling candidates (not in the budget)
         self.choices: dict[tuple, GemvChoice] = {}  # (cache key) -> choice
+        self.engine_made = False  # made by `configure` (an engine replaces it), not set_policy
         self._cache: dict | None = None  # the file's entries, read once
-
-    @classmethod
-    def from_env(cls) -> GemvPolicy:
-        mode = os.environ.get("ATOM_GEMV_POLICY", "measure").strip().lower() or "measure"
-        raw = os.environ.get("ATOM_GEMV_TRIAL_BUDGET_S", "").strip()
-        try:
-            budget = float(raw) if raw else BUDGET_S
-        except ValueError:
-            raise GemvPolicyError(
-                f"ATOM_GEMV_TRIAL_BUDGET_S={raw!r}: seconds of timed trials, e.g. 1.0"
-            ) from None
-        return cls(mode, default_cache_path(), budget)
 
     def start_engine(self) -> None:
         """A new engine starts: its trials get the whole budget again."""
@@ -187,6 +181,8 @@ class GemvPolicy:
 
     def tile(self, site: GemvSite, device: torch.device) -> GemvConfig | None:
         """The chosen tile of a site decided before (None: unfused or not decided)."""
+        if self.mode == "fused" or not self.choices:
+            return None  # the heuristic's
         choice = self.choices.get(self._key(site, device))
         return None if choice is None else choice.config
 
@@ -386,19 +382,47 @@ def _describe(choice: GemvChoice) -> str:
 _policy: GemvPolicy | None = None
 
 
-def current_policy() -> GemvPolicy:
-    """The process's policy (from the environment at its first use)."""
+def _install(policy: GemvPolicy | None) -> None:
     global _policy
+    _policy = policy
+    gemv_tiles.use_tile_source(None if policy is None else policy.tile)
+
+
+def configure(mode: str, cache_dir: str | None, budget_s: float) -> GemvPolicy:
+    """An engine starts (the ModelRunner, from its Config): the process's policy becomes
+    one of these settings, unless ``set_policy`` gave one (a test's or benchmark's, kept);
+    the same settings as before keep the policy and its choices. Its trials get the whole
+    budget again."""
+    cache_path = cache_path_in(cache_dir)
+    current = _policy
+    replaceable = current is None or current.engine_made
+    if replaceable and (
+        current is None
+        or (current.mode, current.cache_path, current.budget_s) != (mode, cache_path, budget_s)
+    ):
+        policy = GemvPolicy(mode, cache_path, budget_s)
+        policy.engine_made = True
+        _install(policy)
+    _policy.start_engine()
+    return _policy
+
+
+def current_policy() -> GemvPolicy:
+    """The process's policy: the one ``configure`` or ``set_policy`` gave; before either,
+    the defaults without a cache file (layers run outside an engine)."""
     if _policy is None:
-        _policy = GemvPolicy.from_env()
+        policy = GemvPolicy()
+        policy.engine_made = True  # the next engine replaces it
+        _install(policy)
     return _policy
 
 
 def set_policy(policy: GemvPolicy | None) -> GemvPolicy | None:
-    """Replace the process's policy (tests, A/B benchmarks); returns the previous one.
-    None: the next use builds one from the environment again."""
-    global _policy
-    previous, _policy = _policy, policy
+    """Replace the process's policy (tests, A/B benchmarks; an engine then keeps it);
+    returns the previous one, which a caller may set back. None: the next engine makes its
+    own from its Config again."""
+    previous = _policy
+    _install(policy)
     return previous
 
 
@@ -412,11 +436,3 @@ def use_gemv(
     """Whether a fusion switch should run this layer as the Triton GEMV (the policy's
     choice for its shape at one row; ``rope``: with the RoPE + KV-write epilogue)."""
     return current_policy().config_for(x, weight, silu_mul, norm, rope) is not None
-
-
-def chosen_tile(site: GemvSite, device: torch.device) -> GemvConfig | None:
-    """The policy's tile for a site it chose the Triton GEMV for (gemv_config's source)."""
-    policy = current_policy()
-    if policy.mode == "fused" or not policy.choices:
-        return None  # the heuristic's
-    return policy.tile(site, device)

@@ -7,40 +7,19 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.gemv import (
-    GemvConfig,
-    gemv,
-    gemv_rms_norm,
-    gemv_silu_and_mul,
-    heuristic_config,
-)
+from atom.kernels.activation import silu_and_mul
+from atom.kernels.gemv import gemv, gemv_rms_norm, gemv_silu_and_mul
 from atom.kernels.gemv_rope_kv import RopeKV, gemv_rope_kv
+from atom.kernels.gemv_tiles import GemvConfig, GemvSite, heuristic_config
+from atom.kernels.rmsnorm import rms_norm
+from atom.kernels.rotary_kv import rotary_kv_write
 
 EPS = 1e-5
 TOLERANCE = 2e-2  # a candidate whose output differs from the unfused one never wins
-
-
-@dataclass(frozen=True)
-class GemvSite:
-    """A batch-1 linear layer's shape: weight [rows, in_features] (rows = 2 * intermediate
-    with the SiLU * up epilogue), with or without the RMSNorm prologue."""
-
-    in_features: int
-    rows: int
-    silu_mul: bool
-    norm: bool
-    dtype: str  # "bfloat16", "float32", ...
-    rope: bool = False  # q/k/v rows with RoPE and the KV write in the epilogue (gemv_rope_kv)
-
-    def label(self) -> str:
-        parts = [f"{self.in_features}x{self.rows}"]
-        parts += ["silu"] * self.silu_mul + ["norm"] * self.norm + ["rope_kv"] * self.rope
-        return "+".join(parts) + f" {self.dtype}"
 
 
 def candidates(site: GemvSite) -> list[GemvConfig]:
@@ -48,9 +27,9 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     weight streamed once) with K chunks of up to 1024, 1 to 8 warps, and the heuristic's
     choice (atom/kernels/gemv.py); with the norm prologue also 2 and 4 rows over narrower
     chunks (each program reads x, the residual and the norm weight again). The winners of
-    the H200 sweep on the 1B and 135M shapes are of this family (gemv_sweep,
-    docs/benchmarks.md); on the H200 these tiles stream the 7-13B shapes' large matrices
-    at 85-96% of a streaming read, where the heuristic's wider tiles reached about half."""
+    the wider sweep (benchmarks/gemv_sweep.py) are of this family, and these narrow tiles
+    stream large matrices near a streaming read's rate, where the heuristic's wider tiles
+    fall well short (docs/benchmarks.md)."""
     block_k = max(64, min(1024, 1 << math.ceil(math.log2(max(site.in_features, 1)))))
     rows = site.rows // 2 if site.silu_mul else site.rows
     out = [
@@ -105,10 +84,6 @@ class TrialInputs:
             )
 
     def unfused(self):
-        from atom.kernels.activation import silu_and_mul
-        from atom.kernels.rmsnorm import rms_norm
-        from atom.kernels.rotary_kv import rotary_kv_write
-
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
         rope = self.rope
 

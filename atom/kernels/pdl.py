@@ -4,9 +4,9 @@ A kernel launched with PDL may start while the kernel before it on the stream st
 its programs are scheduled, run their prologue and wait in ``gdc_wait`` until the previous
 grid has finished and its memory is visible. What that hides is the launch and ramp-up of
 each kernel, about a microsecond, and whatever the prologue loads: worth it where a decode
-step is a chain of short kernels (the SmolLM2-135M shape at batch 1: its graph 572 -> 469
-us on the H200), a loss where a memory-bound kernel needs every SM slot that the waiting
-programs of the next one hold (docs/benchmarks.md, "Fourth pass").
+step is a chain of short kernels (a small model at batch 1), a loss where a memory-bound
+kernel needs every SM slot that the waiting programs of the next one hold (figures in
+docs/benchmarks.md).
 
 Each participating kernel takes a ``PDL`` constexpr and calls ``pdl_wait_and_release(PDL)``
 before its first access to anything an earlier kernel of the forward writes: it lets the
@@ -25,10 +25,10 @@ and, for a GEMV, its weight is small enough to be bound by latency (LATENCY_BOUN
 a geometry, so one compiled variant per layer shape).
 A CUDA graph keeps the launch attributes it was captured with.
 
-Two knobs for measurement (`python -m benchmarks.decode_ab`): ATOM_PDL_KERNELS=small
-(no GEMV) | all (every GEMV) | latency (the default); ATOM_PDL_RELEASE=end has a GEMV let
-the next kernel launch only after its K loop. H200: the default won on both shapes, every
-GEMV or a late release lost on both.
+Two knobs for measurement (`python -m benchmarks.decode_ab`), read once with the fusions
+(``Fusions.pdl_kernels`` and ``pdl_release``, from ATOM_PDL_KERNELS and ATOM_PDL_RELEASE):
+small (no GEMV) | all (every GEMV) | latency (the default); end has a GEMV let the next
+kernel launch only after its K loop. The defaults won on every shape measured.
 
 Triton: ``launch_pdl`` and ``tl.extra.cuda.gdc_*`` are used only when PDL is on; off, the
 kernels compile as before.
@@ -80,7 +80,8 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 # A GEMV reading fewer weight bytes than this is bound by latency, not bandwidth (4 MB
-# take ~1 us at the H200's ~4.4 TB/s, about a launch): it joins the PDL chain by default.
+# stream in about a microsecond on an HBM3 GPU, about a launch): it joins the PDL chain
+# by default.
 LATENCY_BOUND_BYTES = 4 << 20
 
 
@@ -98,20 +99,21 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     a GEMV reads of its weight (0 for the kernels of few programs: attention, merge,
     norm). The constexpr: 0 off, 1 the next kernel may launch at once, 2 after a GEMV's K
     loop, EMULATED (tests only: the PDL code paths without the launch intrinsics, which the
-    Triton interpreter lacks). Measurement knobs (A/B, docs): ATOM_PDL_KERNELS=latency
-    (default: the small kernels and the GEMVs under LATENCY_BOUND_BYTES) | small (no GEMV)
-    | all; ATOM_PDL_RELEASE=start|end (when a GEMV lets the next kernel launch)."""
+    Triton interpreter lacks). Measurement knobs (the forward's fusions): ``pdl_kernels``
+    latency (default: the small kernels and the GEMVs under LATENCY_BOUND_BYTES) | small
+    (no GEMV) | all; ``pdl_release`` start | end (when a GEMV lets the next kernel launch)."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
-    if not current_fusions().pdl or not pdl_supported(tensor.device):
+    fusions = current_fusions()
+    if not fusions.pdl or not pdl_supported(tensor.device):
         return _OFF
     if weight_bytes:
-        kernels = os.environ.get("ATOM_PDL_KERNELS", "latency")
+        kernels = fusions.pdl_kernels
         if kernels == "small" or (kernels != "all" and weight_bytes > LATENCY_BOUND_BYTES):
             return _OFF
     # a small kernel lets the next one launch at once (its programs leave room); a GEMV
     # at its start (mode 1) or after its K loop (mode 2)
-    late = weight_bytes and os.environ.get("ATOM_PDL_RELEASE", "start") == "end"
+    late = weight_bytes and fusions.pdl_release == "end"
     return 2 if late else 1, {"launch_pdl": True}
 
 

@@ -19,7 +19,7 @@ row's logits once and, by its constexpr switches:
       x = where(seen, x > 0 ? x / repetition : x * repetition, x)   seen: prompt or output
       x -= frequency * count ; x -= presence * (count > 0)
 
-  A block visits only its own bias entries (H200: looping over a row's 16 entries in every
+  A block visits only its own bias entries (looping over a row's 16 entries in every
   block tripled the pass's time).
 - MODE: writes the processed logits (`apply_sampling_options`), or keeps each block's max
   and first index (`greedy_with_sampling_options`: all-greedy steps without a grammar).
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import torch
 
-from atom import envs
 from atom.kernels import logprob_topk
 from atom.kernels.platform import use_triton
 
@@ -54,18 +53,10 @@ except ImportError:  # no Triton: keep the module importable for the references
     tl = SimpleNamespace(constexpr=None)
 
 PROMPT_FLAG = -(1 << 31)  # in counts: the sign bit flags a token of the prompt
-# logits per program of the sampling pass, its warps: the fastest on the H200 of 1024-8192
-# and 2-8 warps (docs/benchmarks.md)
+# logits per program of the sampling pass, its warps: the fastest of 1024-8192 and 2-8 warps
+# (docs/benchmarks.md)
 BLOCK = 1024
 NUM_WARPS = 4
-# How logprob_candidates finds the top k on the device (see its docstring); the others stay
-# for the H200 comparison (python -m benchmarks.sampler --breakdown).
-CANDIDATE_METHODS = ("select", "rounds", "torch")
-CANDIDATES = envs.logprob_candidates()
-
-
-class CandidateMethodError(ValueError):
-    """An unknown logprob-candidates method (argument or ATOM_LOGPROB_CANDIDATES)."""
 
 
 @triton.jit(
@@ -248,43 +239,6 @@ def apply_sampling_options_reference(logits, state_rows, counts, row_floats, row
     return x - floats[:, 0:1] * (output > 0)
 
 
-@triton.jit(do_not_specialize=["vocab_size", "logits_stride", "num_blocks", "k"])
-def _logprob_candidates_kernel(
-    logits_ptr,
-    logits_stride,
-    row_ids_ptr,
-    block_max_ptr,
-    block_sum_ptr,
-    top_values_ptr,
-    top_ids_ptr,
-    vocab_size,
-    num_blocks,
-    k,
-    BLOCK: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
-    row = tl.load(row_ids_ptr + i).to(tl.int64)
-    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < vocab_size
-    x = tl.load(logits_ptr + row * logits_stride + offs, mask=mask, other=float("-inf"))
-    x = x.to(tl.float32)
-    best = tl.max(x, 0)
-    # finite lanes only: a block of -inf logits has sum 0 (not exp(nan))
-    total = tl.sum(tl.where(x > float("-inf"), tl.exp(x - best), 0.0), 0)
-    slot = i * num_blocks + block
-    tl.store(block_max_ptr + slot, best)
-    tl.store(block_sum_ptr + slot, total)
-    out = slot * k
-    for j in range(k):  # k rounds of (max, first index of the max), masking each winner
-        value = tl.max(x, 0)
-        index = tl.min(tl.where((x == value) & mask, offs, vocab_size), 0)
-        index = tl.minimum(index, vocab_size - 1)
-        tl.store(top_values_ptr + out + j, value)
-        tl.store(top_ids_ptr + out + j, index)
-        x = tl.where(offs == index, float("-inf"), x)
-
-
 @triton.jit(do_not_specialize=["vocab_size", "logits_stride", "num_blocks"])
 def _count_greater_kernel(
     logits_ptr,
@@ -307,60 +261,23 @@ def _count_greater_kernel(
     tl.store(partial_ptr + i * num_blocks + block, count)
 
 
-def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, method: str | None = None, stats=None):  # fmt: skip
+def logprob_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, stats=None):  # fmt: skip
     """Raw logits [S, V], rows [R] of them (int) -> (log-sum-exp [R] f32, top values [R, k]
     f32 of the raw logits, top ids [R, k] int64), best first, ties to the lower index.
 
-    `method` (default: CANDIDATES, from ATOM_LOGPROB_CANDIDATES): "select"
-    (atom/kernels/logprob_topk.py from the sampling pass's LogitStats: `stats` of all S
-    rows when the options pass made them, else a stats pass over the R rows; k above
-    logprob_topk.KMAX: the torch reference), "rounds" (k rounds of max per block, merged by
-    torch.topk) or "torch" (logsumexp + topk of the fp32 rows)."""
-    method = method or CANDIDATES
-    if method not in CANDIDATE_METHODS:
-        raise CandidateMethodError(
-            f"logprob candidates method {method!r} (ATOM_LOGPROB_CANDIDATES): "
-            f"use one of {', '.join(CANDIDATE_METHODS)}"
-        )
-    if not use_triton(logits) or method == "torch" or k > logprob_topk.KMAX or k == 0:
+    The top k selected from the sampling pass's LogitStats (atom/kernels/logprob_topk.py):
+    `stats` of all S rows when the options pass made them, else a stats pass over the R
+    rows; k above logprob_topk.KMAX, or no Triton: the torch reference (logsumexp + topk of
+    the fp32 rows). The alternatives that lost (k rounds of max per block) sit beside the
+    benchmarks (benchmarks/candidates/logprob_rounds.py)."""
+    if not use_triton(logits) or k > logprob_topk.KMAX or k == 0:
         return logprob_candidates_reference(logits, row_ids, k)
-    if method == "rounds":
-        return merge_block_candidates(*block_candidates(logits, row_ids, k), k)
     if stats is None:
         stats = logit_stats(logits, row_ids)
         stat_rows = torch.arange(row_ids.shape[0], device=logits.device)
     else:
         stat_rows = row_ids
     return logprob_topk.select_topk(logits, row_ids, stats, stat_rows, k)
-
-
-def block_candidates(logits: torch.Tensor, row_ids: torch.Tensor, k: int, num_warps: int | None = None):  # fmt: skip
-    """`_logprob_candidates_kernel` alone: (block_max, block_sum [R, blocks] f32, top values
-    [R, blocks * k] f32, top ids [R, blocks * k] int64; at least one column). `num_warps`:
-    Triton's default (4) unless given (the benchmark's breakdown tries 8)."""
-    vocab = logits.shape[1]
-    rows = row_ids.shape[0]
-    num_blocks = triton.cdiv(vocab, BLOCK)
-    device = logits.device
-    block_max = torch.empty(rows, num_blocks, dtype=torch.float32, device=device)
-    block_sum = torch.empty_like(block_max)
-    # at least one column: Triton refuses the null pointer of an empty CUDA tensor (k = 0)
-    width = max(num_blocks * k, 1)
-    top_values = torch.empty(rows, width, dtype=torch.float32, device=device)
-    top_ids = torch.empty(rows, width, dtype=torch.int64, device=device)
-    if rows:
-        _logprob_candidates_kernel[(rows, num_blocks)](
-            logits, logits.stride(0), row_ids, block_max, block_sum, top_values, top_ids,
-            vocab, num_blocks, k, BLOCK=BLOCK, **({"num_warps": num_warps} if num_warps else {}),
-        )  # fmt: skip
-    return block_max, block_sum, top_values, top_ids
-
-
-def merge_block_candidates(block_max, block_sum, top_values, top_ids, k: int):
-    """The [R, blocks] statistics and candidates of `block_candidates` -> its outputs."""
-    lse = logprob_topk.log_sum_exp(block_max, block_sum)
-    values, order = top_values[:, : block_max.shape[1] * k].topk(k, dim=1)
-    return lse, values, top_ids.gather(1, order)
 
 
 def logprob_candidates_reference(logits: torch.Tensor, row_ids: torch.Tensor, k: int):

@@ -61,6 +61,7 @@ class ModelRunner:
         pp: PipelineGroup | None = None,
     ):
         self.config = config
+        gemv_policy.configure(config.gemv_policy, config.cache_dir, config.gemv_trial_budget_s)
         # Bytes per block of a cache that shares these block ids (a speculative draft
         # model's): the budget is split so that both caches hold the same blocks.
         self.extra_kv_block_bytes = extra_kv_block_bytes

@@ -12,8 +12,8 @@ Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
   is for image tokens: unused here); one shared expert; routed experts through
   atom/models/moe.py `routed_experts`.
 - Engram on `engram_layer_ids`: hashed n-gram rows, a gated add to every stream
-  (atom/kernels/v41_engram.py: Triton hashing on CUDA; the lookup is the torch reference, faster
-  than its Triton kernel on the H200); its history is the sequence's state (the first layer's
+  (atom/kernels/v41_engram.py: Triton hashing on CUDA; the lookup is the torch reference,
+  which a Triton lookup lost to: docs/benchmarks.md); its history is the sequence's state (the first layer's
   `engram_tokens` state rows), read and written in `EngramHashes`.
 DSpark draft layers (`mtp.*`) and vision weights are skipped with one log line.
 """
@@ -42,7 +42,6 @@ from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
 from atom.kernels.v41_engram import (
     compressed_token_map,
-    engram,
     engram_hash,
     engram_hash_reference,
     engram_multipliers,
@@ -80,9 +79,6 @@ def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> to
 def _latest(ids, layer_idx: int) -> int | None:
     earlier = [i for i in ids if i <= layer_idx]
     return max(earlier) if earlier else None
-
-
-TRITON_ENGRAM = False  # see Engram.forward
 
 
 # Rounding points: the reference's order of operations (as many ops as V4's; in fp32 the
@@ -252,10 +248,8 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size))
 
     def forward(self, streams, hash_ids):
-        # The Triton lookup measured slower on the H200 (10.5 ms vs 2.1 ms at 4K tokens,
-        # even at one token: docs/benchmarks.md): the reference until a kernel wins.
-        lookup = engram if streams.is_cuda and TRITON_ENGRAM else engram_reference
-        return lookup(
+        # the torch reference on CUDA too: a Triton lookup lost to it (docs/benchmarks.md)
+        return engram_reference(
             streams,
             hash_ids,
             self.embed.weight,

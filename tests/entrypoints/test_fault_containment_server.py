@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from atom.entrypoints import openai_serving
+from atom.entrypoints import sample_runs
 from tests.engine_support import build_llm
 from tests.entrypoints.server_support import (
     MAX_MODEL_LEN,
@@ -152,7 +152,7 @@ def test_model_forward_fault_fails_only_its_request(server, reference, monkeypat
 
 def test_detokenizer_fault_fails_only_its_request(server, reference, monkeypatch):
     """The culprit (marked by its stop string) detokenizes through a tokenizer that raises."""
-    text_deltas = openai_serving.text_deltas
+    text_deltas = sample_runs.text_deltas
     fired = []
 
     class FaultyTokenizer:
@@ -173,7 +173,7 @@ def test_detokenizer_fault_fails_only_its_request(server, reference, monkeypatch
             tokenizer = FaultyTokenizer(tokenizer)
         return text_deltas(engine, stream, tokenizer, stop, outputs, **options)
 
-    monkeypatch.setattr(openai_serving, "text_deltas", faulty_text_deltas)
+    monkeypatch.setattr(sample_runs, "text_deltas", faulty_text_deltas)
     (status, body), others = _run_with_others(
         server, lambda: _complete(server, PROMPTS[2], 8, stop=["<<fault>>"], ignore_eos=True)
     )

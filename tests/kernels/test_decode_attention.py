@@ -82,40 +82,6 @@ def check_decode(
     assert torch.equal(out[padding], torch.zeros_like(out[padding]))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("dtype, device", DTYPES)
-@pytest.mark.parametrize("context_lens, num_q_heads, num_kv_heads, head_dim, block_size", CASES)
-def test_decode_merged_in_kernel_matches_reference(
-    context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device, kv_cache_dtype
-):
-    """Fusions.decode_merge: each row uses one split per 64 context tokens (at most 4, the
-    grid) and the last split merges; short rows take the single-split path. The split
-    counters are left at zero for the next launch."""
-    from atom.kernels.decode_attention import split_counters
-
-    batch = len(context_lens)
-    k_cache, v_cache, block_tables, _, _ = make_paged_kv(
-        context_lens, num_kv_heads, head_dim, block_size, dtype, device, capacity=batch + 2
-    )
-    q = torch.randn(batch, num_q_heads, head_dim, generator=torch.Generator().manual_seed(3))
-    q = q.to(device, dtype)
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    kv_scales = {}
-    if kv_cache_dtype == "fp8":
-        k_cache, v_cache, k_scale, v_scale = quantize_paged_kv(k_cache, v_cache)
-        kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
-    args = (q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
-    expected = paged_decode_attention_reference(*args, **kv_scales)
-    for _ in range(2):  # the second launch finds the counters reset
-        out = torch.full_like(q, float("nan"))
-        paged_decode_attention(
-            *args, out=out, num_splits=4, merge_in_kernel=True, split_tokens=64, **kv_scales
-        )
-        tol = TOLERANCE[dtype]
-        torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
-    assert not split_counters(q.device, batch * num_kv_heads).any()
-
-
 @pytest.mark.parametrize("context_lens, num_q_heads, num_kv_heads, head_dim, block_size", CASES)
 def test_decode_reference_matches_dense_sdpa(
     context_lens, num_q_heads, num_kv_heads, head_dim, block_size
@@ -140,8 +106,7 @@ def test_decode_reference_matches_dense_sdpa(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge_in_kernel", [False, True])
-def test_decode_replays_in_cuda_graph_with_new_lengths(merge_in_kernel):
+def test_decode_replays_in_cuda_graph_with_new_lengths():
     num_q_heads, num_kv_heads, head_dim, block_size = 8, 2, 128, 16
     context_lens = [2000, 700, 1, 40]
     k_cache, v_cache, block_tables, _, _ = make_paged_kv(
@@ -151,12 +116,11 @@ def test_decode_replays_in_cuda_graph_with_new_lengths(merge_in_kernel):
     lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     args = (q, k_cache, v_cache, block_tables, lens, head_dim**-0.5)
-    merge = dict(merge_in_kernel=merge_in_kernel)
-    paged_decode_attention(*args, out=out, **merge)  # compile outside the capture
+    paged_decode_attention(*args, out=out)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        paged_decode_attention(*args, out=out, **merge)
+        paged_decode_attention(*args, out=out)
     for new_lens in ([2000, 700, 1, 40], [5, 0, 1, 33], [1999, 1, 0, 0]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.normal_()

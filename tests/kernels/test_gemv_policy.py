@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from atom.config import Config
 from atom.kernels import gemv_policy, gemv_trial
 from atom.kernels.gemv import gemv_reference, heuristic_config
 from atom.kernels.gemv_policy import GemvPolicy, GemvPolicyError, GemvSite, candidates
@@ -222,21 +223,36 @@ def test_forced_modes_and_environment(monkeypatch, tmp_path):
     fused = GemvPolicy("fused", None)
     assert fused.config_for(x, weight, silu_mul=True) == heuristic_config(IN, ROWS, True)
     assert GemvPolicy("unfused", None).config_for(x, weight) is None
+    with pytest.raises(GemvPolicyError, match="sometimes"):
+        GemvPolicy("sometimes")
     monkeypatch.setenv("ATOM_GEMV_POLICY", "sometimes")
-    with pytest.raises(GemvPolicyError, match="ATOM_GEMV_POLICY"):
-        GemvPolicy.from_env()
+    with pytest.raises(ValueError, match="ATOM_GEMV_POLICY"):
+        Config(device="cpu")
+    with pytest.raises(ValueError, match="gemv_policy"):
+        Config(device="cpu", gemv_policy="sometimes")
     monkeypatch.setenv("ATOM_GEMV_POLICY", "unfused")
     monkeypatch.setenv("ATOM_GEMV_TRIAL_BUDGET_S", "a while")
-    with pytest.raises(GemvPolicyError, match="ATOM_GEMV_TRIAL_BUDGET_S"):
-        GemvPolicy.from_env()
+    with pytest.raises(ValueError, match="ATOM_GEMV_TRIAL_BUDGET_S"):
+        Config(device="cpu")
     monkeypatch.setenv("ATOM_GEMV_TRIAL_BUDGET_S", "0.5")
     monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path))
-    policy = GemvPolicy.from_env()
-    assert policy.mode == "unfused" and policy.budget_s == 0.5
-    assert policy.cache_path == str(tmp_path / "gemv_policy.json")
-    previous = gemv_policy.set_policy(policy)
+    config = Config(device="cpu")
+    assert (config.gemv_policy, config.gemv_trial_budget_s) == ("unfused", 0.5)
+    assert config.cache_dir == str(tmp_path)
+    previous = gemv_policy.set_policy(None)  # the engine's own, from its Config
     try:
+        policy = gemv_policy.configure(config.gemv_policy, config.cache_dir, 0.5)
+        assert policy.mode == "unfused" and policy.budget_s == 0.5
+        assert policy.cache_path == str(tmp_path / "gemv_policy.json")
+        assert gemv_policy.current_policy() is policy
+        assert gemv_policy.configure("unfused", config.cache_dir, 0.5) is policy  # kept
         assert not gemv_policy.use_gemv(x, weight)
+        mine = GemvPolicy("fused", None)
+        gemv_policy.set_policy(mine)  # a test's or benchmark's: the engine keeps it
+        assert gemv_policy.configure("unfused", config.cache_dir, 0.5) is mine
+        gemv_policy.set_policy(policy)  # an engine's policy set back: the next engine's again
+        assert gemv_policy.configure("fused", None, 0.5) is not policy
+        assert gemv_policy.current_policy().mode == "fused"
     finally:
         gemv_policy.set_policy(previous)
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from atom.fusions import Fusions
 from atom.kernels import pdl
 from tests.kernels import test_decode_attention, test_gemv, test_gemv_rope_kv
 
@@ -21,9 +22,12 @@ def _on_cuda(rows: int):
 def hopper(monkeypatch):
     monkeypatch.setattr(pdl, "pdl_supported", lambda device: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    for knob in ("ATOM_PDL_KERNELS", "ATOM_PDL_RELEASE"):
-        monkeypatch.delenv(knob, raising=False)
     return monkeypatch
+
+
+def _knobs(monkeypatch, **knobs):
+    """The forward's fusions with these PDL knobs (pdl_kernels, pdl_release)."""
+    monkeypatch.setattr(pdl, "current_fusions", lambda: Fusions(**knobs))
 
 
 def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
@@ -35,13 +39,12 @@ def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
     assert pdl.pdl_launch(_on_cuda(4096)) == ON
     assert pdl.pdl_launch(_on_cuda(1), small_weight) == ON
     assert pdl.pdl_launch(_on_cuda(1), big_weight) == (0, {})  # bandwidth-bound GEMV
-    hopper.setenv("ATOM_PDL_KERNELS", "all")
+    _knobs(hopper, pdl_kernels="all")
     assert pdl.pdl_launch(_on_cuda(1), big_weight) == ON
-    hopper.setenv("ATOM_PDL_KERNELS", "small")
+    _knobs(hopper, pdl_kernels="small")
     assert pdl.pdl_launch(_on_cuda(1), small_weight) == (0, {})
     assert pdl.pdl_launch(_on_cuda(1)) == ON
-    hopper.setenv("ATOM_PDL_KERNELS", "latency")
-    hopper.setenv("ATOM_PDL_RELEASE", "end")
+    _knobs(hopper, pdl_kernels="latency", pdl_release="end")
     assert pdl.pdl_launch(_on_cuda(1), small_weight) == (2, {"launch_pdl": True})
     assert pdl.pdl_launch(_on_cuda(1)) == ON  # only a GEMV releases late
 

@@ -22,7 +22,6 @@ from atom.kernels import (
     gdn_conv,
     gdn_delta_rule,
     gemv,
-    gemv_rope_kv,
     kv_cache,
     logprob_topk,
     mla,
@@ -31,6 +30,7 @@ from atom.kernels import (
     pdl,
     prefill_attention,
     rmsnorm,
+    rope_kv_epilogue,
     rotary,
     rotary_kv,
     sampling,
@@ -40,7 +40,6 @@ from atom.kernels import (
     v4_indexer,
     v41_engram,
     v41_quant,
-    v41_topk,
 )
 from tests.kernels.recompile_guard import (
     SWEEP,
@@ -233,26 +232,6 @@ KERNELS = {
     # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
     (v41_quant, "_fake_quant_kernel"): (["num_blocks"], []),
     (v41_engram, "_engram_hash_kernel"): (["num_tokens"], []),
-    # the Engram lookup: gathered GEMM, then the gate (the hash-id row stride is the number
-    # of engram columns of every layer, the streams' row stride hc * hidden: geometry)
-    (v41_engram, "_engram_kv_kernel"): (["num_tokens"], ["stride_hash_row"]),
-    (v41_engram, "_engram_gate_kernel"): (
-        ["num_tokens"],
-        ["stride_streams_row", "eps", "scale"],
-    ),
-    # the two-level top-k: row width (entries or blocks), k and the row strides (the width
-    # again, for prefill rows of every length) are runtime
-    (v41_topk, "_topk_kernel"): (
-        [
-            "num_items",
-            "num_entries",
-            "k",
-            "stride_scores_row",
-            "stride_allowed_row",
-            "stride_out_row",
-        ],
-        [],
-    ),
     # Sampling options and logprobs: rows come from the grid; the vocabulary, the state's
     # bias / stop table widths, the logprob count k and the logits' row stride are runtime.
     (sampling, "_sampling_pass_kernel"): (
@@ -260,10 +239,6 @@ KERNELS = {
         [],
     ),
     (sampling, "_count_sampled_kernel"): (["vocab_size"], []),
-    (sampling, "_logprob_candidates_kernel"): (
-        ["vocab_size", "logits_stride", "num_blocks", "k"],
-        [],
-    ),
     (sampling, "_count_greater_kernel"): (["vocab_size", "logits_stride", "num_blocks"], []),
     (logprob_topk, "_select_topk_kernel"): (
         ["logits_stride", "vocab_size", "num_blocks", "sub_width", "k"],
@@ -277,7 +252,7 @@ DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
     (rotary_kv, "_write_halves"),
     (decode_attention, "_decode_split"),
-    (gemv_rope_kv, "_rope_kv_epilogue"),
+    (rope_kv_epilogue, "_rope_kv_epilogue"),
     (gemv, "_x_chunk"),
     (gemv, "_weight_chunk"),
     (pdl, "pdl_wait_and_release"),
@@ -290,8 +265,6 @@ DEVICE_FUNCTIONS = {
     (v41_quant, "_e4m3"),
     (v41_quant, "_pow2_ceil"),
     (v41_quant, "_e2m1"),
-    (v41_topk, "_order_keys"),
-    (v41_topk, "_tile_keys"),
     (logprob_topk, "_order_key"),
     (logprob_topk, "_ordered_u32"),
 }
@@ -465,37 +438,6 @@ def test_paged_decode_one_variant(kv_cache_dtype, early_kv):
         )
 
     assert_one_variant(decode_attention, ["_paged_decode_kernel", "_merge_splits_kernel"], run)
-
-
-@pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="H200 2026-12-01: the merged-in-kernel decode compiled more than one variant over "
-    "the length sweep; Fusions.decode_merge is off by default (it also lost the ablation)",
-    strict=False,
-)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_paged_decode_merged_in_kernel_one_variant(kv_cache_dtype):
-    """Fusions.decode_merge: the same sweep; the splits a row uses follow its length on the
-    device, the grid's split count the block-table width (one variant for all)."""
-    num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
-    k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
-    q = torch.randn(max(SWEEP), num_q_heads, head_dim, device=DEVICE, dtype=BF16)
-    generator = _generator()
-    merge = dict(merge_in_kernel=True, **scales)
-
-    def run(n):
-        lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32, generator=generator)
-        tables = _block_tables(n, 64, num_blocks)
-        decode_attention.paged_decode_attention(
-            q[:n], k_cache, v_cache, tables, lens, head_dim**-0.5, **merge
-        )
-        lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
-        tables = _block_tables(3, n, num_blocks)
-        decode_attention.paged_decode_attention(
-            q[:3], k_cache, v_cache, tables, lens, head_dim**-0.5, **merge
-        )
-
-    assert_one_variant(decode_attention, ["_paged_decode_kernel"], run)
 
 
 @pytest.mark.gpu
@@ -912,43 +854,6 @@ def test_v41_engram_hash_one_variant():
         v41_engram.engram_hash(tokens[:n], multipliers, primes, offsets)
 
     assert_one_variant(v41_engram, ["_engram_hash_kernel"], run)
-
-
-@pytest.mark.gpu
-def test_v41_engram_lookup_one_variant():
-    hc, dim, cols, head_dim = 4, 512, 6, 32
-    tokens = max(SWEEP)
-    streams = torch.randn(tokens, hc, dim, device=DEVICE, dtype=BF16)
-    hash_ids = torch.randint(0, 5000, (tokens, 2, cols), device=DEVICE)[:, 1]
-    table = torch.randn(5000, head_dim, device=DEVICE, dtype=BF16)
-    wkv = torch.randn((hc + 1) * dim, cols * head_dim, device=DEVICE, dtype=BF16)
-    q_weight, k_weight = torch.randn(2, hc, dim, device=DEVICE, dtype=BF16)
-
-    def run(n):
-        v41_engram.engram(streams[:n], hash_ids[:n], table, wkv, q_weight, k_weight, 1e-6)
-
-    assert_one_variant(v41_engram, ["_engram_kv_kernel", "_engram_gate_kernel"], run)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("level", ["candidate_blocks", "entries"])
-def test_v41_two_level_topk_one_variant(level):
-    """Row widths (prefill: one row per query over its sequence's entries; decode: the
-    static entry count) and row counts swept; one variant per level (MODE constexpr)."""
-    scores = torch.randn(64, max(SWEEP), device=DEVICE)
-    generator = _generator()
-
-    def run(n):
-        rows = min(n, 64)
-        num_visible = torch.randint(0, n + 1, (rows,), device=DEVICE, generator=generator)
-        visible = torch.arange(n, device=DEVICE)[None] < num_visible[:, None]
-        masked = scores[:rows, :n].masked_fill(~visible, float("-inf"))
-        if level == "candidate_blocks":
-            v41_topk.candidate_blocks(masked, num_visible, 8, 64)
-        else:
-            v41_topk.two_level_topk(masked, visible, 512, visible)
-
-    assert_one_variant(v41_topk, ["_topk_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ def test_all_fusions_bf16_greedy_within_tolerance_of_hf(tiny_model_dirs, kind):
     [
         ("auto", ALL),
         ("auto", Fusions()),  # the defaults (PDL on since the fourth pass)
-        ("fp8", Fusions.only("rope_kv_write", "decode_merge", "greedy_argmax")),
+        ("fp8", Fusions.only("rope_kv_write", "greedy_argmax")),
     ],
 )
 def test_fusions_give_the_tokens_of_the_unfused_engine(tiny_model_dirs, kv_cache_dtype, fusions):

@@ -200,19 +200,6 @@ def test_prefix_caching_is_off_with_one_log_line(qwen3_next_dirs, caplog):
     assert not llm.engine.block_manager.enable_prefix_caching
 
 
-def test_state_bytes_of_the_benchmark(qwen3_next_dirs):
-    """The benchmark's state figure: conv + delta-rule rows of every GDN layer (hand count)."""
-    from benchmarks.qwen3_next_decode import state_bytes
-
-    llm = build_llm(qwen3_next_dirs["a"], num_kvcache_blocks=16)
-    shape = dict(VARIANTS["a"], **COMMON)
-    record = state_bytes(llm, 1000, shape)
-    conv = (4 - 1) * (2 * 2 * 8 + 4 * 16) * 4  # (K - 1) x conv_dim, fp32 model
-    delta = 4 * 8 * 16 * 4  # Hv x Dk x Dv, fp32
-    assert record["gdn_state_per_sequence_bytes"] == 2 * (conv + delta)
-    assert record["all_attention_kv_per_sequence_bytes"] == 3 * 2 * 2 * 16 * 4 * 1000
-
-
 # bf16 on CUDA against HF fp32 on the same tokens: the agreement (fraction of generated
 # positions where bf16 chose HF's best token) and the worst regret ((best logit - logit of
 # the chosen token) / max|logit| there). H200, 2026-12-01: 0.781 / 0.424, eager and graphs

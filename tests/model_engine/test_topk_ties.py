@@ -197,15 +197,3 @@ def test_v4_ties_on_cuda_follow_the_rule(v4_ties_dir):
     assert _tokens(build_llm(v4_ties_dir, max_model_len=256, **cuda), PROMPTS) == expected
     llm = build_llm(v4_ties_dir, max_model_len=512, max_num_batched_tokens=7, **cuda)
     assert _tokens(llm, PROMPTS) == expected
-
-
-@pytest.mark.gpu
-def test_v41_triton_topk_and_references_pick_the_same_on_ties(v41_ties_dir, monkeypatch):
-    """On CUDA (eager) the two-level top-k's Triton kernels (TRITON_TOPK) and the torch
-    references choose the same entries on the tie-prone config: the same tokens (fp32)."""
-    prompts = vocab_prompts(5, [70, 33, 90, 7], 256)
-    cuda = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=64,
-                max_model_len=128, enforce_eager=True)  # fmt: skip
-    references = _tokens(build_llm(v41_ties_dir, **cuda), prompts)
-    monkeypatch.setattr(atom.attention.v41, "TRITON_TOPK", True)
-    assert _tokens(build_llm(v41_ties_dir, **cuda), prompts) == references

@@ -32,8 +32,8 @@ class SamplingTensors:
     generators: list[torch.Generator | None] | None = None
 
 
-# The most rows the two-stage argmax takes: it was measured to win at batch 1 (the H200
-# ablation); a large batch already fills the GPU with torch's one row per program.
+# The most rows the two-stage argmax takes: it wins where few rows leave most of the GPU idle
+# (docs/benchmarks.md); a large batch already fills the GPU with torch's one row per program.
 ARGMAX_MAX_ROWS = 16
 
 
