@@ -115,6 +115,11 @@ class Config:
     gemv_policy: str | None = None
     gemv_trial_budget_s: float | None = None
     cache_dir: str | None = None
+    # Torch threads of a CPU engine (atom/model_engine/cpu_threads.py). None: ATOM_CPU_THREADS,
+    # else OMP_NUM_THREADS, else the cores free at start (resolved when the engine starts).
+    cpu_threads: int | None = None
+    # The compiled-grammar cache's bound in bytes; None: ATOM_GRAMMAR_CACHE_MB (512 MiB).
+    grammar_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "dummy"):
@@ -179,6 +184,12 @@ class Config:
             self.gemv_trial_budget_s = envs.gemv_trial_budget_s()
         if self.cache_dir is None:
             self.cache_dir = envs.cache_dir()
+        if self.cpu_threads is None:
+            self.cpu_threads = envs.cpu_threads()  # still None: the cores free at start
+        elif self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.grammar_cache_bytes is None:
+            self.grammar_cache_bytes = envs.grammar_cache_bytes()
 
     def _validate_speculation(self) -> None:
         method = self.speculative_method

@@ -47,8 +47,7 @@ def grammar_cache_bytes() -> int:
 
 def gdn_chunked_min_tokens() -> int:
     """`ATOM_GDN_CHUNKED_MIN_TOKENS`: the longest new run from which a GDN prefill takes the
-    chunked kernels (default 8192; a huge value: never; atom/kernels/gdn_chunk.py reads it
-    once, at import)."""
+    chunked kernels (default 8192; a huge value: never): `Fusions.gdn_chunked_min_tokens`."""
     return int(os.environ.get("ATOM_GDN_CHUNKED_MIN_TOKENS", "8192"))
 
 

@@ -98,6 +98,9 @@ class Fusions:
     # knobs, atom/kernels/pdl.py; ATOM_PDL_KERNELS, ATOM_PDL_RELEASE): not switches.
     pdl_kernels: str = "latency"  # latency | small | all
     pdl_release: str = "start"  # start | end
+    # The longest new run from which a GDN prefill takes the chunked delta-rule kernels
+    # (atom/kernels/gdn_chunk.py use_chunked; ATOM_GDN_CHUNKED_MIN_TOKENS): not a switch.
+    gdn_chunked_min_tokens: int = 8192
 
     @classmethod
     def from_env(cls) -> Fusions:
@@ -115,7 +118,12 @@ class Fusions:
                 values[name] = False
             else:
                 raise FusionSettingError(f"{variable}={raw!r}: use 1 (fusion on) or 0 (off)")
-        return cls(**values, pdl_kernels=envs.pdl_kernels(), pdl_release=envs.pdl_release())
+        return cls(
+            **values,
+            pdl_kernels=envs.pdl_kernels(),
+            pdl_release=envs.pdl_release(),
+            gdn_chunked_min_tokens=envs.gdn_chunked_min_tokens(),
+        )
 
     @classmethod
     def none(cls) -> Fusions:

@@ -27,6 +27,7 @@ import sys
 
 import torch
 
+from atom.fusions import Fusions
 from atom.kernels.gdn_chunk import chunked_gated_delta_rule, use_chunked
 from atom.kernels.gdn_conv import causal_conv1d_prefill
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_reference
@@ -98,7 +99,7 @@ def bench_case(num_seqs: int, length: int, with_reference: bool) -> None:
         chunked_ms=round(chunked, 3),
         conv_prefill_ms=round(conv, 3),
         speedup=round(sequential / chunked, 2),
-        chunked_default=use_chunked(length, num_seqs),
+        chunked_default=use_chunked(length, num_seqs, Fusions.from_env().gdn_chunked_min_tokens),
         sequential_error=errors["sequential"],
         chunked_error=errors["chunked"],
     )

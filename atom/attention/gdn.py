@@ -14,7 +14,7 @@ whether the sequence starts this step (`fresh`: its state is taken as zero, so a
 slot never leaks its previous owner's state). Math: atom/kernels/gdn_conv.py and
 atom/kernels/gdn_delta_rule.py; decode uses static shapes only (CUDA-graph capturable).
 Prefill on CUDA runs the chunked delta rule (atom/kernels/gdn_chunk.py) when a sequence's
-new run reaches `CHUNKED_MIN_TOKENS` (atom/kernels/gdn_chunk.py `use_chunked`), the
+new run reaches `Fusions.gdn_chunked_min_tokens` (atom/kernels/gdn_chunk.py `use_chunked`), the
 sequential kernel otherwise; on CPU the reference.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from atom.attention.backend import STATE_SNAPSHOT, PagedAttentionBackend, SpeculationSupport
 from atom.attention.family import AttentionFamily, FamilySupport, StateTensor, layer_state
-from atom.forward_context import AttentionMetadata, get_forward_context
+from atom.forward_context import AttentionMetadata, current_fusions, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels import gdn_chunk
 from atom.kernels.gdn_chunk import chunk_bounds, chunked_gated_delta_rule
@@ -210,7 +210,8 @@ class GatedDeltaNetState(nn.Module):
         if not on_gpu:
             return chunk_gated_delta_rule_reference(*args)
         num_seqs = meta.cu_seqlens_q.shape[0] - 1
-        if gdn_chunk.use_chunked(meta.max_seqlen_q, num_seqs):  # where the chunked kernels win
+        min_tokens = current_fusions().gdn_chunked_min_tokens
+        if gdn_chunk.use_chunked(meta.max_seqlen_q, num_seqs, min_tokens):  # where they win
             return chunked_gated_delta_rule(*args, bounds=meta.chunk_bounds)
         return chunk_gated_delta_rule(*args)  # short runs: the sequential (recurrent) kernel
 

@@ -68,7 +68,7 @@ class MHAAttention(nn.Module):
         store = store_kvcache if q.is_cuda else store_kvcache_reference
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)
-        return self._attend(q, meta, context.fusions)
+        return self._attend(q, meta)
 
     def _attend_cpu(self, q, meta) -> torch.Tensor:
         """The batched CPU path: one gather plan per step shared by the layers."""
@@ -112,7 +112,7 @@ class MHAAttention(nn.Module):
             positions, q, k, v, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
             meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
-        return self._attend(q, meta, context.fusions)
+        return self._attend(q, meta)
 
     def rope_kv(self, positions, rotary, num_heads: int):
         """The RopeKV of this step for the qkv GEMV's epilogue (Fusions.gemv_rope_kv), or None
@@ -136,9 +136,9 @@ class MHAAttention(nn.Module):
         """Attention of the rotated q [T, Hq, D] over the cache, this step's K/V already
         written (by the qkv GEMV's epilogue): [T, Hq * D]."""
         context = get_forward_context()
-        return self._attend(q, context.attention, context.fusions)
+        return self._attend(q, context.attention)
 
-    def _attend(self, q, meta, fusions) -> torch.Tensor:
+    def _attend(self, q, meta) -> torch.Tensor:
         """Attention of q over the cache (this step's K/V already written): [T, Hq * D]."""
         if not q.is_cuda:
             out = self._attend_cpu(q, meta)

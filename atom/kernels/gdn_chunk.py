@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from atom import envs
 from atom.kernels.gdn_delta_rule import chunk_gated_delta_rule_reference
 from atom.kernels.platform import use_triton
 
@@ -54,14 +53,15 @@ CHUNK = 64
 # sequential kernel otherwise: the chunked kernels win only on one long run, the sequential
 # kernel's grid fills the GPU once there are several sequences (`python -m
 # benchmarks.gdn_prefill`, figures in docs/benchmarks.md).
-# ATOM_GDN_CHUNKED_MIN_TOKENS overrides the length (a huge value: never chunked).
-CHUNKED_MIN_TOKENS = envs.gdn_chunked_min_tokens()
+# The length is `Fusions.gdn_chunked_min_tokens` (ATOM_GDN_CHUNKED_MIN_TOKENS, default
+# 8192; a huge value: never chunked).
 CHUNKED_MAX_SEQS = 1
 
 
-def use_chunked(max_seqlen: int, num_seqs: int) -> bool:
-    """Whether a CUDA prefill step takes the chunked kernels (see CHUNKED_MIN_TOKENS)."""
-    return max_seqlen >= CHUNKED_MIN_TOKENS and num_seqs <= CHUNKED_MAX_SEQS
+def use_chunked(max_seqlen: int, num_seqs: int, min_tokens: int) -> bool:
+    """Whether a CUDA prefill step takes the chunked kernels: at most CHUNKED_MAX_SEQS
+    sequences whose longest new run reaches `min_tokens`."""
+    return max_seqlen >= min_tokens and num_seqs <= CHUNKED_MAX_SEQS
 
 
 # Of every dot (fp32 operands): "ieee" is exact fp32 (fp32 inputs: greedy runs match the

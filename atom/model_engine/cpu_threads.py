@@ -19,8 +19,6 @@ import os
 
 import torch
 
-from atom import envs
-
 logger = logging.getLogger(__name__)
 
 
@@ -31,11 +29,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_cpu_threads() -> int:
-    """The thread count for this process's torch ops: ATOM_CPU_THREADS, else
-    OMP_NUM_THREADS (torch already follows it), else the cores not busy with other
-    processes (usable cores minus the 1-minute load average, at least 1)."""
-    explicit = envs.cpu_threads()
+def choose_cpu_threads(explicit: int | None) -> int:
+    """The thread count for this process's torch ops: `explicit` (Config.cpu_threads:
+    ATOM_CPU_THREADS, else OMP_NUM_THREADS, which torch already follows), else the cores
+    not busy with other processes (usable cores minus the 1-minute load average, at
+    least 1)."""
     if explicit is not None:
         return explicit
     cores = usable_cores()
@@ -46,8 +44,8 @@ def choose_cpu_threads() -> int:
     return max(1, min(cores, cores - busy))
 
 
-def set_cpu_threads() -> int:
-    threads = choose_cpu_threads()
+def set_cpu_threads(explicit: int | None) -> int:
+    threads = choose_cpu_threads(explicit)
     if threads != torch.get_num_threads():
         logger.info("CPU engine: %d torch thread(s) (of %d cores)", threads, usable_cores())
         torch.set_num_threads(threads)

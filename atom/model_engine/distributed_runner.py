@@ -104,6 +104,9 @@ class DistributedRunner:
         self.num_kvcache_blocks: int | None = None
         self.encoder = StepEncoder()
         self._h2d_totals = (0, 0)  # rank 0's, as of the latest step read
+        # Sampling state and speculative state snapshots live in the rank processes.
+        self.sampling_state = None
+        self.state_snapshots = None
         if wait:
             self.wait_ready()
 

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from atom import envs, profiling
+from atom import profiling
 from atom.config import Config
 from atom.model_engine.block_manager import BlockManager
 from atom.model_engine.context_length import fit_max_model_len, resolve_max_model_len
@@ -122,7 +122,7 @@ class LLMEngine:
                 draft_runner = build_draft_runner(
                     config, draft_hf, self.model_runner.num_kvcache_blocks, self.max_model_len
                 )
-            snapshots = getattr(self.model_runner, "state_snapshots", None)
+            snapshots = self.model_runner.state_snapshots
             self.speculator = make_decoder(config, self.max_model_len, draft_runner, snapshots)
             self.scheduler.lookahead = self.speculator.lookahead
         self.requests: dict[int, Sequence] = {}
@@ -141,9 +141,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any) and free the rendezvous port."""
-        stop = getattr(self.model_runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.model_runner.shutdown()
 
     # -- speculative decoding (atom/model_engine/speculative) -------------------------------
     def _draft_hf_config(self):
@@ -270,7 +268,7 @@ class LLMEngine:
                     self.tokenizer,
                     self.hf_config.vocab_size,
                     self.scheduler.eos_token_ids,
-                    cache_limit_bytes=envs.grammar_cache_bytes(),
+                    cache_limit_bytes=self.config.grammar_cache_bytes,
                 )
             return self._grammar_backend
 
@@ -387,7 +385,7 @@ class LLMEngine:
         if self._in_flight is not None:  # the step before: its tokens are good
             outputs = self._complete_in_flight()
         # A half-launched step may have assigned or counted sampling-state rows: rebuilt.
-        state = getattr(self.model_runner, "sampling_state", None)
+        state = self.model_runner.sampling_state
         if state is not None:
             state.release(s.seq_id for s in batch.seqs)
         live = [s for s in batch.seqs if not s.is_finished]
@@ -454,7 +452,7 @@ class LLMEngine:
             outputs.append(
                 StepOutput(seq.seq_id, [], True, FinishReason.ERROR.value, error=message)
             )
-        state = getattr(self.model_runner, "sampling_state", None)
+        state = self.model_runner.sampling_state
         if state is not None and outputs:
             state.release(o.seq_id for o in outputs)
         return outputs

@@ -73,7 +73,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         if self.device.type == "cpu" and tp is None and pp is None:
-            set_cpu_threads()  # a single process: ranks share the cores on their own
+            set_cpu_threads(
+                config.cpu_threads
+            )  # a single process: ranks share the cores on their own
         torch.manual_seed(config.seed)
 
         # The model's attention family (atom/attention/family.py): its KV cache, its
@@ -179,6 +181,9 @@ class ModelRunner:
         return DecodeGraphs(
             self.model, slot, sizes, self.config.fusions, self.sampler.argmax, ARGMAX_MAX_ROWS
         )
+
+    def shutdown(self) -> None:
+        """Nothing to stop: a local runner starts no process (StepRunner)."""
 
     def h2d_totals(self) -> tuple[int, int]:
         """Cumulative host-to-device copies and bytes of step metadata over the slots."""

@@ -52,6 +52,16 @@ class RunnerTotals(Protocol):
 class StepRunner(RunnerTotals, Protocol):
     """What LLMEngine calls on its runner each step."""
 
+    # The sampling state rows of running requests, released when a step fails (None: they
+    # live in the rank processes), and the state rows a speculative step restores (None:
+    # the family rolls back by position, or the state lives in the rank processes).
+    sampling_state: object | None
+    state_snapshots: object | None
+
+    def shutdown(self) -> None:
+        """Stop what the runner started (tensor-parallel workers, the rendezvous port)."""
+        ...
+
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the forward and sampling of `batch`; does not wait for the device."""
         ...

@@ -265,14 +265,17 @@ def test_cuda_fp32_long_prefill_greedy_matches_hf(
     """A 300-token prompt reaches the chunked delta-rule kernels (atom/kernels/gdn_chunk.py); split at 260 tokens, the rest continues from the chunked
     kernels' state on the sequential kernel: HF's tokens either way (fp32, CUDA). The
     thresholds are lowered so that this prompt takes the chunked kernels."""
-    import atom.kernels.gdn_chunk
+    import dataclasses
 
-    monkeypatch.setattr(atom.kernels.gdn_chunk, "CHUNKED_MIN_TOKENS", 256)
+    import atom.kernels.gdn_chunk
+    from atom.fusions import Fusions
+
     monkeypatch.setattr(atom.kernels.gdn_chunk, "CHUNKED_MAX_SEQS", 2)
+    fusions = dataclasses.replace(Fusions.from_env(), gdn_chunked_min_tokens=256)
     path = qwen3_next_dirs["a"]
     llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=512,
                     max_num_batched_tokens=max_num_batched_tokens,
-                    cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
+                    cuda_graph_batch_sizes=[1, 2, 4], fusions=fusions)  # fmt: skip
     assert _tokens(llm, LONG) == _hf(path, LONG)
 
 
