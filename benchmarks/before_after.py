@@ -34,7 +34,7 @@ def run_tree(tree: Path, extra: list[str]) -> dict[str, float]:
     for line in done.stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            if record.get("engine") == "atom":
+            if record.get("engine") == "atom" and "output_tok_s" in record:
                 figures[record["case"]] = record["output_tok_s"]
     return figures
 
