@@ -39,11 +39,12 @@ from atom.model_engine.runner_slot import RunnerSlot
 from atom.model_engine.sampling.logprobs import merge_step_logprobs
 from atom.model_engine.sampling.sampler import ARGMAX_MAX_ROWS, Sampler
 from atom.model_engine.sampling.state import SamplingState
-from atom.model_engine.scheduler import ScheduledBatch
+from atom.model_engine.scheduler import ScheduledBatch, split_batch
 from atom.model_engine.speculative.state_rollback import StateSnapshots, uses_state_snapshots
 from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.model_engine.step_handle import HostTokenPool, StepHandle
+from atom.models.dummy_weights import random_init
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         with torch.no_grad():
             if weights is None:
-                _random_init(model)
+                random_init(model)
             else:
                 model.load_weights(weights)
         return model.eval()
@@ -471,42 +472,3 @@ def verify_rows_per_step(config: Config) -> int | None:
     if config.speculative_method is None:
         return None
     return config.max_num_seqs * (config.num_speculative_tokens + 1)
-
-
-def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
-    """`batch` cut into `parts` consecutive micro-batches (one per runner slot).
-
-    Each part keeps the page-table facts of the whole batch: its layout key is the
-    batch's plus the cut, and `grown` is shared (a slot ignores sequences it does not hold).
-    """
-    if parts == 1 or len(batch.seqs) < parts:
-        return [batch]
-    n = len(batch.seqs)
-    cuts = [n * k // parts for k in range(parts + 1)]
-    result = []
-    for k in range(parts):
-        a, b = cuts[k], cuts[k + 1]
-        result.append(
-            ScheduledBatch(
-                batch.seqs[a:b],
-                batch.num_new_tokens[a:b],
-                min(max(batch.num_decodes - a, 0), b - a),
-                layout=None if batch.layout is None else (batch.layout, k, a, b),
-                grown=batch.grown,
-                step=batch.step,
-                needs_sampling_plan=batch.needs_sampling_plan,
-            )
-        )
-    return result
-
-
-def _random_init(model: torch.nn.Module) -> None:
-    """Random weights in the real shapes (`load_format="dummy"`, for benchmarks)."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
-    for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            param.normal_(0.0, 0.02, generator=generator)
-        elif name.endswith("bias"):
-            param.zero_()
-        else:  # norm weights
-            param.fill_(1.0)

@@ -290,3 +290,30 @@ def _sampling_rows(
         if seq.num_computed_tokens + num_new_tokens[index] - drafts == length:
             rows.append((seq, length))
     return rows
+
+
+def split_batch(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
+    """`batch` cut into `parts` consecutive micro-batches (one per runner slot).
+
+    Each part keeps the page-table facts of the whole batch: its layout key is the
+    batch's plus the cut, and `grown` is shared (a slot ignores sequences it does not hold).
+    """
+    if parts == 1 or len(batch.seqs) < parts:
+        return [batch]
+    n = len(batch.seqs)
+    cuts = [n * k // parts for k in range(parts + 1)]
+    result = []
+    for k in range(parts):
+        a, b = cuts[k], cuts[k + 1]
+        result.append(
+            ScheduledBatch(
+                batch.seqs[a:b],
+                batch.num_new_tokens[a:b],
+                min(max(batch.num_decodes - a, 0), b - a),
+                layout=None if batch.layout is None else (batch.layout, k, a, b),
+                grown=batch.grown,
+                step=batch.step,
+                needs_sampling_plan=batch.needs_sampling_plan,
+            )
+        )
+    return result
