@@ -203,8 +203,8 @@ class V4Attention(nn.Module):
                 block_size, sinks, self.scale,
             )  # fmt: skip
         self._emit_decode(compressor, self.state_kv, self.state_gate, self.pool, meta, positions)
-        max_entries = -(-self.max_model_len // self.ratio)
         if indexer is not None:
+            max_entries = -(-self.max_model_len // self.ratio)  # sizes the scores row only
             self._emit_decode(
                 indexer.compressor, self.index_state_kv, self.index_state_gate,
                 self.index_pool, meta, positions,
@@ -214,10 +214,8 @@ class V4Attention(nn.Module):
                 indexer.q, indexer.weights, self.index_pool, tables, positions,
                 meta.context_lens, self.ratio, block_size, self.index_topk, max_entries,
             )  # fmt: skip
-        else:
-            ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
-            visible = ids < ((positions.long() + 1) // self.ratio)[:, None]
-            entry_ids = torch.where(visible, ids, -1)
+        else:  # HCA: every visible entry, counted per row from its position
+            entry_ids = None
         return attend(
             q, self.ring, slots, positions, meta.context_lens, self.pool, entry_ids, tables,
             self.ratio, block_size, sinks, self.scale,

@@ -75,13 +75,15 @@ def _case(device, dtype, window, positions, ratio, num_ids, heads=4, dim=32, blo
         (16, [4095, 2], 4, 40),
     ],
 )
-@pytest.mark.parametrize("with_entries", [True, False])
-def test_decode_attention_matches_reference(
-    device, window, positions, ratio, num_ids, with_entries
-):
+@pytest.mark.parametrize("entries", ["chosen", "every_visible", "none"])
+def test_decode_attention_matches_reference(device, window, positions, ratio, num_ids, entries):
+    """Chosen ids (CSA), every visible entry (HCA: no id list, the count from the
+    position) and window only."""
     args = list(_case(device, torch.float32, window, positions, ratio, num_ids))
-    if not with_entries:
-        args[5] = args[6] = None
+    if entries != "chosen":
+        args[6] = None
+    if entries == "none":
+        args[5] = None
     expected = v4_decode_attention_reference(*args, scale=32**-0.5)
     got = v4_decode_attention(*args, scale=32**-0.5)
     torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
@@ -165,11 +167,12 @@ def test_indexer_topk_decode_matches_reference(device, positions, max_entries, t
 
 
 def _rule_topk(scores: torch.Tensor, topk: int) -> list[list[int]]:
-    """The tie rule by hand: visible (finite) scores, best first, the lower id among equals."""
+    """The tie rule by hand: visible (finite) scores, best first, the lower id among equals;
+    the chosen ids in ascending order (the order the decode top-k writes)."""
     picks = []
     for row in scores.tolist():
         ranked = sorted((-s, i) for i, s in enumerate(row) if s != float("-inf"))
-        chosen = [i for _, i in ranked[:topk]]
+        chosen = sorted(i for _, i in ranked[:topk])
         picks.append(chosen + [-1] * (min(topk, len(row)) - len(chosen)))
     return picks
 

@@ -1,0 +1,133 @@
+"""DeepSeek-V4 indexer top-k at decode: a select over each row's own visible entries.
+
+Row b sees entries ``0 .. n_b - 1`` with ``n_b = (positions[b] + 1) // ratio`` (0 for a
+padded row, context length 0), capped at the scores row's width. The chosen ids are the
+``min(k, n_b)`` best scores among them, ties to the lower id (-0.0 equals 0.0; the rule of
+docs/architecture.md "Top-k ties", as `select_topk`'s stable sort), written in ascending id
+order, -1 after them. Nothing past ``n_b`` is read: the cost follows the sequence, not
+``max_model_len`` (the scores row's width).
+
+Triton `indexer_topk_select` (beside `indexer_topk_select_reference`): one program per row.
+1. the threshold t: the largest float-order key with at least ``min(k, n_b)`` scores >= t
+   (a radix select over the order-preserving bits, 32 rounds of counting over the row's
+   own scores);
+2. one pass in id order keeps the scores > t and the first ones equal to t, up to
+   ``min(k, n_b)`` in all, and writes their ids compacted (a prefix sum).
+Runtime lengths (do_not_specialize): the scores row width and k. Geometry constexpr
+(ratio, CHUNK). No host sync: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+CHUNK = 1024  # scores per step of a pass
+
+
+def visible_counts(positions, context_lens, ratio: int, width: int) -> torch.Tensor:
+    """[B] int64: the entries each row may see (0 for a padded row), at most ``width``."""
+    counts = ((positions.long() + 1) // ratio).clamp(max=width)
+    return torch.where(context_lens > 0, counts, torch.zeros_like(counts))
+
+
+def indexer_topk_select_reference(scores, positions, context_lens, ratio: int, k: int):
+    """scores ``[B, W]`` fp32 -> ids ``[B, k]`` int64: each row's best ``min(k, n_b)``
+    visible entries (ties: lower id) in ascending id order, -1 after them. A stable
+    descending sort of the visible prefix (the tie rule), then the ids sorted."""
+    counts = visible_counts(positions, context_lens, ratio, scores.shape[1])
+    ids = torch.arange(scores.shape[1], device=scores.device)
+    visible = ids[None, :] < counts[:, None]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
+    order = torch.nn.functional.pad(order, (0, max(0, k - order.shape[1])), value=0)[:, :k]
+    rank = torch.arange(k, device=scores.device)[None, :]
+    chosen = torch.where(rank < counts[:, None], order, scores.shape[1])
+    chosen = chosen.sort(dim=-1).values
+    return torch.where(chosen < scores.shape[1], chosen, -1)
+
+
+@triton.jit
+def _ordered_bits(value):
+    """uint32 bits of a float in the float's order (-0.0 as +0.0); 0 is below every float."""
+    value = tl.where(value == 0.0, 0.0, value)
+    bits = value.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.uint32, bitcast=True) ^ 0x80000000
+
+
+@triton.jit(do_not_specialize=["width", "k"])
+def _indexer_topk_kernel(
+    scores_ptr,  # [B, width] fp32, row-contiguous
+    positions_ptr,
+    context_lens_ptr,
+    out_ptr,  # [B, k] int64
+    width,
+    k,
+    RATIO: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, CHUNK)
+    position = tl.load(positions_ptr + row).to(tl.int64)
+    live = tl.load(context_lens_ptr + row)
+    n = tl.minimum((position + 1) // RATIO, width)
+    n = tl.where(live > 0, n, 0)
+    wanted = tl.minimum(n, k)
+    scores = scores_ptr + row * width
+    # 1. t: the largest key with at least `wanted` scores >= it
+    threshold = tl.full([], 0, tl.uint32)
+    bit = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(32):
+        candidate = threshold | bit
+        bit = bit >> 1
+        count = tl.zeros([CHUNK], tl.int32)
+        for start in range(0, n, CHUNK):
+            inside = start + lanes < n
+            u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
+            count += (inside & (u >= candidate)).to(tl.int32)
+        if tl.sum(count, 0) >= wanted:
+            threshold = candidate
+    # 2. those above t, then the first ones equal to t by id, compacted in id order
+    above = tl.zeros([CHUNK], tl.int32)
+    for start in range(0, n, CHUNK):
+        inside = start + lanes < n
+        u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
+        above += (inside & (u > threshold)).to(tl.int32)
+    equal_wanted = wanted - tl.sum(above, 0)
+    taken = tl.zeros([], tl.int32)
+    taken_equal = tl.zeros([], tl.int32)
+    for start in range(0, n, CHUNK):
+        inside = start + lanes < n
+        u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
+        equal = inside & (u == threshold)
+        equal_rank = taken_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
+        keep = inside & ((u > threshold) | (equal & (equal_rank < equal_wanted)))
+        slot = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(out_ptr + row * k + slot, (start + lanes).to(tl.int64), mask=keep)
+        taken_equal += tl.sum(equal.to(tl.int32), 0)
+        taken += tl.sum(keep.to(tl.int32), 0)
+    for start in range(0, k, CHUNK):  # -1 after the picks (disjoint from the slots above)
+        slot = start + lanes
+        tl.store(out_ptr + row * k + slot, tl.full([CHUNK], -1, tl.int64),
+                 mask=(slot >= wanted) & (slot < k))  # fmt: skip
+
+
+def indexer_topk_select(scores, positions, context_lens, ratio: int, k: int) -> torch.Tensor:
+    """Triton `indexer_topk_select_reference` (same arguments, same result); needs Triton
+    (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's visible count are never read."""
+    assert scores.is_contiguous() and scores.dtype == torch.float32
+    num_rows, width = scores.shape
+    out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
+    if num_rows and k:
+        _indexer_topk_kernel[(num_rows,)](
+            scores, positions, context_lens, out, width, k, RATIO=ratio, CHUNK=CHUNK,
+        )  # fmt: skip
+    return out
