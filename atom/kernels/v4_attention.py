@@ -24,7 +24,12 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.platform import use_triton
-from atom.kernels.v4_compressor import entry_rows, rows_per_block
+from atom.kernels.v4_compressor import (
+    entry_parts,
+    gather_entries,
+    pool_offsets,
+    rows_per_block,
+)
 
 try:
     import triton
@@ -92,8 +97,7 @@ def v4_decode_attention_reference(
             counts = ((positions.long() + 1) // ratio)[:, None]
             ids = torch.arange(int(counts.max()) if counts.numel() else 0, device=q.device)
             entry_ids = torch.where(ids[None, :] < counts, ids[None, :], -1)
-        rows = entry_rows(block_tables, entry_ids, ratio, block_size, pool.shape[0] - 1)
-        entries = pool.view(-1, pool.shape[-1])[rows]
+        entries = gather_entries(pool, block_tables, entry_ids, ratio, block_size)
         keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
         valid = torch.cat([valid, (entry_ids >= 0) & valid_rows[:, None]], dim=1)
     return attend_with_sink(q, keys, valid, sinks, scale)
@@ -185,6 +189,8 @@ def _v4_decode_kernel(
     RATIO: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,  # channels per pool row: DIM, or a part of it (`pool_layout`)
+    PARTS: tl.constexpr,
     HAS_ENTRIES: tl.constexpr,
     ALL_VISIBLE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -227,11 +233,11 @@ def _v4_decode_kernel(
                 ids = tl.load(entry_ids_ptr + row * stride_ids_row + n, mask=n < count, other=-1)
             valid = (ids >= 0) & ((live + tl.zeros([BLOCK_N], tl.int64)) > 0)
             first_token = tl.where(valid, ids, 0).to(tl.int64) * RATIO
-            block = tl.load(tables_ptr + row * stride_tables_row + first_token // BLOCK_SIZE,
-                            mask=valid, other=0).to(tl.int64)  # fmt: skip
-            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-            pool_row = block * ROWS_PER_BLOCK + (first_token % BLOCK_SIZE) // RATIO
-            k_rows = pool_ptr + pool_row[:, None] * DIM + offs_d[None, :]
+            k_rows = pool_ptr + pool_offsets(
+                tables_ptr + row * stride_tables_row, first_token[:, None], offs_d[None, :],
+                valid[:, None] & dim_mask[None, :], num_blocks, RATIO, BLOCK_SIZE,
+                ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+            )  # fmt: skip
             keys = tl.load(k_rows, mask=valid[:, None] & dim_mask[None, :], other=0.0)
             m, denom, acc = _online_update(q, keys.to(q.dtype), valid, m, denom, acc, scale)
     sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
@@ -275,6 +281,7 @@ def v4_decode_attention(
         NUM_HEADS=num_heads, DIM=dim, WINDOW=ring.shape[1], SCRATCH=ring.shape[0] - 1,
         RATIO=ratio, BLOCK_SIZE=block_size,
         ROWS_PER_BLOCK=rows_per_block(block_size, ratio) if has_entries else 1,
+        PART_WIDTH=pool.shape[-1], PARTS=entry_parts(block_size, ratio) if has_entries else 1,
         HAS_ENTRIES=has_entries, ALL_VISIBLE=all_visible, BLOCK_H=block_h, BLOCK_N=16,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
     )  # fmt: skip

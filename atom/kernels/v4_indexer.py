@@ -23,7 +23,12 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.platform import use_triton
-from atom.kernels.v4_compressor import entry_rows, rows_per_block
+from atom.kernels.v4_compressor import (
+    entry_parts,
+    gather_entries,
+    pool_offsets,
+    rows_per_block,
+)
 from atom.kernels.v4_topk import indexer_topk_select
 
 try:
@@ -69,8 +74,7 @@ def indexer_topk_decode_reference(
     returns ``[B, min(topk, max_entries)]`` int64 entry ids in ascending order (the order
     `indexer_topk_select` writes), -1 after them."""
     ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
-    rows = entry_rows(block_tables, ids, ratio, block_size, index_pool.shape[0] - 1)
-    keys = index_pool.view(-1, index_pool.shape[-1])[rows]
+    keys = gather_entries(index_pool, block_tables, ids, ratio, block_size)
     visible = (ids < ((positions.long() + 1) // ratio)[:, None]) & (context_lens > 0)[:, None]
     chosen = select_topk(index_scores(q, keys, weights), visible, topk)
     return ascending_ids(chosen)
@@ -89,8 +93,7 @@ def index_scores_decode_reference(
 ) -> torch.Tensor:  # fmt: skip
     """Scores ``[B, max_entries]`` of every entry slot, -inf where the row may not see it."""
     ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
-    rows = entry_rows(block_tables, ids, ratio, block_size, index_pool.shape[0] - 1)
-    keys = index_pool.view(-1, index_pool.shape[-1])[rows]
+    keys = gather_entries(index_pool, block_tables, ids, ratio, block_size)
     visible = (ids < ((positions.long() + 1) // ratio)[:, None]) & (context_lens > 0)[:, None]
     return index_scores(q, keys, weights).masked_fill(~visible, float("-inf"))
 
@@ -119,6 +122,8 @@ def _index_scores_kernel(
     RATIO: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,  # channels per pool row: DIM, or a part of it (`pool_layout`)
+    PARTS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -140,12 +145,12 @@ def _index_scores_kernel(
         ids = start + tl.arange(0, BLOCK_N)
         visible = ids < num_visible
         first_token = tl.where(visible, ids, 0).to(tl.int64) * RATIO
-        block = tl.load(tables_ptr + row * stride_tables_row + first_token // BLOCK_SIZE,
-                        mask=visible, other=0).to(tl.int64)  # fmt: skip
-        block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-        pool_row = block * ROWS_PER_BLOCK + (first_token % BLOCK_SIZE) // RATIO
-        keys = tl.load(pool_ptr + pool_row[:, None] * DIM + offs_d[None, :],
-                       mask=visible[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+        offsets = pool_offsets(
+            tables_ptr + row * stride_tables_row, first_token[:, None], offs_d[None, :],
+            visible[:, None] & dim_mask[None, :], num_blocks, RATIO, BLOCK_SIZE,
+            ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+        )  # fmt: skip
+        keys = tl.load(pool_ptr + offsets, mask=visible[:, None] & dim_mask[None, :], other=0.0)
         dots = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee")  # [heads, ids]
         scores = tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
         tl.store(scores_ptr + row * max_entries + ids, scores, mask=visible)
@@ -181,7 +186,8 @@ def index_scores_decode(
             max_entries, block_tables.stride(0), index_pool.shape[0] - 1, dim**-0.5,
             q.stride(0), q.stride(1), weights.stride(0),
             NUM_HEADS=num_heads, DIM=dim, RATIO=ratio, BLOCK_SIZE=block_size,
-            ROWS_PER_BLOCK=rows_per_block(block_size, ratio),
+            ROWS_PER_BLOCK=rows_per_block(block_size, ratio), PART_WIDTH=index_pool.shape[-1],
+            PARTS=entry_parts(block_size, ratio),
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(dim)),
         )  # fmt: skip

@@ -264,6 +264,7 @@ DEVICE_FUNCTIONS = {
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
     (v4_topk, "_ordered_bits"),
+    (v4_compressor, "pool_offsets"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),
     (v41_quant, "_e4m3"),
@@ -868,7 +869,8 @@ def test_v4_compressor_decode_one_variant(overlap, ratio):
     rows = 2 * ratio if overlap else ratio
     state_kv = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
     state_gate = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
-    pool = torch.zeros(4097, max(1, block_size // ratio), dim, device=DEVICE, dtype=BF16)
+    pool = torch.zeros(4097, *v4_compressor.pool_layout(block_size, ratio, dim), device=DEVICE,
+                       dtype=BF16)  # fmt: skip
     kv = torch.randn(max(SWEEP), width, device=DEVICE, dtype=BF16)
     bias = torch.randn(ratio, width, device=DEVICE)
     weight = torch.ones(dim, device=DEVICE)
@@ -914,7 +916,7 @@ def test_v4_decode_every_visible_entry_one_variant():
     """HCA (every visible entry, no id list): positions (the loop bound) and rows swept."""
     heads, dim, window, slots = 64, 512, 128, 8
     ring = torch.randn(slots + 1, window, dim, device=DEVICE, dtype=BF16)
-    pool = torch.randn(4097, 1, dim, device=DEVICE, dtype=BF16)
+    pool = torch.randn(4097, 1, dim // 8, device=DEVICE, dtype=BF16)  # HCA: 128 / 16 parts
     q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
     sinks = torch.randn(heads, device=DEVICE)
     generator = _generator()

@@ -27,7 +27,8 @@ def _rows(device, seed, width, positions, ties: bool):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize(
-    "width,positions,k", [(8, [0, 3, 31], 4), (300, [1199, 40, 7, 5000], 16), (3000, [11999, 2], 512)]
+    "width,positions,k",
+    [(8, [0, 3, 31], 4), (300, [1199, 40, 7, 5000], 16), (3000, [11999, 2], 512)],
 )
 def test_select_matches_reference_and_topk(device, ties, width, positions, k):
     ratio = 4
