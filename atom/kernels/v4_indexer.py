@@ -156,7 +156,7 @@ def _index_scores_kernel(
         tl.store(scores_ptr + row * max_entries + ids, scores, mask=visible)
 
 
-SPLITS = 64  # programs per row of the scores kernel (each strides over the row's entries)
+SPLITS = 256  # programs per row of the scores kernel at most (each strides over its entries)
 
 
 def index_scores_decode(

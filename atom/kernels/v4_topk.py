@@ -9,10 +9,11 @@ order, -1 after them. Nothing past ``n_b`` is read: the cost follows the sequenc
 
 Triton `indexer_topk_select` (beside `indexer_topk_select_reference`): one program per row.
 1. the threshold t: the largest float-order key with at least ``min(k, n_b)`` scores >= t
-   (a radix select over the order-preserving bits, 32 rounds of counting over the row's
-   own scores);
+   (a radix select over the order-preserving bits: 4 rounds of a 256-bin histogram of the
+   next 8 bits over the row's own scores);
 2. one pass in id order keeps the scores > t and the first ones equal to t, up to
-   ``min(k, n_b)`` in all, and writes their ids compacted (a prefix sum).
+   ``min(k, n_b)`` in all, and writes their ids compacted (a prefix sum): 5 passes over
+   the row's scores in all.
 Runtime lengths (do_not_specialize): the scores row width and k. Geometry constexpr
 (ratio, CHUNK). No host sync: CUDA-graph capturable.
 """
@@ -82,26 +83,29 @@ def _indexer_topk_kernel(
     n = tl.where(live > 0, n, 0)
     wanted = tl.minimum(n, k)
     scores = scores_ptr + row * width
-    # 1. t: the largest key with at least `wanted` scores >= it
-    threshold = tl.full([], 0, tl.uint32)
-    bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
-        candidate = threshold | bit
-        bit = bit >> 1
-        count = tl.zeros([CHUNK], tl.int32)
+    # 1. t: the largest key with at least `wanted` scores >= it, 8 bits a round from the top
+    #    (a histogram of the next digit among the scores matching the digits found so far)
+    bins = tl.arange(0, 256)
+    prefix = tl.full([], 0, tl.uint32)
+    prefix_mask = tl.full([], 0, tl.uint32)
+    remaining = wanted  # how many of the scores matching `prefix` are still wanted
+    for round_ in tl.static_range(4):
+        counts = tl.zeros([256], tl.int32)
         for start in range(0, n, CHUNK):
             inside = start + lanes < n
             u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
-            count += (inside & (u >= candidate)).to(tl.int32)
-        if tl.sum(count, 0) >= wanted:
-            threshold = candidate
+            match = inside & ((u & prefix_mask) == prefix)
+            digits = ((u >> (24 - 8 * round_)) & 0xFF).to(tl.int32)
+            counts += tl.histogram(digits, 256, mask=match)
+        greater = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # matching scores with a larger digit
+        here = (greater < remaining) & (greater + counts >= remaining)
+        digit = tl.max(tl.where(here, bins, -1), 0)  # one digit (none when n == 0)
+        remaining -= tl.sum(tl.where(bins == digit, greater, 0), 0)
+        prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * round_))
+        prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << (24 - 8 * round_))
+    threshold = prefix
+    equal_wanted = remaining  # wanted minus the scores above t: the ones equal to t to take
     # 2. those above t, then the first ones equal to t by id, compacted in id order
-    above = tl.zeros([CHUNK], tl.int32)
-    for start in range(0, n, CHUNK):
-        inside = start + lanes < n
-        u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
-        above += (inside & (u > threshold)).to(tl.int32)
-    equal_wanted = wanted - tl.sum(above, 0)
     taken = tl.zeros([], tl.int32)
     taken_equal = tl.zeros([], tl.int32)
     for start in range(0, n, CHUNK):
