@@ -29,7 +29,7 @@ from atom.kernels.v4_compressor import (
     pool_offsets,
     rows_per_block,
 )
-from atom.kernels.v4_topk import indexer_topk_select
+from atom.kernels.v4_topk import indexer_topk_select, visible_counts
 
 try:
     import triton
@@ -209,4 +209,5 @@ def indexer_topk_decode(
         q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
         max_entries, fill_invisible=False,
     )  # fmt: skip
-    return indexer_topk_select(scores, positions, context_lens, ratio, min(topk, max_entries))
+    counts = visible_counts(positions, context_lens, ratio, max_entries)
+    return indexer_topk_select(scores, counts, min(topk, max_entries))

@@ -1,21 +1,22 @@
-"""DeepSeek-V4 indexer top-k at decode: a select over each row's own visible entries.
+"""DeepSeek-V4 / V4.1 indexer top-k at decode: a select over each row's own entries.
 
-Row b sees entries ``0 .. n_b - 1`` with ``n_b = (positions[b] + 1) // ratio`` (0 for a
-padded row, context length 0), capped at the scores row's width. The chosen ids are the
-``min(k, n_b)`` best scores among them, ties to the lower id (-0.0 equals 0.0; the rule of
-docs/architecture.md "Top-k ties", as `select_topk`'s stable sort), written in ascending id
-order, -1 after them. Nothing past ``n_b`` is read: the cost follows the sequence, not
-``max_model_len`` (the scores row's width).
+Row b sees entries ``0 .. n_b - 1`` (``counts[b]``: for the indexer
+``(positions[b] + 1) // ratio``, 0 for a padded row, capped at the scores row's width;
+`visible_counts`), optionally only those ``allowed`` (V4.1's candidate blocks). The chosen
+ids are the ``min(k, m_b)`` best scores among those ``m_b`` entries, ties to the lower id
+(-0.0 equals 0.0; the rule of docs/architecture.md "Top-k ties", as `select_topk`'s stable
+sort), written in ascending id order, -1 after them. Nothing past ``n_b`` is read: the
+cost follows the sequence, not ``max_model_len`` (the scores row's width).
 
 Triton `indexer_topk_select` (beside `indexer_topk_select_reference`): one program per row.
-1. the threshold t: the largest float-order key with at least ``min(k, n_b)`` scores >= t
+1. the threshold t: the largest float-order key with at least ``min(k, m_b)`` scores >= t
    (a radix select over the order-preserving bits: 4 rounds of a 256-bin histogram of the
-   next 8 bits over the row's own scores);
+   next 8 bits over the row's own scores; the first round also counts ``m_b``);
 2. one pass in id order keeps the scores > t and the first ones equal to t, up to
-   ``min(k, n_b)`` in all, and writes their ids compacted (a prefix sum): 5 passes over
+   ``min(k, m_b)`` in all, and writes their ids compacted (a prefix sum): 5 passes over
    the row's scores in all.
 Runtime lengths (do_not_specialize): the scores row width and k. Geometry constexpr
-(ratio, CHUNK). No host sync: CUDA-graph capturable.
+(CHUNK, HAS_ALLOWED). No host sync: CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -40,20 +41,23 @@ def visible_counts(positions, context_lens, ratio: int, width: int) -> torch.Ten
     return torch.where(context_lens > 0, counts, torch.zeros_like(counts))
 
 
-def indexer_topk_select_reference(scores, positions, context_lens, ratio: int, k: int):
-    """scores ``[B, W]`` fp32 -> ids ``[B, k]`` int64: each row's best ``min(k, n_b)``
-    visible entries (ties: lower id) in ascending id order, -1 after them. A stable
-    descending sort of the visible prefix (the tie rule), then the ids sorted."""
-    counts = visible_counts(positions, context_lens, ratio, scores.shape[1])
-    ids = torch.arange(scores.shape[1], device=scores.device)
+def indexer_topk_select_reference(scores, counts, k: int, allowed=None) -> torch.Tensor:
+    """scores ``[B, W]`` fp32, counts ``[B]``, allowed ``[B, W]`` bool or None -> ids
+    ``[B, k]`` int64: each row's best ``min(k, m_b)`` entries among the first ``counts[b]``
+    (and allowed) ones (ties: lower id) in ascending id order, -1 after them. A stable
+    descending sort (the tie rule), then the ids sorted."""
+    width = scores.shape[1]
+    ids = torch.arange(width, device=scores.device)
     visible = ids[None, :] < counts[:, None]
+    if allowed is not None:
+        visible = visible & allowed
     masked = scores.masked_fill(~visible, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices
-    order = torch.nn.functional.pad(order, (0, max(0, k - order.shape[1])), value=0)[:, :k]
+    order = torch.nn.functional.pad(order, (0, max(0, k - width)), value=0)[:, :k]
     rank = torch.arange(k, device=scores.device)[None, :]
-    chosen = torch.where(rank < counts[:, None], order, scores.shape[1])
+    chosen = torch.where(rank < visible.sum(dim=1, keepdim=True), order, width)
     chosen = chosen.sort(dim=-1).values
-    return torch.where(chosen < scores.shape[1], chosen, -1)
+    return torch.where(chosen < width, chosen, -1)
 
 
 @triton.jit
@@ -67,39 +71,42 @@ def _ordered_bits(value):
 @triton.jit(do_not_specialize=["width", "k"])
 def _indexer_topk_kernel(
     scores_ptr,  # [B, width] fp32, row-contiguous
-    positions_ptr,
-    context_lens_ptr,
+    counts_ptr,  # [B] int: the entries row b may see (its first counts[b])
+    allowed_ptr,  # [B, width] bool (read only with HAS_ALLOWED)
     out_ptr,  # [B, k] int64
     width,
     k,
-    RATIO: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, CHUNK)
-    position = tl.load(positions_ptr + row).to(tl.int64)
-    live = tl.load(context_lens_ptr + row)
-    n = tl.minimum((position + 1) // RATIO, width)
-    n = tl.where(live > 0, n, 0)
-    wanted = tl.minimum(n, k)
+    n = tl.minimum(tl.load(counts_ptr + row).to(tl.int64), width)
     scores = scores_ptr + row * width
     # 1. t: the largest key with at least `wanted` scores >= it, 8 bits a round from the top
     #    (a histogram of the next digit among the scores matching the digits found so far)
     bins = tl.arange(0, 256)
     prefix = tl.full([], 0, tl.uint32)
     prefix_mask = tl.full([], 0, tl.uint32)
-    remaining = wanted  # how many of the scores matching `prefix` are still wanted
+    wanted = tl.zeros([], tl.int64)
+    remaining = tl.zeros([], tl.int64)  # how many scores matching `prefix` are still wanted
     for round_ in tl.static_range(4):
         counts = tl.zeros([256], tl.int32)
         for start in range(0, n, CHUNK):
             inside = start + lanes < n
+            if HAS_ALLOWED:
+                inside &= tl.load(allowed_ptr + row * width + start + lanes, mask=inside,
+                                  other=0) != 0  # fmt: skip
             u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
             match = inside & ((u & prefix_mask) == prefix)
             digits = ((u >> (24 - 8 * round_)) & 0xFF).to(tl.int32)
             counts += tl.histogram(digits, 256, mask=match)
+        if round_ == 0:  # every entry matches the empty prefix: m_b
+            wanted = tl.minimum(tl.sum(counts, 0).to(tl.int64), k)
+            remaining = wanted
         greater = tl.sum(counts, 0) - tl.cumsum(counts, 0)  # matching scores with a larger digit
         here = (greater < remaining) & (greater + counts >= remaining)
-        digit = tl.max(tl.where(here, bins, -1), 0)  # one digit (none when n == 0)
+        digit = tl.max(tl.where(here, bins, -1), 0)  # one digit (none when nothing is wanted)
         remaining -= tl.sum(tl.where(bins == digit, greater, 0), 0)
         prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * round_))
         prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << (24 - 8 * round_))
@@ -110,6 +117,9 @@ def _indexer_topk_kernel(
     taken_equal = tl.zeros([], tl.int32)
     for start in range(0, n, CHUNK):
         inside = start + lanes < n
+        if HAS_ALLOWED:
+            inside &= tl.load(allowed_ptr + row * width + start + lanes, mask=inside,
+                              other=0) != 0  # fmt: skip
         u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
         equal = inside & (u == threshold)
         equal_rank = taken_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
@@ -124,14 +134,17 @@ def _indexer_topk_kernel(
                  mask=(slot >= wanted) & (slot < k))  # fmt: skip
 
 
-def indexer_topk_select(scores, positions, context_lens, ratio: int, k: int) -> torch.Tensor:
+def indexer_topk_select(scores, counts, k: int, allowed=None) -> torch.Tensor:
     """Triton `indexer_topk_select_reference` (same arguments, same result); needs Triton
-    (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's visible count are never read."""
+    (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's count are never read."""
     assert scores.is_contiguous() and scores.dtype == torch.float32
     num_rows, width = scores.shape
     out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
+    if allowed is not None:
+        assert allowed.is_contiguous() and allowed.shape == scores.shape
     if num_rows and k:
         _indexer_topk_kernel[(num_rows,)](
-            scores, positions, context_lens, out, width, k, RATIO=ratio, CHUNK=CHUNK,
+            scores, counts, scores if allowed is None else allowed, out, width, k,
+            HAS_ALLOWED=allowed is not None, CHUNK=CHUNK,
         )  # fmt: skip
     return out

@@ -6,7 +6,11 @@ Only each row's visible entries are read: garbage past them never changes the ch
 import pytest
 import torch
 
-from atom.kernels.v4_topk import indexer_topk_select, indexer_topk_select_reference
+from atom.kernels.v4_topk import (
+    indexer_topk_select,
+    indexer_topk_select_reference,
+    visible_counts,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -35,8 +39,9 @@ def test_select_matches_reference_and_topk(device, ties, width, positions, k):
     scores, positions, context_lens = _rows(device, width + k, width, positions, ties)
     context_lens[-1] = 0  # a padded row: nothing chosen
     k = min(k, width)
-    expected = indexer_topk_select_reference(scores, positions, context_lens, ratio, k)
-    got = indexer_topk_select(scores, positions, context_lens, ratio, k)
+    counts = visible_counts(positions, context_lens, ratio, width)
+    expected = indexer_topk_select_reference(scores, counts, k)
+    got = indexer_topk_select(scores, counts, k)
     assert torch.equal(got, expected), (got, expected)
     assert (got[-1] == -1).all()
     counts = ((positions + 1) // ratio).clamp(max=width).tolist()
@@ -56,7 +61,26 @@ def test_select_reads_only_the_visible_entries(device):
     """Scores past a row's visible count (never written by the scores kernel) do not
     matter: NaN or huge there, the same choice."""
     scores, positions, context_lens = _rows(device, 1, 64, [39, 99], ties=True)
-    clean = indexer_topk_select(scores, positions, context_lens, 4, 6)
+    counts = visible_counts(positions, context_lens, 4, 64)
+    clean = indexer_topk_select(scores, counts, 6)
     scores[0, 10:] = float("nan")
     scores[1, 25:] = 1e30
-    assert torch.equal(indexer_topk_select(scores, positions, context_lens, 4, 6), clean)
+    assert torch.equal(indexer_topk_select(scores, counts, 6), clean)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_inside_allowed_entries(device, ties):
+    """V4.1's second level: only the allowed entries (candidate blocks) count; fewer allowed
+    than k leaves -1 after them."""
+    scores, positions, context_lens = _rows(device, 5, 2500, [9999, 300, 60, 7], ties)
+    generator = torch.Generator().manual_seed(9)
+    allowed = (torch.rand(4, 2500, generator=generator) < 0.3).to(device)
+    allowed[2] = False
+    allowed[2, :5] = True  # 5 allowed of the 15 visible: fewer than k
+    counts = visible_counts(positions, context_lens, 4, 2500)
+    expected = indexer_topk_select_reference(scores, counts, 16, allowed)
+    got = indexer_topk_select(scores, counts, 16, allowed)
+    assert torch.equal(got, expected), (got, expected)
+    assert got[2].tolist() == [0, 1, 2, 3, 4] + [-1] * 11
+    assert (got[3] == -1).sum() == 16 - int(allowed[3, :2].sum())
