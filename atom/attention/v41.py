@@ -40,6 +40,7 @@ from atom.attention.v4 import (
     window_prefill,
 )
 from atom.forward_context import get_forward_context
+from atom.kernels.platform import use_triton
 from atom.kernels.v4_attention import (
     attend_with_sink,
     v4_decode_attention,
@@ -49,7 +50,13 @@ from atom.kernels.v4_attention import (
 )
 from atom.kernels.v4_compressor import gather_entries, pool_layout, store_entries
 from atom.kernels.v4_indexer import index_scores, index_scores_decode
-from atom.kernels.v41_topk import candidate_blocks_reference, two_level_topk_reference
+from atom.kernels.v4_topk import visible_counts
+from atom.kernels.v41_topk import (
+    candidate_blocks_decode,
+    candidate_blocks_reference,
+    two_level_topk_decode,
+    two_level_topk_reference,
+)
 
 
 class V41Backend(V4Backend):
@@ -209,7 +216,13 @@ class V41Attention(nn.Module):
                                       keys_from.ratio, self.block_size)  # fmt: skip
                 scores = index_scores(indexer.q, keys, indexer.weights)
                 scores = scores.masked_fill(~visible, float("-inf"))
-            shared.topk, candidates = self._choose(scores, visible, num_visible, shared.candidates)
+            if on_gpu and use_triton(scores):  # a select over each row's own entries only
+                counts = visible_counts(positions, meta.context_lens, self.ratio, scores.shape[1])
+                shared.topk, candidates = self._choose_decode(scores, counts, shared.candidates)
+            else:
+                shared.topk, candidates = self._choose(
+                    scores, visible, num_visible, shared.candidates
+                )
             if self.is_candidate_source:
                 shared.candidates = candidates
         source_layer = self.source
@@ -229,6 +242,17 @@ class V41Attention(nn.Module):
             )
         inside = published_candidates if self.uses_candidates else None
         return two_level_topk_reference(scores, visible, self.index_topk, inside), candidates
+
+    def _choose_decode(self, scores, counts, published_candidates):
+        """`_choose` at decode on CUDA (atom/kernels/v41_topk.py's decode selects): the
+        same sets, the ids in ascending order."""
+        candidates = None
+        if self.is_candidate_source:
+            candidates = candidate_blocks_decode(
+                scores, counts, self.candidate_topk_blocks, self.candidate_block_size
+            )
+        inside = published_candidates if self.uses_candidates else None
+        return two_level_topk_decode(scores, counts, self.index_topk, inside), candidates
 
     def _emit_decode(self, source: SourceInputs, state_slots, positions, tables) -> None:
         """Write the token into the partial group; where it closes a group (every token at
