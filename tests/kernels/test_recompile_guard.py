@@ -912,6 +912,21 @@ def test_v4_index_scores_one_variant():
 
 
 @pytest.mark.gpu
+def test_v4_topk_select_inside_allowed_entries_one_variant():
+    """V4.1's second level (the select inside candidate blocks): widths, counts and k swept."""
+    generator = _generator()
+
+    def run(n):
+        rows = min(n, 64)
+        scores = torch.randn(rows, n, device=DEVICE, generator=generator)
+        allowed = torch.rand(rows, n, device=DEVICE, generator=generator) < 0.5
+        counts = torch.randint(0, n + 1, (rows,), device=DEVICE, generator=generator)
+        v4_topk.indexer_topk_select(scores, counts, 1 + n % 600, allowed)
+
+    assert_one_variant(v4_topk, ["_indexer_topk_kernel"], run)
+
+
+@pytest.mark.gpu
 def test_v4_decode_every_visible_entry_one_variant():
     """HCA (every visible entry, no id list): positions (the loop bound) and rows swept."""
     heads, dim, window, slots = 64, 512, 128, 8
