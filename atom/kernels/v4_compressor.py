@@ -10,9 +10,12 @@ State (per sequence, owned by its KV allocation, atom/model_engine/state_slots.p
 ``state_kv`` / ``state_gate`` ``[num_state_slots + 1, R, width]`` in the model dtype, the
 raw projections of the last R positions at row ``position % R`` (R = 2 * ratio with
 overlap, else ratio); the last slot is scratch for padded rows. Entries live in a paged
-pool ``[num_blocks + 1, rows_per_block, dim]`` (last block: scratch) addressed through the
-sequence's page-table row: entry w sits in block ``row[w * ratio // block_size]`` at row
-``(w * ratio % block_size) // ratio`` (`entry_rows`).
+pool ``[num_blocks + 1, rows, width]`` (`pool_layout`; last block: scratch) addressed
+through the sequence's page-table row: entry w sits in block ``row[w * ratio //
+block_size]`` at row ``(w * ratio % block_size) // ratio``; an entry longer than a block
+(ratio > block_size) is spread over its ``ratio // block_size`` blocks, one slice of its
+channels in each, so no block row stays empty (`entry_rows`, `gather_entries`,
+`store_entries`; in the kernels `pool_offsets`).
 
 Triton `compressor_decode` (beside `compressor_decode_reference`): one program per row
 writes the token's kv/gate rows into the state, and, when the token closes a window,
