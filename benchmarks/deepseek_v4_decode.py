@@ -1,7 +1,7 @@
 """DeepSeek-V4 decode speed, atom beside HF transformers in one run, and KV bytes per pool.
 
     python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
-        [--batches 1,64] [--steps 32] [--skip-hf]
+        [--batches 1,64] [--steps 32] [--skip-hf] [--max-model-lens 8320 65536 1048576]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
 window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
@@ -17,6 +17,12 @@ DeepseekV4 (>= 5.24; carry the wheel when the machine's is older). One JSON line
   argmax per step);
 - `logits`: atom bf16 greedy tokens against HF fp32 on the same weights: the largest gap
   between HF's best logit and the chosen token's, relative to the largest |logit|.
+
+`--max-model-lens A B ...` (atom only, no HF): one engine per `max_model_len`, each timing
+decode steps at the same `--context`, one `decode` line each (with its `max_model_len`) and
+a `max_model_len_summary` line (each step time over the first's). Decode work follows the
+sequence, not `max_model_len` (docs/architecture.md, "DeepSeek-V4"), so the step times
+should agree: issue 32's "a 64K and a 1M max_model_len give the same step time".
 """
 
 from __future__ import annotations
@@ -90,15 +96,14 @@ def kv_bytes(llm, context: int, shape: dict) -> dict:
     itemsize = runner._kv_cache_dtype().itemsize
     pools = {}
     for index, layer in enumerate(layers):
-        if not layer.ratio:
-            continue
-        rows = max(1, block_size // layer.ratio)
+        shapes = layer.pool_shapes(block_size)  # (rows, width) of a block, as allocated
         kind = "csa" if layer.overlap else "hca"
-        pools[f"layer{index}_{kind}_entries"] = rows * layer.head_dim * itemsize / block_size
-        if layer.overlap:
-            pools[f"layer{index}_csa_index_keys"] = (
-                rows * layer.index_head_dim * itemsize / block_size
-            )
+        if "pool" in shapes:
+            rows, width = shapes["pool"]
+            pools[f"layer{index}_{kind}_entries"] = rows * width * itemsize / block_size
+        if "index_pool" in shapes:
+            rows, width = shapes["index_pool"]
+            pools[f"layer{index}_csa_index_keys"] = rows * width * itemsize / block_size
     contract = runner.family.state_contract(runner.model, runner._kv_cache_dtype())
     state = state_slots.state_bytes(contract, 1) / 2  # one slot (+ scratch)
     pools["state_per_sequence_bytes"] = state
@@ -116,6 +121,40 @@ def kv_bytes(llm, context: int, shape: dict) -> dict:
         full_attention_k_and_v_per_token=2 * shared_kv,
         ratio_vs_shared_kv=round(shared_kv / total, 2),
     )
+
+
+def build_engine(path: str, max_len: int, batches: list[int], context: int, memory: float):
+    from atom.model_engine.llm import LLM
+
+    return LLM(
+        path,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_len,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=context,
+        gpu_memory_utilization=memory,
+        cuda_graph_batch_sizes=sorted(set(batches)),
+    )
+
+
+def decode_by_max_model_len(path: str, args, batches: list[int], vocab: int) -> None:
+    """One engine per `--max-model-lens` value, decode steps at the same context each."""
+    times = {}
+    for max_len in args.max_model_lens:
+        llm = build_engine(path, max_len, batches, args.context, args.gpu_memory_utilization)
+        for batch in batches:
+            record = atom_decode(llm, batch, args.context, args.steps, vocab)
+            times[(batch, max_len)] = record["ms_per_step"]
+            emit(dict(record, max_model_len=max_len))
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    first = args.max_model_lens[0]
+    emit(dict(case="max_model_len_summary", context=args.context,
+              ms_per_step_over_first={str(b): {str(m): round(times[(b, m)] / times[(b, first)], 3)
+                                               for m in args.max_model_lens} for b in batches}))  # fmt: skip
 
 
 def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
@@ -216,16 +255,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-context", type=int, default=65536)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument(
+        "--max-model-lens", type=int, nargs="+", default=None,
+        help="atom only: decode at --context once per max_model_len (e.g. 8320 65536 1048576)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    from atom.model_engine.llm import LLM
-
     max_len = args.context + args.steps + 64
-    shape = v4_shape(args.layers, max(args.kv_context, max_len))
+    if args.max_model_lens and min(args.max_model_lens) < max_len:
+        parser.error(f"--max-model-lens must be >= --context + --steps + 64 = {max_len}")
+    longest = max([args.kv_context, max_len, *(args.max_model_lens or [])])
+    shape = v4_shape(args.layers, longest)
     vocab = shape["vocab_size"]
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
+        if args.max_model_lens:
+            del hf_model
+            gc.collect()
+            torch.cuda.empty_cache()
+            decode_by_max_model_len(path, args, batches, vocab)
+            return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:
                 record = hf_decode(hf_model, batch, args.context, args.steps, vocab)
@@ -236,16 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         del hf_model
         gc.collect()
         torch.cuda.empty_cache()
-        llm = LLM(
-            path,
-            skip_tokenizer_init=True,
-            dtype="bfloat16",
-            max_model_len=max_len,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=args.context,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            cuda_graph_batch_sizes=sorted(set(batches)),
-        )
+        llm = build_engine(path, max_len, batches, args.context, args.gpu_memory_utilization)
         emit(kv_bytes(llm, args.kv_context, shape))
         for batch in batches:
             record = atom_decode(llm, batch, args.context, args.steps, vocab)

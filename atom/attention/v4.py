@@ -11,8 +11,9 @@ Memory has two owners:
   layer's partial-window compressor (and indexer) rows. Bounded by the window, not the
   context.
 - per block of the shared page table: the compressed entries (and CSA's indexer keys),
-  `rows_per_block = max(1, block_size // ratio)` rows per block. No second block table:
-  the backend reads the rows `PageTable.publish` gives every backend.
+  `block_size // ratio` entries per block, or, when an entry spans several blocks (HCA),
+  one slice of its channels per block (`pool_layout`): no block row is left empty. No
+  second block table: the backend reads the rows `PageTable.publish` gives every backend.
 
 Decode (one token per sequence) uses static shapes only (CUDA-graph capturable); prefill
 (any other step: chunked, mixed) runs per sequence in torch on both devices.
@@ -45,9 +46,10 @@ from atom.kernels.v4_attention import (
 from atom.kernels.v4_compressor import (
     compressor_decode,
     compressor_decode_reference,
-    entry_rows,
+    gather_entries,
     pool_entries,
-    rows_per_block,
+    pool_layout,
+    store_entries,
 )
 from atom.kernels.v4_indexer import (
     index_scores,
@@ -146,19 +148,16 @@ class V4Attention(nn.Module):
 
     # -- layout (used by the KV cache allocation) ------------------------------------------
     def block_bytes(self, block_size: int, itemsize: int) -> int:
-        if not self.ratio:
-            return 0
-        rows = rows_per_block(block_size, self.ratio)
-        return rows * (self.head_dim + self.index_head_dim) * itemsize
+        return sum(r * w for r, w in self.pool_shapes(block_size).values()) * itemsize
 
     def pool_shapes(self, block_size: int) -> dict[str, tuple[int, int]]:
-        """Per page-table block: name -> (rows, width)."""
+        """Per page-table block: name -> (rows, width) (`pool_layout`: an entry longer than
+        a block, HCA's, is spread over its blocks, one slice of its channels in each)."""
         if not self.ratio:
             return {}
-        rows = rows_per_block(block_size, self.ratio)
-        shapes = {"pool": (rows, self.head_dim)}
+        shapes = {"pool": pool_layout(block_size, self.ratio, self.head_dim)}
         if self.overlap:
-            shapes["index_pool"] = (rows, self.index_head_dim)
+            shapes["index_pool"] = pool_layout(block_size, self.ratio, self.index_head_dim)
         return shapes
 
     def state_specs(self, cache_dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -203,8 +202,8 @@ class V4Attention(nn.Module):
                 block_size, sinks, self.scale,
             )  # fmt: skip
         self._emit_decode(compressor, self.state_kv, self.state_gate, self.pool, meta, positions)
-        max_entries = -(-self.max_model_len // self.ratio)
         if indexer is not None:
+            max_entries = -(-self.max_model_len // self.ratio)  # sizes the scores row only
             self._emit_decode(
                 indexer.compressor, self.index_state_kv, self.index_state_gate,
                 self.index_pool, meta, positions,
@@ -214,10 +213,8 @@ class V4Attention(nn.Module):
                 indexer.q, indexer.weights, self.index_pool, tables, positions,
                 meta.context_lens, self.ratio, block_size, self.index_topk, max_entries,
             )  # fmt: skip
-        else:
-            ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
-            visible = ids < ((positions.long() + 1) // self.ratio)[:, None]
-            entry_ids = torch.where(visible, ids, -1)
+        else:  # HCA: every visible entry, counted per row from its position
+            entry_ids = None
         return attend(
             q, self.ring, slots, positions, meta.context_lens, self.pool, entry_ids, tables,
             self.ratio, block_size, sinks, self.scale,
@@ -289,7 +286,7 @@ class V4Attention(nn.Module):
         """Pool the windows closing in [start, end), store them, keep the partial window's
         rows in the state; returns every entry of the sequence so far [end // ratio, dim]."""
         ratio, size, device = self.ratio, state_kv.shape[1], inputs.kv.device
-        dim = pool.shape[-1]
+        dim = inputs.norm_weight.shape[-1]  # the entry width
         block_size = self.block_size
         base = max(0, (start // ratio) * ratio - (ratio if self.overlap else 0))
         held = torch.arange(base, start, device=device) % size
@@ -299,7 +296,6 @@ class V4Attention(nn.Module):
         state_kv[slot, keep % size] = kv[keep - base]
         state_gate[slot, keep % size] = gate[keep - base]
         first, last = start // ratio, end // ratio
-        num_blocks = pool.shape[0] - 1
         if last > first:
             windows = torch.arange(first, last, device=device)
             offsets = windows[:, None] * ratio + torch.arange(ratio, device=device) - base
@@ -317,10 +313,9 @@ class V4Attention(nn.Module):
                 kv_rows, gate_rows, inputs.norm_weight, inputs.eps,
                 self.compress_cos[starts], self.compress_sin[starts],
             )  # fmt: skip
-            rows = entry_rows(table, windows[None], ratio, block_size, num_blocks)[0]
-            pool.view(-1, dim)[rows] = entries.to(pool.dtype)
+            store_entries(pool, table, windows[None], entries[None], ratio, block_size)
         ids = torch.arange(last, device=device)[None]
-        return pool.view(-1, dim)[entry_rows(table, ids, ratio, block_size, num_blocks)[0]]
+        return gather_entries(pool, table, ids, ratio, block_size)[0]
 
     def _profile(self, q, kv, positions, sinks):
         """Memory profiling run (positions 0..T-1, no cache): window attention only, in

@@ -40,6 +40,7 @@ from atom.attention.v4 import (
     window_prefill,
 )
 from atom.forward_context import get_forward_context
+from atom.kernels.platform import use_triton
 from atom.kernels.v4_attention import (
     attend_with_sink,
     v4_decode_attention,
@@ -47,9 +48,15 @@ from atom.kernels.v4_attention import (
     write_window,
     write_window_reference,
 )
-from atom.kernels.v4_compressor import entry_rows, rows_per_block
+from atom.kernels.v4_compressor import gather_entries, pool_layout, store_entries
 from atom.kernels.v4_indexer import index_scores, index_scores_decode
-from atom.kernels.v41_topk import candidate_blocks_reference, two_level_topk_reference
+from atom.kernels.v4_topk import visible_counts
+from atom.kernels.v41_topk import (
+    candidate_blocks_decode,
+    candidate_blocks_reference,
+    two_level_topk_decode,
+    two_level_topk_reference,
+)
 
 
 class V41Backend(V4Backend):
@@ -142,10 +149,9 @@ class V41Attention(nn.Module):
     def pool_shapes(self, block_size: int) -> dict[str, tuple[int, int]]:
         if not self.is_source:
             return {}
-        rows = rows_per_block(block_size, self.ratio)
-        shapes = {"pool": (rows, self.head_dim)}
+        shapes = {"pool": pool_layout(block_size, self.ratio, self.head_dim)}
         if self.owns_keys:
-            shapes["index_pool"] = (rows, self.index_head_dim)
+            shapes["index_pool"] = pool_layout(block_size, self.ratio, self.index_head_dim)
         return shapes
 
     def block_bytes(self, block_size: int, itemsize: int) -> int:
@@ -206,12 +212,17 @@ class V41Attention(nn.Module):
                     meta.context_lens, self.ratio, self.block_size, self.max_entries(),
                 )  # fmt: skip
             else:
-                rows = entry_rows(tables, ids.expand(q.shape[0], -1), keys_from.ratio,
-                                  self.block_size, keys_from.index_pool.shape[0] - 1)  # fmt: skip
-                keys = keys_from.index_pool.view(-1, self.index_head_dim)[rows]
+                keys = gather_entries(keys_from.index_pool, tables, ids.expand(q.shape[0], -1),
+                                      keys_from.ratio, self.block_size)  # fmt: skip
                 scores = index_scores(indexer.q, keys, indexer.weights)
                 scores = scores.masked_fill(~visible, float("-inf"))
-            shared.topk, candidates = self._choose(scores, visible, num_visible, shared.candidates)
+            if on_gpu and use_triton(scores):  # a select over each row's own entries only
+                counts = visible_counts(positions, meta.context_lens, self.ratio, scores.shape[1])
+                shared.topk, candidates = self._choose_decode(scores, counts, shared.candidates)
+            else:
+                shared.topk, candidates = self._choose(
+                    scores, visible, num_visible, shared.candidates
+                )
             if self.is_candidate_source:
                 shared.candidates = candidates
         source_layer = self.source
@@ -232,6 +243,17 @@ class V41Attention(nn.Module):
         inside = published_candidates if self.uses_candidates else None
         return two_level_topk_reference(scores, visible, self.index_topk, inside), candidates
 
+    def _choose_decode(self, scores, counts, published_candidates):
+        """`_choose` at decode on CUDA (atom/kernels/v41_topk.py's decode selects): the
+        same sets, the ids in ascending order."""
+        candidates = None
+        if self.is_candidate_source:
+            candidates = candidate_blocks_decode(
+                scores, counts, self.candidate_topk_blocks, self.candidate_block_size
+            )
+        inside = published_candidates if self.uses_candidates else None
+        return two_level_topk_decode(scores, counts, self.index_topk, inside), candidates
+
     def _emit_decode(self, source: SourceInputs, state_slots, positions, tables) -> None:
         """Write the token into the partial group; where it closes a group (every token at
         ratio 1) store the entry (and key). Padded rows touch only scratch rows."""
@@ -247,13 +269,12 @@ class V41Attention(nn.Module):
             latent = source.kv
         group = positions // ratio
         entries, keys = source.finish(latent, group * ratio)
-        num_blocks = self.pool.shape[0] - 1
-        rows = entry_rows(tables, group[:, None], ratio, self.block_size, num_blocks)[:, 0]
-        emits = ((positions + 1) % ratio == 0) & (state_slots >= 0)
-        rows = torch.where(emits, rows, num_blocks * self.pool.shape[1])
-        self.pool.view(-1, self.head_dim)[rows] = entries.to(self.pool.dtype)
+        emits = (((positions + 1) % ratio == 0) & (state_slots >= 0))[:, None]
+        store_entries(self.pool, tables, group[:, None], entries[:, None], ratio,
+                      self.block_size, emits)  # fmt: skip
         if keys is not None:
-            self.index_pool.view(-1, self.index_head_dim)[rows] = keys.to(self.index_pool.dtype)
+            store_entries(self.index_pool, tables, group[:, None], keys[:, None], ratio,
+                          self.block_size, emits)  # fmt: skip
 
     def _prefill(self, q, kv, positions, sinks, source, indexer, shared, meta):
         """Per sequence (torch): window over ring + new tokens, then the shared entries."""
@@ -319,17 +340,15 @@ class V41Attention(nn.Module):
             return
         groups = torch.arange(first, last, device=device)
         entries, keys = source.finish(latent, groups * ratio)
-        rows = entry_rows(table, groups[None], ratio, self.block_size, self.pool.shape[0] - 1)[0]
-        self.pool.view(-1, self.head_dim)[rows] = entries.to(self.pool.dtype)
+        store_entries(self.pool, table, groups[None], entries[None], ratio, self.block_size)
         if keys is not None:
-            self.index_pool.view(-1, self.index_head_dim)[rows] = keys.to(self.index_pool.dtype)
+            store_entries(self.index_pool, table, groups[None], keys[None], ratio, self.block_size)
 
     def read_entries(self, table, end: int, name: str) -> torch.Tensor:
         """Entries (or keys) 0 .. end // ratio - 1 of one sequence from this source's pool."""
         pool = getattr(self, name)
         ids = torch.arange(end // self.ratio, device=pool.device)[None]
-        rows = entry_rows(table, ids, self.ratio, self.block_size, pool.shape[0] - 1)[0]
-        return pool.view(-1, pool.shape[-1])[rows]
+        return gather_entries(pool, table, ids, self.ratio, self.block_size)[0]
 
 
 def pool_groups(kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

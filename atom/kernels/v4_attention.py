@@ -9,10 +9,13 @@ Triton kernels (each beside its torch reference below):
 - `write_window`: ring[slot, position % window] = kv, one program per row; state slot -1
   (padding) writes the scratch slot. Runtime length: the number of rows (grid).
 - `v4_decode_attention`: one program per (row, head block) walks the row's window ring,
-  then its `num_entries` entry ids (-1 = none; each mapped to its pool row through the
-  page-table row), with an online softmax in fp32, and folds the sink in at the end: one
-  pass over window + entries + sink. Runtime lengths: `num_entries` and the page-table row
-  stride (do_not_specialize); geometry constexpr (head dim, window, ratio, block size).
+  then its entries (each mapped to its pool row through the page-table row): the
+  `num_entries` chosen ids (CSA's top-k, -1 = none) or, with no id list (HCA), every entry
+  the row may see, ``(position + 1) // ratio`` of them (a loop bound read on the device:
+  the cost follows the sequence, not `max_model_len`); an online softmax in fp32, the sink
+  folded in at the end: one pass over window + entries + sink. Runtime lengths:
+  `num_entries` and the page-table row stride (do_not_specialize); geometry constexpr
+  (head dim, window, ratio, block size).
   Offsets int64. Static shapes, no host sync: CUDA-graph capturable.
 """
 
@@ -21,7 +24,12 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.platform import use_triton
-from atom.kernels.v4_compressor import entry_rows, rows_per_block
+from atom.kernels.v4_compressor import (
+    entry_parts,
+    gather_entries,
+    pool_offsets,
+    rows_per_block,
+)
 
 try:
     import triton
@@ -76,16 +84,20 @@ def v4_decode_attention_reference(
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per row: window + entries ``entry_ids`` ``[B, N]`` (-1 = none) + sink.
+    """One query per row: window + entries ``entry_ids`` ``[B, N]`` (-1 = none) + sink;
+    ``entry_ids=None`` with a pool: every entry the row may see, ``w < (position + 1) //
+    ratio`` (HCA; the width is the batch's largest count, a host read).
 
-    Static shapes (CUDA-graph capturable); padded rows (context length 0) attend to
-    nothing and return zeros."""
+    Padded rows (context length 0) attend to nothing and return zeros."""
     valid_rows = (context_lens > 0) & (state_slots >= 0)
     slots = torch.where(state_slots < 0, ring.shape[0] - 1, state_slots)
     keys, valid = window_keys(ring, slots, positions, valid_rows)
     if pool is not None:
-        rows = entry_rows(block_tables, entry_ids, ratio, block_size, pool.shape[0] - 1)
-        entries = pool.view(-1, pool.shape[-1])[rows]
+        if entry_ids is None:  # every visible entry (HCA): as wide as the batch needs
+            counts = ((positions.long() + 1) // ratio)[:, None]
+            ids = torch.arange(int(counts.max()) if counts.numel() else 0, device=q.device)
+            entry_ids = torch.where(ids[None, :] < counts, ids[None, :], -1)
+        entries = gather_entries(pool, block_tables, entry_ids, ratio, block_size)
         keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
         valid = torch.cat([valid, (entry_ids >= 0) & valid_rows[:, None]], dim=1)
     return attend_with_sink(q, keys, valid, sinks, scale)
@@ -177,7 +189,10 @@ def _v4_decode_kernel(
     RATIO: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,  # channels per pool row: DIM, or a part of it (`pool_layout`)
+    PARTS: tl.constexpr,
     HAS_ENTRIES: tl.constexpr,
+    ALL_VISIBLE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -206,16 +221,23 @@ def _v4_decode_kernel(
         keys = tl.load(k_rows, mask=valid[:, None] & dim_mask[None, :], other=0.0)
         m, denom, acc = _online_update(q, keys.to(q.dtype), valid, m, denom, acc, scale)
     if HAS_ENTRIES:
-        for start in range(0, num_entries, BLOCK_N):
+        if ALL_VISIBLE:  # every entry the row may see: a loop bound from its own position
+            count = tl.where(live > 0, (position + 1) // RATIO, 0)
+        else:  # the row's chosen ids (a list of num_entries, -1 = none)
+            count = num_entries
+        for start in range(0, count, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            ids = tl.load(entry_ids_ptr + row * stride_ids_row + n, mask=n < num_entries, other=-1)
+            if ALL_VISIBLE:
+                ids = tl.where(n < count, n, -1)
+            else:
+                ids = tl.load(entry_ids_ptr + row * stride_ids_row + n, mask=n < count, other=-1)
             valid = (ids >= 0) & ((live + tl.zeros([BLOCK_N], tl.int64)) > 0)
             first_token = tl.where(valid, ids, 0).to(tl.int64) * RATIO
-            block = tl.load(tables_ptr + row * stride_tables_row + first_token // BLOCK_SIZE,
-                            mask=valid, other=0).to(tl.int64)  # fmt: skip
-            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-            pool_row = block * ROWS_PER_BLOCK + (first_token % BLOCK_SIZE) // RATIO
-            k_rows = pool_ptr + pool_row[:, None] * DIM + offs_d[None, :]
+            k_rows = pool_ptr + pool_offsets(
+                tables_ptr + row * stride_tables_row, first_token[:, None], offs_d[None, :],
+                valid[:, None] & dim_mask[None, :], num_blocks, RATIO, BLOCK_SIZE,
+                ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+            )  # fmt: skip
             keys = tl.load(k_rows, mask=valid[:, None] & dim_mask[None, :], other=0.0)
             m, denom, acc = _online_update(q, keys.to(q.dtype), valid, m, denom, acc, scale)
     sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
@@ -245,8 +267,11 @@ def v4_decode_attention(
         return out
     assert ring.is_contiguous() and q.stride(-1) == 1
     has_entries = pool is not None
+    all_visible = has_entries and entry_ids is None
     if not has_entries:
-        pool, entry_ids, ratio = ring, torch.full((num_rows, 1), -1, device=q.device), 1
+        pool, ratio = ring, 1
+    if entry_ids is None:  # not read (no entries, or every visible one): any int tensor
+        entry_ids = torch.full((num_rows, 1), -1, device=q.device)
     assert pool.is_contiguous()
     block_h = 16
     _v4_decode_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
@@ -256,7 +281,8 @@ def v4_decode_attention(
         NUM_HEADS=num_heads, DIM=dim, WINDOW=ring.shape[1], SCRATCH=ring.shape[0] - 1,
         RATIO=ratio, BLOCK_SIZE=block_size,
         ROWS_PER_BLOCK=rows_per_block(block_size, ratio) if has_entries else 1,
-        HAS_ENTRIES=has_entries, BLOCK_H=block_h, BLOCK_N=16,
+        PART_WIDTH=pool.shape[-1], PARTS=entry_parts(block_size, ratio) if has_entries else 1,
+        HAS_ENTRIES=has_entries, ALL_VISIBLE=all_visible, BLOCK_H=block_h, BLOCK_N=16,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
     )  # fmt: skip
     return out

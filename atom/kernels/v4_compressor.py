@@ -10,9 +10,12 @@ State (per sequence, owned by its KV allocation, atom/model_engine/state_slots.p
 ``state_kv`` / ``state_gate`` ``[num_state_slots + 1, R, width]`` in the model dtype, the
 raw projections of the last R positions at row ``position % R`` (R = 2 * ratio with
 overlap, else ratio); the last slot is scratch for padded rows. Entries live in a paged
-pool ``[num_blocks + 1, rows_per_block, dim]`` (last block: scratch) addressed through the
-sequence's page-table row: entry w sits in block ``row[w * ratio // block_size]`` at row
-``(w * ratio % block_size) // ratio`` (`entry_rows`).
+pool ``[num_blocks + 1, rows, width]`` (`pool_layout`; last block: scratch) addressed
+through the sequence's page-table row: entry w sits in block ``row[w * ratio //
+block_size]`` at row ``(w * ratio % block_size) // ratio``; an entry longer than a block
+(ratio > block_size) is spread over its ``ratio // block_size`` blocks, one slice of its
+channels in each, so no block row stays empty (`entry_rows`, `gather_entries`,
+`store_entries`; in the kernels `pool_offsets`).
 
 Triton `compressor_decode` (beside `compressor_decode_reference`): one program per row
 writes the token's kv/gate rows into the state, and, when the token closes a window,
@@ -26,6 +29,8 @@ constexpr (ratio, dims, block size). Offsets int64. No host sync: CUDA-graph cap
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -48,12 +53,57 @@ def rows_per_block(block_size: int, ratio: int) -> int:
     return max(1, block_size // ratio)
 
 
+def entry_parts(block_size: int, ratio: int) -> int:
+    """Blocks one entry is spread over: ``ratio // block_size`` when an entry spans several
+    page-table blocks (HCA: 128 tokens over 8 blocks of 16), else 1."""
+    rows_per_block(block_size, ratio)  # checks that they divide
+    return max(1, ratio // block_size)
+
+
+def pool_layout(block_size: int, ratio: int, dim: int) -> tuple[int, int]:
+    """(rows, width) of one page-table block of an entry pool of ``dim``-wide entries.
+
+    ratio <= block_size: ``block_size // ratio`` whole entries per block. ratio > block_size:
+    every block of the entry's ``ratio // block_size`` holds one slice of its channels
+    (part j: channels ``[j * width, (j + 1) * width)`` in block ``row[w * ratio //
+    block_size + j]``), so no block row stays empty (docs/architecture.md, "DeepSeek-V4")."""
+    parts = entry_parts(block_size, ratio)
+    if dim % parts:
+        raise ValueError(
+            f"entry width {dim} must divide into compress ratio {ratio} / block_size "
+            f"{block_size} = {parts} parts (one per block); use block_size "
+            f"{ratio // math.gcd(ratio, dim)} or a larger power of two"
+        )
+    return rows_per_block(block_size, ratio), dim // parts
+
+
 def entry_rows(block_tables, entry_ids, ratio: int, block_size: int, num_blocks: int):
-    """Flat pool rows of entries ``entry_ids`` ``[B, N]`` (any int) of each row's sequence."""
-    first_token = entry_ids.long().clamp(min=0) * ratio
-    column = (first_token // block_size).clamp(max=block_tables.shape[1] - 1)
-    blocks = block_tables.long().gather(1, column).clamp(0, num_blocks - 1)
+    """Flat rows ``[B, N, parts]`` of ``pool.view(-1, width)`` holding entries ``entry_ids``
+    ``[B, N]`` (any int; -1 reads entry 0) of each row's sequence, part by part."""
+    parts = entry_parts(block_size, ratio)
+    first_token = entry_ids.long().clamp(min=0)[..., None] * ratio
+    column = first_token // block_size + torch.arange(parts, device=entry_ids.device)
+    column = column.clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables.long().gather(1, column.flatten(1)).view(column.shape)
+    blocks = blocks.clamp(0, num_blocks - 1)
     return blocks * rows_per_block(block_size, ratio) + (first_token % block_size) // ratio
+
+
+def gather_entries(pool, block_tables, entry_ids, ratio: int, block_size: int):
+    """Entries ``[B, N, dim]`` of ``entry_ids`` ``[B, N]`` from ``pool`` ``[num_blocks + 1,
+    rows, width]`` (its parts joined)."""
+    rows = entry_rows(block_tables, entry_ids, ratio, block_size, pool.shape[0] - 1)
+    return pool.view(-1, pool.shape[-1])[rows].flatten(-2)
+
+
+def store_entries(pool, block_tables, entry_ids, values, ratio: int, block_size: int, keep=None):
+    """pool[entries ``entry_ids`` ``[B, N]``] = values ``[B, N, dim]``; where ``keep``
+    ``[B, N]`` is False the scratch block (the last) is written instead."""
+    num_blocks, width = pool.shape[0] - 1, pool.shape[-1]
+    rows = entry_rows(block_tables, entry_ids, ratio, block_size, num_blocks)
+    if keep is not None:
+        rows = torch.where(keep[..., None], rows, num_blocks * pool.shape[1])
+    pool.view(-1, width)[rows] = values.unflatten(-1, (-1, width)).to(pool.dtype)
 
 
 def pool_entries(kv_rows, gate_rows, norm_weight, eps: float, cos, sin) -> torch.Tensor:
@@ -115,7 +165,7 @@ def compressor_decode_reference(
     positions = positions.long()
     state_kv[slots, positions % state_kv.shape[1]] = kv
     state_gate[slots, positions % state_kv.shape[1]] = gate
-    dim = pool.shape[-1]
+    dim = norm_weight.shape[-1]  # the entry width (a pool block may hold one part of it)
     starts = ((positions + 1) // ratio - 1).clamp(min=0) * ratio
     kv_rows, gate_rows = window_rows(
         state_kv, state_gate, slots, starts, ratio, overlap, position_bias, dim
@@ -123,14 +173,41 @@ def compressor_decode_reference(
     entries = pool_entries(
         kv_rows, gate_rows, norm_weight, eps, cos_table[starts], sin_table[starts]
     )
-    num_blocks = pool.shape[0] - 1
-    rows = entry_rows(block_tables, starts[:, None] // ratio, ratio, block_size, num_blocks)[:, 0]
     emits = ((positions + 1) % ratio == 0) & (state_slots >= 0)
-    rows = torch.where(emits, rows, num_blocks * pool.shape[1])
-    pool.view(-1, dim)[rows] = entries.to(pool.dtype)
+    store_entries(pool, block_tables, starts[:, None] // ratio, entries[:, None], ratio,
+                  block_size, emits[:, None])  # fmt: skip
 
 
 # -- Triton ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def pool_offsets(
+    table_row_ptr,
+    first_token,
+    channels,
+    mask,
+    num_blocks,
+    RATIO: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,  # the entry width, or one part of it (`pool_layout`)
+    PARTS: tl.constexpr,
+):
+    """Pool offsets (elements) of channels ``channels`` of the entries that start at token
+    ``first_token`` (the two broadcast; the caller maps absent entries to token 0), through
+    the sequence's page-table row. The block is the entry's first token's, plus the part of
+    the channel when an entry spans several blocks (PARTS > 1: those page-table reads are
+    guarded by ``mask``, the result's shape). Block ids are clamped to the pool."""
+    if PARTS == 1:
+        block = tl.load(table_row_ptr + first_token // BLOCK_SIZE).to(tl.int64)
+    else:
+        column = first_token // BLOCK_SIZE + channels // PART_WIDTH
+        block = tl.load(table_row_ptr + column, mask=mask, other=0).to(tl.int64)
+    block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+    return (block * ROWS_PER_BLOCK + (first_token % BLOCK_SIZE) // RATIO) * PART_WIDTH + (
+        channels % PART_WIDTH
+    )
 
 
 @triton.jit(do_not_specialize=["num_rows", "stride_tables_row", "num_blocks"])
@@ -163,6 +240,8 @@ def _compressor_decode_kernel(
     ROPE_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,  # channels per pool row: DIM, or DIM / PARTS (`pool_layout`)
+    PARTS: tl.constexpr,
     BLOCK_W: tl.constexpr,  # tile over the state row width (write)
     BLOCK_D: tl.constexpr,  # tile over the entry channels (pooling)
     BLOCK_L: tl.constexpr,  # next_power_of_2(pooled rows)
@@ -191,9 +270,7 @@ def _compressor_decode_kernel(
         if ((position + 1) % RATIO == 0) & (own_slot >= 0):
             tl.debug_barrier()  # the state rows just written are read back below
             start = position + 1 - RATIO
-            block = tl.load(tables_ptr + row * stride_tables_row + start // BLOCK_SIZE).to(tl.int64)
-            block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-            out = pool_ptr + (block * ROWS_PER_BLOCK + (start % BLOCK_SIZE) // RATIO) * DIM
+            table_row = tables_ptr + row * stride_tables_row
             r = tl.arange(0, BLOCK_L)
             if OVERLAP:  # rows [0, R): the previous window's Ca half; [R, 2R): this Cb half
                 token = start - RATIO + r
@@ -222,7 +299,11 @@ def _compressor_decode_kernel(
                 weights = tl.exp(gate_tile - top[None, :])
                 weights = weights / tl.sum(weights, axis=0)[None, :]
                 pooled = tl.sum(kv_tile * weights, axis=0).to(pool_ptr.dtype.element_ty)
-                tl.store(out + offs_d, pooled, mask=offs_d < DIM)
+                out = pool_ptr + pool_offsets(
+                    table_row, start, offs_d, offs_d < DIM, num_blocks, RATIO,
+                    BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+                )  # fmt: skip
+                tl.store(out, pooled, mask=offs_d < DIM)
                 pooled = pooled.to(tl.float32)
                 sum_squares += tl.sum(tl.where(offs_d < DIM, pooled * pooled, 0.0), axis=0)
             tl.debug_barrier()  # the pooled row is read back by every thread
@@ -230,15 +311,27 @@ def _compressor_decode_kernel(
             for d0 in range(0, DIM - ROPE_DIM, BLOCK_D):  # plain channels: norm only
                 offs_d = d0 + tl.arange(0, BLOCK_D)
                 plain_mask = offs_d < DIM - ROPE_DIM
-                x = tl.load(out + offs_d, mask=plain_mask, other=0.0).to(tl.float32)
+                out = pool_ptr + pool_offsets(
+                    table_row, start, offs_d, plain_mask, num_blocks, RATIO,
+                    BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+                )  # fmt: skip
+                x = tl.load(out, mask=plain_mask, other=0.0).to(tl.float32)
                 weight = tl.load(norm_weight_ptr + offs_d, mask=plain_mask, other=0.0)
                 normed = (x * rstd * weight).to(pool_ptr.dtype.element_ty)
-                tl.store(out + offs_d, normed, mask=plain_mask)
+                tl.store(out, normed, mask=plain_mask)
             pair = tl.arange(0, BLOCK_R)
             rope_mask = pair < ROPE_DIM // 2
             even = DIM - ROPE_DIM + 2 * pair
-            x0 = tl.load(out + even, mask=rope_mask, other=0.0).to(tl.float32)
-            x1 = tl.load(out + even + 1, mask=rope_mask, other=0.0).to(tl.float32)
+            out_even = pool_ptr + pool_offsets(
+                table_row, start, even, rope_mask, num_blocks, RATIO, BLOCK_SIZE,
+                ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+            )  # fmt: skip
+            out_odd = pool_ptr + pool_offsets(
+                table_row, start, even + 1, rope_mask, num_blocks, RATIO,
+                BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+            )  # fmt: skip
+            x0 = tl.load(out_even, mask=rope_mask, other=0.0).to(tl.float32)
+            x1 = tl.load(out_odd, mask=rope_mask, other=0.0).to(tl.float32)
             norm0 = tl.load(norm_weight_ptr + even, mask=rope_mask, other=0.0)
             norm1 = tl.load(norm_weight_ptr + even + 1, mask=rope_mask, other=0.0)
             dtype = pool_ptr.dtype.element_ty
@@ -247,8 +340,8 @@ def _compressor_decode_kernel(
             cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
             sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
             cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
-            tl.store(out + even, (x0 * cos - x1 * sin).to(dtype), mask=rope_mask)
-            tl.store(out + even + 1, (x1 * cos + x0 * sin).to(dtype), mask=rope_mask)
+            tl.store(out_even, (x0 * cos - x1 * sin).to(dtype), mask=rope_mask)
+            tl.store(out_odd, (x1 * cos + x0 * sin).to(dtype), mask=rope_mask)
 
 
 def compressor_decode(
@@ -268,7 +361,7 @@ def compressor_decode(
         return
     assert state_kv.is_contiguous() and state_gate.is_contiguous() and pool.is_contiguous()
     assert position_bias.is_contiguous() and kv.stride(1) == 1 and gate.stride(1) == 1
-    dim = pool.shape[-1]
+    dim = norm_weight.shape[-1]  # the entry width (a pool block may hold one part of it)
     rows = 2 * ratio if overlap else ratio
     block_l = triton.next_power_of_2(rows)
     _compressor_decode_kernel[(num_rows,)](
@@ -277,7 +370,8 @@ def compressor_decode(
         gate.stride(0), block_tables.stride(0), cos_table.stride(0), pool.shape[0] - 1,
         SCRATCH=state_kv.shape[0] - 1, RATIO=ratio, STATE_ROWS=state_kv.shape[1],
         OVERLAP=overlap, DIM=dim, WIDTH=width, ROPE_DIM=2 * cos_table.shape[1],
-        BLOCK_SIZE=block_size, ROWS_PER_BLOCK=pool.shape[1],
+        BLOCK_SIZE=block_size, ROWS_PER_BLOCK=pool.shape[1], PART_WIDTH=pool.shape[-1],
+        PARTS=entry_parts(block_size, ratio),
         BLOCK_W=min(1024, triton.next_power_of_2(width)),
         BLOCK_D=max(16, min(triton.next_power_of_2(dim), 8192 // block_l)), BLOCK_L=block_l,
         BLOCK_R=max(2, triton.next_power_of_2(cos_table.shape[1])),

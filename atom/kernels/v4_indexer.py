@@ -7,12 +7,15 @@ Tie-break (ReLU makes exact ties common: every head negative gives 0): among equ
 the lower entry index wins. `select_topk` implements it with a stable descending sort;
 invalid picks (fewer visible entries than k) are -1.
 
-Triton `indexer_topk_decode` (beside `indexer_topk_decode_reference`): one program per
-(row, tile of entry slots) maps each slot to its pool row through the page-table row,
-scores it against every indexer head (`tl.dot`, fp32 accumulation), applies ReLU, the
-scale and the head weights, and writes -inf for entries the row may not see; the top-k is
-then `select_topk` (a stable sort on the device: no host sync, CUDA-graph capturable).
-Runtime lengths: `max_entries` and the page-table row stride (do_not_specialize).
+Triton `indexer_topk_decode` (beside `indexer_topk_decode_reference`): a fixed grid of
+`SPLITS` programs per row strides over the row's own visible entries only (the loop stops
+at ``(position + 1) // ratio``, never at `max_entries`, which only sizes the scores row),
+maps each entry to its pool row through the page-table row, scores it against every
+indexer head (`tl.dot`, fp32 accumulation) and applies ReLU, the scale and the head
+weights; the top-k is then `indexer_topk_select` (atom/kernels/v4_topk.py, a select over
+the same visible entries). Cost follows the sequence, not `max_model_len`; no host sync,
+CUDA-graph capturable. Runtime lengths: `max_entries` and the page-table row stride
+(do_not_specialize). The ids come in ascending order, -1 after them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.platform import use_triton
-from atom.kernels.v4_compressor import entry_rows, rows_per_block
+from atom.kernels.v4_compressor import (
+    entry_parts,
+    gather_entries,
+    pool_offsets,
+    rows_per_block,
+)
+from atom.kernels.v4_topk import indexer_topk_select, visible_counts
 
 try:
     import triton
@@ -62,12 +71,20 @@ def indexer_topk_decode_reference(
     """One query per row over its first ``max_entries`` entry slots (static shapes).
 
     q ``[B, H, D]``, weights ``[B, H]`` fp32, index_pool ``[num_blocks + 1, rows, D]``;
-    returns ``[B, min(topk, max_entries)]`` int64 entry ids, -1 where there is none."""
+    returns ``[B, min(topk, max_entries)]`` int64 entry ids in ascending order (the order
+    `indexer_topk_select` writes), -1 after them."""
     ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
-    rows = entry_rows(block_tables, ids, ratio, block_size, index_pool.shape[0] - 1)
-    keys = index_pool.view(-1, index_pool.shape[-1])[rows]
+    keys = gather_entries(index_pool, block_tables, ids, ratio, block_size)
     visible = (ids < ((positions.long() + 1) // ratio)[:, None]) & (context_lens > 0)[:, None]
-    return select_topk(index_scores(q, keys, weights), visible, topk)
+    chosen = select_topk(index_scores(q, keys, weights), visible, topk)
+    return ascending_ids(chosen)
+
+
+def ascending_ids(chosen: torch.Tensor) -> torch.Tensor:
+    """Entry ids ``[T, k]`` (-1 = none) sorted ascending with the -1 after the ids."""
+    none = torch.iinfo(chosen.dtype).max
+    chosen = torch.where(chosen < 0, none, chosen).sort(dim=-1).values
+    return torch.where(chosen == none, -1, chosen)
 
 
 def index_scores_decode_reference(
@@ -76,8 +93,7 @@ def index_scores_decode_reference(
 ) -> torch.Tensor:  # fmt: skip
     """Scores ``[B, max_entries]`` of every entry slot, -inf where the row may not see it."""
     ids = torch.arange(max_entries, device=q.device)[None].expand(q.shape[0], -1)
-    rows = entry_rows(block_tables, ids, ratio, block_size, index_pool.shape[0] - 1)
-    keys = index_pool.view(-1, index_pool.shape[-1])[rows]
+    keys = gather_entries(index_pool, block_tables, ids, ratio, block_size)
     visible = (ids < ((positions.long() + 1) // ratio)[:, None]) & (context_lens > 0)[:, None]
     return index_scores(q, keys, weights).masked_fill(~visible, float("-inf"))
 
@@ -106,41 +122,52 @@ def _index_scores_kernel(
     RATIO: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,  # channels per pool row: DIM, or a part of it (`pool_layout`)
+    PARTS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    ids = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split, num_splits = tl.program_id(1), tl.num_programs(1)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     head_mask, dim_mask = heads < NUM_HEADS, offs_d < DIM
     position = tl.load(positions_ptr + row).to(tl.int64)
-    live = tl.load(context_lens_ptr + row).to(tl.int64) + ids * 0  # vector (interpreter)
-    visible = (ids < (position + 1) // RATIO) & (live > 0) & (ids < max_entries)
-    first_token = tl.where(visible, ids, 0).to(tl.int64) * RATIO
-    block = tl.load(tables_ptr + row * stride_tables_row + first_token // BLOCK_SIZE,
-                    mask=visible, other=0).to(tl.int64)  # fmt: skip
-    block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
-    pool_row = block * ROWS_PER_BLOCK + (first_token % BLOCK_SIZE) // RATIO
-    keys = tl.load(pool_ptr + pool_row[:, None] * DIM + offs_d[None, :],
-                   mask=visible[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+    live = tl.load(context_lens_ptr + row)
+    # the row's own entries only: the loop stops at its visible count, not at max_entries
+    num_visible = tl.minimum((position + 1) // RATIO, max_entries)
+    num_visible = tl.where(live > 0, num_visible, 0)
     q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
-    dots = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee")  # [heads, entries]
     weights = tl.load(weights_ptr + row * stride_weights_row + heads, mask=head_mask, other=0.0)
-    scores = tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
-    scores = tl.where(visible, scores, float("-inf"))
-    tl.store(scores_ptr + row * max_entries + ids, scores, mask=ids < max_entries)
+    for start in range(split * BLOCK_N, num_visible, num_splits * BLOCK_N):
+        ids = start + tl.arange(0, BLOCK_N)
+        visible = ids < num_visible
+        first_token = tl.where(visible, ids, 0).to(tl.int64) * RATIO
+        offsets = pool_offsets(
+            tables_ptr + row * stride_tables_row, first_token[:, None], offs_d[None, :],
+            visible[:, None] & dim_mask[None, :], num_blocks, RATIO, BLOCK_SIZE,
+            ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+        )  # fmt: skip
+        keys = tl.load(pool_ptr + offsets, mask=visible[:, None] & dim_mask[None, :], other=0.0)
+        dots = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision="ieee")  # [heads, ids]
+        scores = tl.sum(tl.maximum(dots, 0.0) * scale * weights[:, None], axis=0)
+        tl.store(scores_ptr + row * max_entries + ids, scores, mask=visible)
+
+
+SPLITS = 256  # programs per row of the scores kernel at most (each strides over its entries)
 
 
 def index_scores_decode(
     q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
-    block_size: int, max_entries: int,
+    block_size: int, max_entries: int, fill_invisible: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """Triton scores ``[B, max_entries]`` fp32 of every entry slot (-inf where the row may
     not see it): the scoring half of `indexer_topk_decode` (DeepSeek-V4.1 reads its KV
-    source's keys with it and chooses with atom/kernels/v41_topk.py)."""
+    source's keys with it and chooses with atom/kernels/v41_topk.py). The kernel reads and
+    writes only each row's visible entries; ``fill_invisible=False`` leaves the rest
+    unwritten (`indexer_topk_select` never reads them) instead of -inf (a fill of the row)."""
     if not use_triton(q):
         return index_scores_decode_reference(
             q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
@@ -148,15 +175,19 @@ def index_scores_decode(
         )  # fmt: skip
     num_rows, num_heads, dim = q.shape
     scores = torch.empty(num_rows, max_entries, device=q.device, dtype=torch.float32)
+    if fill_invisible:
+        scores.fill_(float("-inf"))
     if num_rows:
         assert index_pool.is_contiguous() and q.stride(-1) == 1 and weights.stride(-1) == 1
         block_n = 32
-        _index_scores_kernel[(num_rows, triton.cdiv(max_entries, block_n))](
+        splits = min(SPLITS, triton.cdiv(max_entries, block_n))  # a launch size, no variant
+        _index_scores_kernel[(num_rows, splits)](
             q, weights, index_pool, block_tables, positions, context_lens, scores,
             max_entries, block_tables.stride(0), index_pool.shape[0] - 1, dim**-0.5,
             q.stride(0), q.stride(1), weights.stride(0),
             NUM_HEADS=num_heads, DIM=dim, RATIO=ratio, BLOCK_SIZE=block_size,
-            ROWS_PER_BLOCK=rows_per_block(block_size, ratio),
+            ROWS_PER_BLOCK=rows_per_block(block_size, ratio), PART_WIDTH=index_pool.shape[-1],
+            PARTS=entry_parts(block_size, ratio),
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(dim)),
         )  # fmt: skip
@@ -167,7 +198,8 @@ def indexer_topk_decode(
     q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
     block_size: int, topk: int, max_entries: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton scores + `select_topk` (same arguments and result as the reference)."""
+    """Triton scores + `indexer_topk_select` (same arguments and result as the reference):
+    both read only each row's visible entries."""
     if not use_triton(q):
         return indexer_topk_decode_reference(
             q, weights, index_pool, block_tables, positions, context_lens, ratio,
@@ -175,6 +207,7 @@ def indexer_topk_decode(
         )  # fmt: skip
     scores = index_scores_decode(
         q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
-        max_entries,
+        max_entries, fill_invisible=False,
     )  # fmt: skip
-    return select_topk(scores, scores > float("-inf"), topk)
+    counts = visible_counts(positions, context_lens, ratio, max_entries)
+    return indexer_topk_select(scores, counts, min(topk, max_entries))

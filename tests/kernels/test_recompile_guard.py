@@ -38,6 +38,7 @@ from atom.kernels import (
     v4_attention,
     v4_compressor,
     v4_indexer,
+    v4_topk,
     v41_engram,
     v41_quant,
 )
@@ -214,6 +215,8 @@ KERNELS = {
         ["max_entries", "stride_tables_row"],
         ["num_blocks", "scale", "stride_q_row", "stride_q_head", "stride_weights_row"],
     ),
+    # the indexer's top-k select: the scores row's width (max_model_len / ratio) and k
+    (v4_topk, "_indexer_topk_kernel"): (["width", "k"], []),
     # num_blocks (the pool's size) is dynamic too: it differs between engines in one process
     (v4_compressor, "_compressor_decode_kernel"): (
         ["num_rows", "stride_tables_row", "num_blocks"],
@@ -260,6 +263,8 @@ DEVICE_FUNCTIONS = {
     (kv_cache, "_e4m3_bits"),
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
+    (v4_topk, "_ordered_bits"),
+    (v4_compressor, "pool_offsets"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),
     (v41_quant, "_e4m3"),
@@ -864,7 +869,8 @@ def test_v4_compressor_decode_one_variant(overlap, ratio):
     rows = 2 * ratio if overlap else ratio
     state_kv = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
     state_gate = torch.randn(slots + 1, rows, width, device=DEVICE, dtype=BF16)
-    pool = torch.zeros(4097, max(1, block_size // ratio), dim, device=DEVICE, dtype=BF16)
+    pool = torch.zeros(4097, *v4_compressor.pool_layout(block_size, ratio, dim), device=DEVICE,
+                       dtype=BF16)  # fmt: skip
     kv = torch.randn(max(SWEEP), width, device=DEVICE, dtype=BF16)
     bias = torch.randn(ratio, width, device=DEVICE)
     weight = torch.ones(dim, device=DEVICE)
@@ -902,6 +908,45 @@ def test_v4_index_scores_one_variant():
                                        4, 16, 512, n)  # fmt: skip
 
     assert_one_variant(v4_indexer, ["_index_scores_kernel"], run)
+    assert_one_variant(v4_topk, ["_indexer_topk_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_topk_select_inside_allowed_entries_one_variant():
+    """V4.1's second level (the select inside candidate blocks): widths, counts and k swept."""
+    generator = _generator()
+
+    def run(n):
+        rows = min(n, 64)
+        scores = torch.randn(rows, n, device=DEVICE, generator=generator)
+        allowed = torch.rand(rows, n, device=DEVICE, generator=generator) < 0.5
+        counts = torch.randint(0, n + 1, (rows,), device=DEVICE, generator=generator)
+        v4_topk.indexer_topk_select(scores, counts, 1 + n % 600, allowed)
+
+    assert_one_variant(v4_topk, ["_indexer_topk_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_decode_every_visible_entry_one_variant():
+    """HCA (every visible entry, no id list): positions (the loop bound) and rows swept."""
+    heads, dim, window, slots = 64, 512, 128, 8
+    ring = torch.randn(slots + 1, window, dim, device=DEVICE, dtype=BF16)
+    pool = torch.randn(4097, 1, dim // 8, device=DEVICE, dtype=BF16)  # HCA: 128 / 16 parts
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    sinks = torch.randn(heads, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        rows = min(n, 64)
+        tables = _block_tables(rows, 16 * n, 4096)
+        state = torch.randint(0, slots, (rows,), device=DEVICE, dtype=torch.int32)
+        positions = torch.randint(0, 16 * n, (rows,), device=DEVICE, generator=generator)
+        v4_attention.v4_decode_attention(
+            q[:rows], ring, state, positions, (positions + 1).int(), pool, None, tables,
+            128, 16, sinks, dim**-0.5,
+        )  # fmt: skip
+
+    assert_one_variant(v4_attention, ["_v4_decode_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -182,3 +182,29 @@ def test_index_scores_over_a_shared_source_match_reference(positions):
     expected = index_scores_decode_reference(*args)
     torch.testing.assert_close(index_scores_decode(*args), expected, rtol=1e-5, atol=1e-5)
     assert torch.isinf(expected[-1]).all()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_decode_selects_match_the_two_level_references(ties):
+    """Decode on CUDA chooses with V4's select over each row's own entries: the candidate
+    blocks and the top-k inside them are the references' sets (ids ascending, -1 after)."""
+    from atom.kernels.v4_indexer import ascending_ids
+    from atom.kernels.v41_topk import candidate_blocks_decode, two_level_topk_decode
+
+    generator = torch.Generator().manual_seed(41)
+    rows, width, block_size, topk_blocks, topk = 4, 700, 16, 5, 24
+    if ties:  # ReLU zeros and repeated values: ties at both levels
+        scores = torch.randint(0, 3, (rows, width), generator=generator).float()
+    else:
+        scores = torch.randn(rows, width, generator=generator)
+    num_visible = torch.tensor([700, 333, 17, 0])
+    visible = torch.arange(width)[None, :] < num_visible[:, None]
+    scores = scores.masked_fill(~visible, float("-inf")).to(DEVICE)
+    visible, num_visible = visible.to(DEVICE), num_visible.to(DEVICE)
+    expected_blocks = candidate_blocks_reference(scores, num_visible, topk_blocks, block_size)
+    got_blocks = candidate_blocks_decode(scores, num_visible, topk_blocks, block_size)
+    assert torch.equal(got_blocks, expected_blocks)
+    for candidates in (None, got_blocks):
+        expected = two_level_topk_reference(scores, visible, topk, candidates)
+        got = two_level_topk_decode(scores, num_visible, topk, candidates)
+        assert torch.equal(got, ascending_ids(expected)), (got, expected)

@@ -12,7 +12,11 @@ from atom.kernels.v4_attention import (
     write_window,
     write_window_reference,
 )
-from atom.kernels.v4_compressor import compressor_decode, compressor_decode_reference
+from atom.kernels.v4_compressor import (
+    compressor_decode,
+    compressor_decode_reference,
+    pool_layout,
+)
 from atom.kernels.v4_indexer import indexer_topk_decode, indexer_topk_decode_reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -44,7 +48,8 @@ def _case(device, dtype, window, positions, ratio, num_ids, heads=4, dim=32, blo
     num_blocks = rows * width + 1
     tables = torch.randperm(num_blocks - 1, device=device)[: rows * width].view(rows, width)
     ring = torch.randn(rows + 1, window, dim, device=device, dtype=dtype)
-    pool = torch.randn(num_blocks + 1, max(1, block_size // ratio), dim, device=device, dtype=dtype)
+    pool = torch.randn(num_blocks + 1, *pool_layout(block_size, ratio, dim), device=device,
+                       dtype=dtype)  # fmt: skip
     visible = ((positions + 1) // ratio)[:, None]
     ids = torch.randint(0, 10**6, (rows, num_ids), device=device) % visible.clamp(min=1)
     ids = torch.where((visible > 0) & (torch.rand(rows, num_ids, device=device) < 0.8), ids, -1)
@@ -75,13 +80,15 @@ def _case(device, dtype, window, positions, ratio, num_ids, heads=4, dim=32, blo
         (16, [4095, 2], 4, 40),
     ],
 )
-@pytest.mark.parametrize("with_entries", [True, False])
-def test_decode_attention_matches_reference(
-    device, window, positions, ratio, num_ids, with_entries
-):
+@pytest.mark.parametrize("entries", ["chosen", "every_visible", "none"])
+def test_decode_attention_matches_reference(device, window, positions, ratio, num_ids, entries):
+    """Chosen ids (CSA), every visible entry (HCA: no id list, the count from the
+    position) and window only."""
     args = list(_case(device, torch.float32, window, positions, ratio, num_ids))
-    if not with_entries:
-        args[5] = args[6] = None
+    if entries != "chosen":
+        args[6] = None
+    if entries == "none":
+        args[5] = None
     expected = v4_decode_attention_reference(*args, scale=32**-0.5)
     got = v4_decode_attention(*args, scale=32**-0.5)
     torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
@@ -101,7 +108,8 @@ def test_decode_attention_bf16_matches_reference():
     "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 )
 @pytest.mark.parametrize(
-    "overlap,ratio,length", [(True, 4, 1), (True, 4, 23), (False, 8, 37), (False, 16, 70)]
+    "overlap,ratio,length",
+    [(True, 4, 1), (True, 4, 23), (False, 8, 37), (False, 16, 70), (False, 64, 140)],
 )
 def test_compressor_decode_matches_reference(device, dtype, overlap, ratio, length):
     """Token by token over a whole sequence (lengths 1 and non-multiples of the ratio),
@@ -122,7 +130,9 @@ def test_compressor_decode_matches_reference(device, dtype, overlap, ratio, leng
     tables = torch.cat([table, table])
     states = [torch.zeros(3, rows, width, device=device, dtype=dtype) for _ in range(4)]
     pools = [
-        torch.zeros(num_blocks + 1, max(1, block_size // ratio), dim, device=device, dtype=dtype)
+        torch.zeros(
+            num_blocks + 1, *pool_layout(block_size, ratio, dim), device=device, dtype=dtype
+        )  # fmt: skip
         for _ in range(2)
     ]
     slots = torch.tensor([1, -1], device=device, dtype=torch.int32)
@@ -165,11 +175,12 @@ def test_indexer_topk_decode_matches_reference(device, positions, max_entries, t
 
 
 def _rule_topk(scores: torch.Tensor, topk: int) -> list[list[int]]:
-    """The tie rule by hand: visible (finite) scores, best first, the lower id among equals."""
+    """The tie rule by hand: visible (finite) scores, best first, the lower id among equals;
+    the chosen ids in ascending order (the order the decode top-k writes)."""
     picks = []
     for row in scores.tolist():
         ranked = sorted((-s, i) for i, s in enumerate(row) if s != float("-inf"))
-        chosen = [i for _, i in ranked[:topk]]
+        chosen = sorted(i for _, i in ranked[:topk])
         picks.append(chosen + [-1] * (min(topk, len(row)) - len(chosen)))
     return picks
 

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from atom.kernels.v4_attention import v4_decode_attention_reference, write_window_reference
-from atom.kernels.v4_compressor import compressor_decode_reference, entry_rows
+from atom.kernels.v4_compressor import (
+    compressor_decode_reference,
+    gather_entries,
+    pool_layout,
+)
 from atom.kernels.v4_indexer import select_topk
 from atom.kernels.v4_rope import apply_interleaved_rope_reference, rope_tables
 
@@ -63,7 +67,7 @@ def test_compressor_decode_matches_per_window_loop(overlap, ratio, length):
     table = torch.randperm(num_blocks)[None].int()  # one sequence, shuffled blocks
     rows = 2 * ratio if overlap else ratio
     state_kv, state_gate = torch.zeros(3, rows, width), torch.zeros(3, rows, width)
-    pool = torch.zeros(num_blocks + 1, max(1, block_size // ratio), dim)
+    pool = torch.zeros(num_blocks + 1, *pool_layout(block_size, ratio, dim))
     slots = torch.tensor([1, -1])  # row 1 is padding: it must touch only the scratch slot
     for t in range(length):
         compressor_decode_reference(
@@ -73,9 +77,8 @@ def test_compressor_decode_matches_per_window_loop(overlap, ratio, length):
         )  # fmt: skip
     assert state_kv[0].abs().sum() == 0 and state_gate[0].abs().sum() == 0
     for w in range(length // ratio):
-        row = entry_rows(table, torch.tensor([[w]]), ratio, block_size, num_blocks)[0, 0]
         expected = _hand_entry(kv, gate, bias, weight, eps, cos, sin, w, ratio, overlap, dim)
-        got = pool.view(-1, dim)[row]
+        got = gather_entries(pool, table, torch.tensor([[w]]), ratio, block_size)[0, 0]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -99,8 +102,8 @@ def test_decode_attention_matches_per_query_softmax(window, position):
         pool, ids, table, ratio, block_size, sinks, scale,
     )  # fmt: skip
     keys = [history[p] for p in range(max(0, position - window + 1), position + 1)]
-    rows = entry_rows(table, ids.clamp(min=0), ratio, block_size, num_blocks)[0]
-    keys += [pool.view(-1, dim)[r] for r, i in zip(rows, ids[0], strict=True) if i >= 0]
+    entries = gather_entries(pool, table, ids.clamp(min=0), ratio, block_size)[0]
+    keys += [e for e, i in zip(entries, ids[0], strict=True) if i >= 0]
     keys = torch.stack(keys)
     for h in range(heads):
         logits = torch.cat([keys @ q[0, h] * scale, sinks[h : h + 1]])

@@ -46,10 +46,10 @@ def _mla_model():
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 
-def _v4_model():
+def _v4_model(hca_ratio: int = 16):
     config = SimpleNamespace(
-        num_attention_heads=4, head_dim=32, sliding_window=8, compress_rates={CSA: 4, HCA: 16},
-        index_head_dim=16, index_topk=3,
+        num_attention_heads=4, head_dim=32, sliding_window=8,
+        compress_rates={CSA: 4, HCA: hca_ratio}, index_head_dim=16, index_topk=3,
     )  # fmt: skip
     rope = (torch.zeros(64, 4), torch.zeros(64, 4))
     layers = [V4Attention(config, kind, rope, 64) for kind in (SWA, CSA, HCA)]
@@ -116,6 +116,22 @@ def test_v4_block_and_state_bytes_as_before():
     assert state_slots.state_bytes(contract, SLOTS) == expected
     with pytest.raises(ValueError, match="fp8.*not supported for DeepSeek-V4"):
         family.kv_block_bytes(model, BLOCK, FP8)
+
+
+def test_v4_hca_pool_sized_to_the_compress_ratio():
+    """An HCA entry longer than a block (ratio 64 at block 16: one entry per 4 blocks) is
+    spread over its 4 blocks, 32 / 4 = 8 channels in each: no block row left empty. Before,
+    every block held a whole 32-wide row of which 3 in 4 stayed empty: (4 * (32 + 16) +
+    1 * 32) * 2 = 448 bytes a block; now (4 * (32 + 16) + 1 * 8) * 2 = 400 (the HCA part
+    4x smaller, bytes per token 32 * 2 / 64 = 1, the ratio's own)."""
+    family, model = V4Family(), _v4_model(hca_ratio=64)
+    assert family.kv_block_bytes(model, BLOCK, BF16) == (4 * (32 + 16) + 1 * 8) * 2
+    cache = family.allocate_kv_cache(model, 5, BLOCK, BF16, "cpu")
+    assert [p.shape for p in cache.data] == [(6, 4, 32), (6, 4, 16), (6, 1, 8)]
+    hca = model.attention_layers[2]
+    assert hca.block_bytes(BLOCK, 2) == 32 * 2 * BLOCK // 64  # 1 byte a token
+    with pytest.raises(ValueError, match="must divide into compress ratio 4096 / block_size 16"):
+        family.kv_block_bytes(_v4_model(hca_ratio=64 * 64), BLOCK, BF16)
 
 
 def test_v4_allocation_shapes_as_before():
