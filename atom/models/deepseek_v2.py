@@ -34,6 +34,20 @@ from atom.distributed.tensor_parallel import ShardingError
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
 from atom.models.moe import routed_experts
+from atom.models.parallel_layers import ColumnParallelLinear, dense, load_parameter
+from atom.models.quantization import linear_method, read_quantization_scheme
+
+
+def _linear(config, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """nn.Linear, or for a quantized checkpoint that quantizes `name` (an HF module name
+    suffix, e.g. self_attn.q_proj) one-part ColumnParallelLinear holding FP8 / int4 weights.
+    kv_b_proj (read whole by MLA) and the routed experts are dequantized at load."""
+    scheme = read_quantization_scheme(config)
+    if scheme is None or not scheme.quantizes(name):
+        return nn.Linear(in_features, out_features, bias=bias)
+    layer = ColumnParallelLinear(in_features, [out_features], bias)
+    layer.quantize(linear_method(scheme))
+    return layer
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -105,17 +119,21 @@ class DeepseekV2Attention(nn.Module):
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         q_out = self.num_heads * self.qk_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = _linear(config, "self_attn.q_proj", hidden, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = _linear(config, "self_attn.q_a_proj", hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = _linear(config, "self_attn.q_b_proj", self.q_lora_rank, q_out, False)
+        self.kv_a_proj_with_mqa = _linear(
+            config, "self_attn.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = _linear(
+            config, "self_attn.o_proj", self.num_heads * self.v_head_dim, hidden, bias
+        )
         self.rotary = DeepseekRotaryEmbedding(config, max_position)
         self.attn = MLAAttention(
             self.num_heads,
@@ -143,11 +161,12 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, config=None, prefix: str = "mlp"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        hidden, inter = hidden_size, intermediate_size
+        self.gate_proj = _linear(config, f"{prefix}.gate_proj", hidden, inter, bias=False)
+        self.up_proj = _linear(config, f"{prefix}.up_proj", hidden, inter, bias=False)
+        self.down_proj = _linear(config, f"{prefix}.down_proj", inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -223,7 +242,9 @@ class DeepseekMoE(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
         self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = DeepseekMLP(hidden, inter * shared) if shared else None
+        self.shared_experts = (
+            DeepseekMLP(hidden, inter * shared, config, "mlp.shared_experts") if shared else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -247,7 +268,7 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
         self.mlp = (
             DeepseekMoE(config)
             if is_moe
-            else DeepseekMLP(config.hidden_size, config.intermediate_size)
+            else DeepseekMLP(config.hidden_size, config.intermediate_size, config)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -322,6 +343,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             dest = param.data[expert]
             if part != "down_proj":
                 dest = dest.narrow(0, 0 if part == "gate_proj" else inter, inter)
+            tensor = dense(tensor, dest.dtype)  # quantized experts are dequantized at load
             _check_shape(dest, tensor, name)
             dest.copy_(tensor)
             loaded.add(f"{target}#{expert}.{part}")
@@ -353,5 +375,9 @@ def _copy_into(params, target, tensor, source_name):
     param = params.get(target)
     if param is None:
         raise ValueError(f"checkpoint tensor {source_name!r} has no place in the model")
+    if hasattr(param, "weight_loader"):  # a quantized linear's weight
+        load_parameter(param, tensor, None, source_name)
+        return
+    tensor = dense(tensor, param.dtype)  # e.g. kv_b_proj, which MLA reads whole
     _check_shape(param.data, tensor, source_name)
     param.data.copy_(tensor)

@@ -39,7 +39,9 @@ from atom.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     load_parameter,
+    quantize_linear_layers,
 )
+from atom.models.quantization import read_quantization_scheme
 
 
 def _fused_kernels_on(x: torch.Tensor) -> bool:
@@ -105,7 +107,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_proj.weight
-        if _fused_kernels_on(x) and current_fusions().gemv_silu and use_gemv(x, weight, True):
+        if (
+            _fused_kernels_on(x)
+            and self.gate_up_proj.quant_method is None  # the fused GEMVs read dense weights
+            and current_fusions().gemv_silu
+            and use_gemv(x, weight, True)
+        ):
             return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
@@ -125,6 +132,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
             and attention.qkv_proj.bias is None
+            and attention.qkv_proj.quant_method is None  # the fused GEMVs read dense weights
+            and mlp.gate_up_proj.quant_method is None
             and norm.weight.dtype == hidden.dtype
         ):
             return super().forward(positions, hidden, residual)
@@ -203,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
         # Whether the LM head shares the embedding's parameter (one stage holds both).
         self._shares_embedding = self.tie_word_embeddings and self.model.embed_tokens is not None
+        # a quantized checkpoint: its linear layers hold FP8 / int4 weights (docs/quantization.md)
+        quantize_linear_layers(self, read_quantization_scheme(config), self.stacked_params)
 
     @staticmethod
     def validate_tensor_parallel(config, world_size: int) -> None:

@@ -9,6 +9,11 @@ the plain matmul / embedding lookup, bit for bit.
 
 Each parameter carries a `weight_loader(param, tensor, shard_id, name)` that copies only
 this rank's part of a full checkpoint tensor; `load_parameter` dispatches to it.
+
+A quantized checkpoint (atom/models/quantization/) gives the linear layers a linear method
+(`quantize_linear_layers`): the layer's `weight` is then the stored FP8 or packed int4 tensor
+with its scales beside it, sharded like the dense weight, and `forward` is the method's
+`apply`. A quantized checkpoint tensor bound for a dense parameter is dequantized.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from atom.distributed import TensorParallelGroup, shard_range
 from atom.forward_context import current_fusions
 from atom.kernels.gemv import gemv
 from atom.kernels.gemv_policy import use_gemv
+from atom.models.load_error import ModelLoadError
+from atom.models.quantization import QuantizationScheme, QuantizedWeight, linear_method
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -38,8 +45,45 @@ def load_parameter(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: st
     if loader is not None:
         loader(param, tensor, shard_id, name)
     else:
+        tensor = dense(tensor, param.dtype)
         _check_shape(tensor, param.shape, name)
         param.data.copy_(tensor)
+
+
+def dense(tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor for a dense parameter: a quantized weight is dequantized."""
+    return tensor.dequantize(dtype) if isinstance(tensor, QuantizedWeight) else tensor
+
+
+def _quantized(layer, tensor, name: str):
+    if not isinstance(tensor, QuantizedWeight):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} is a plain {tensor.dtype} tensor where the "
+            f"checkpoint's quantization_config says {layer.quant_method.scheme.describe()}"
+        )
+    return tensor
+
+
+def quantize_linear_layers(model: nn.Module, scheme: QuantizationScheme | None, stacked=()):
+    """Give every Column/RowParallelLinear of `model` that `scheme` quantizes its linear
+    method (called once, at the end of the model's __init__). `stacked`: the model's
+    (HF name, fused name, shard id) triples, so a fused layer is quantized when all of
+    its HF parts are, and refused when only some are."""
+    if scheme is None:
+        return
+    for module_name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        prefix, _, leaf = module_name.rpartition(".")
+        names = [f"{prefix}.{hf}" for hf, fused, _ in stacked if fused == leaf] or [module_name]
+        quantized = {scheme.quantizes(name) for name in names}
+        if len(quantized) > 1:
+            raise ModelLoadError(
+                f"quantization_config ignore list {list(scheme.ignore)} keeps some of "
+                f"{names} unquantized; atom fuses them into one layer ({module_name})"
+            )
+        if quantized.pop():
+            module.quantize(linear_method(scheme))
 
 
 def _check_shape(tensor: torch.Tensor, expected, name: str) -> None:
@@ -90,6 +134,16 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)))
             self.bias.weight_loader = self._load
+        self.quant_method = None
+
+    def quantize(self, method) -> None:
+        """Hold the weight quantized by `method` (Fp8LinearMethod, Int4LinearMethod)."""
+        row_starts = []
+        for part, local in enumerate(self.local_sizes):
+            row_starts += [sum(self.local_sizes[:part]), self.tp.rank * local]
+        method.create_weights(self, sum(self.local_sizes), self.input_size, row_starts, 0)
+        self.weight.weight_loader = self._load
+        self.quant_method = method
 
     def _name(self, index: int):
         return self.part_names[index] if self.part_names is not None else index
@@ -106,13 +160,21 @@ class ColumnParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
         part = self._part_index(shard_id)
         full = self.output_sizes[part]
-        expected = (full, self.input_size) if param.dim() == 2 else (full,)
-        _check_shape(tensor, expected, name)
         local = self.local_sizes[part]
         offset = sum(self.local_sizes[:part])
+        if self.quant_method is not None and param is self.weight:
+            tensor = _quantized(self, tensor, name)
+            _check_shape(tensor, (full, self.input_size), name)
+            self.quant_method.load(self, tensor, offset, self.tp.rank * local, local, 0)
+            return
+        tensor = dense(tensor, param.dtype)
+        expected = (full, self.input_size) if param.dim() == 2 else (full,)
+        _check_shape(tensor, expected, name)
         param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -161,13 +223,30 @@ class RowParallelLinear(nn.Module):
         self.weight.weight_loader = self._load_weight
         # The bias is added once, after the sum, so it is kept whole on every rank.
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.quant_method = None
+
+    def quantize(self, method) -> None:
+        """Hold the weight quantized by `method` (Fp8LinearMethod, Int4LinearMethod)."""
+        start = self.tp.rank * self.local_input
+        method.create_weights(self, self.output_size, self.local_input, [0], start)
+        self.weight.weight_loader = self._load_weight
+        self.quant_method = method
 
     def _load_weight(self, param, tensor, shard_id, name) -> None:
-        _check_shape(tensor, (self.output_size, self.input_size), name)
         start = self.tp.rank * self.local_input
+        if self.quant_method is not None:
+            tensor = _quantized(self, tensor, name)
+            _check_shape(tensor, (self.output_size, self.input_size), name)
+            self.quant_method.load(self, tensor, 0, 0, self.output_size, start)
+            return
+        tensor = dense(tensor, param.dtype)
+        _check_shape(tensor, (self.output_size, self.input_size), name)
         param.data.copy_(tensor.narrow(1, start, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            y = self.tp.all_reduce(self.quant_method.apply(self, x))
+            return y if self.bias is None else y + self.bias
         y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -192,6 +271,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param, tensor, shard_id, name) -> None:
+        tensor = dense(tensor, param.dtype)
         _check_shape(tensor, (self.vocab_size, self.hidden_size), name)
         valid = max(0, min(self.end, self.vocab_size) - self.start)
         param.data[:valid].copy_(tensor[self.start : self.start + valid])
