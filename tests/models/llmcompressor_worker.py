@@ -5,7 +5,11 @@ Runs in the pinned side environment tests/models/test_quantized_checkpoints.py b
 
     python tests/models/llmcompressor_worker.py HF_DIR OUT_DIR SCHEME PROMPTS_JSON
 
-SCHEME is "FP8_DYNAMIC" (no data) or "W4A16" (GPTQ on a tiny calibration text). OUT_DIR gets
+SCHEME is "FP8_DYNAMIC" (no data), "W4A16" (GPTQ on a tiny calibration text) or
+"W4A16_ASYM" (round-to-nearest with zero points, no data). SmolLM2-135M's 576 hidden
+features are not a multiple of the presets' group of 128, so the int4 schemes are the W4A16
+presets with groups of 64 (llm-compressor refuses groups that do not divide the inputs).
+OUT_DIR gets
 - quantized/: what `oneshot` + `save_pretrained(save_compressed=True)` writes;
 - dequantized/: the same model with compressed-tensors' decompression of every weight,
   saved as a plain fp32 checkpoint (no quantization_config);
@@ -30,6 +34,12 @@ CALIBRATION = (
 GREEDY_TOKENS = 16
 
 
+def int4_groups(symmetric: bool) -> dict:
+    """The W4A16 (symmetric) / W4A16_ASYM presets with groups of 64 inputs."""
+    weights = dict(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=64)
+    return {"group_0": {"targets": ["Linear"], "weights": weights}}
+
+
 def quantize(hf_dir: str, out: Path, scheme: str) -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
@@ -40,6 +50,11 @@ def quantize(hf_dir: str, out: Path, scheme: str) -> None:
         oneshot(
             model=model,
             recipe=QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]),
+        )
+    elif scheme == "W4A16_ASYM":
+        oneshot(
+            model=model,
+            recipe=QuantizationModifier(config_groups=int4_groups(False), ignore=["lm_head"]),
         )
     elif scheme == "W4A16":
         from datasets import Dataset
@@ -56,7 +71,7 @@ def quantize(hf_dir: str, out: Path, scheme: str) -> None:
         oneshot(
             model=model,
             dataset=dataset,
-            recipe=GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+            recipe=GPTQModifier(config_groups=int4_groups(True), ignore=["lm_head"]),
             max_seq_length=128,
             num_calibration_samples=len(texts),
         )

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from atom.models.load_error import ModelLoadError
 from atom.models.quantization.fp8 import check_scale
-from atom.models.quantization.scheme import AWQ, COMPRESSED_TENSORS, GPTQ, QuantizationScheme
+from atom.models.quantization.scheme import COMPRESSED_TENSORS, GPTQ, QuantizationScheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8w + AWQ_ORDER[i]
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
