@@ -33,15 +33,18 @@ from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
+from atom.models.load_error import ModelLoadError
 from atom.models.moe import routed_experts
 from atom.models.parallel_layers import ColumnParallelLinear, dense, load_parameter
-from atom.models.quantization import linear_method, read_quantization_scheme
+from atom.models.quantization import FP8, linear_method, read_quantization_scheme
+from atom.models.quantization.experts import Fp8Experts
+from atom.models.quantization.fp8 import Fp8Weight
 
 
 def _linear(config, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
     """nn.Linear, or for a quantized checkpoint that quantizes `name` (an HF module name
     suffix, e.g. self_attn.q_proj) one-part ColumnParallelLinear holding FP8 / int4 weights.
-    kv_b_proj (read whole by MLA) and the routed experts are dequantized at load."""
+    kv_b_proj (read whole by MLA) is dequantized at load; routed experts: DeepseekMoE."""
     scheme = read_quantization_scheme(config)
     if scheme is None or not scheme.quantizes(name):
         return nn.Linear(in_features, out_features, bias=bias)
@@ -238,9 +241,16 @@ class DeepseekMoE(nn.Module):
         self.num_experts = config.n_routed_experts
         self.intermediate = inter
         self.gate = DeepseekRouter(config)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
-        self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        scheme = read_quantization_scheme(config)
+        if scheme is not None and scheme.kind == FP8 and scheme.quantizes("mlp.experts"):
+            # held in FP8; int4 experts are dequantized at load into the dense stack below
+            self.experts = Fp8Experts(self.num_experts, hidden, inter, scheme)
+        else:
+            self.experts = nn.Module()
+            self.experts.gate_up_proj = nn.Parameter(
+                torch.empty(self.num_experts, 2 * inter, hidden)
+            )
+            self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (
             DeepseekMLP(hidden, inter * shared, config, "mlp.shared_experts") if shared else None
@@ -248,8 +258,11 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if isinstance(self.experts, Fp8Experts):
+            gate_up, down, ids = self.experts.dense(ids, x.dtype)
         # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync
-        out = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = routed_experts(x, weights, ids, gate_up, down)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -340,6 +353,11 @@ class DeepseekV2ForCausalLM(nn.Module):
             param = params.get(target)
             if param is None or expert >= param.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            experts = self.get_submodule(prefix)
+            if isinstance(experts, Fp8Experts):
+                experts.load(expert, part, _fp8_expert(tensor, name, inter, experts))
+                loaded.add(f"{target}#{expert}.{part}")
+                continue
             dest = param.data[expert]
             if part != "down_proj":
                 dest = dest.narrow(0, 0 if part == "gate_proj" else inter, inter)
@@ -363,6 +381,19 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
 
+def _fp8_expert(tensor, name: str, inter: int, experts: Fp8Experts) -> Fp8Weight:
+    """An expert linear of an FP8 checkpoint: an Fp8Weight of the expert's shape."""
+    if not isinstance(tensor, Fp8Weight):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} is a plain {tensor.dtype} tensor where the checkpoint's "
+            f"quantization_config says {experts.method.scheme.describe()}"
+        )
+    hidden = experts.down_proj.shape[1]
+    expected = (hidden, inter) if name.endswith("down_proj.weight") else (inter, hidden)
+    _check_shape(torch.empty(expected, device="meta"), tensor, name)
+    return tensor
+
+
 def _check_shape(dest, tensor, source_name):
     if dest.shape != tensor.shape:
         raise ValueError(
@@ -378,6 +409,11 @@ def _copy_into(params, target, tensor, source_name):
     if hasattr(param, "weight_loader"):  # a quantized linear's weight
         load_parameter(param, tensor, None, source_name)
         return
+    if param.dtype == torch.float8_e4m3fn:  # Fp8Experts, which read one expert at a time
+        raise ModelLoadError(
+            f"checkpoint tensor {source_name!r}: stacked experts in a quantized checkpoint are "
+            "not read; FP8 experts are read one expert at a time (experts.<e>.gate_proj ...)"
+        )
     tensor = dense(tensor, param.dtype)  # e.g. kv_b_proj, which MLA reads whole
     _check_shape(param.data, tensor, source_name)
     param.data.copy_(tensor)

@@ -82,6 +82,9 @@ def quantize(hf_dir: str, out: Path, scheme: str) -> None:
 
 
 def hf_outputs(model, prompts) -> dict:
+    """Last-token logits and greedy tokens; no EOS id, so generate neither stops early nor
+    masks EOS (atom runs with ignore_eos)."""
+    model.generation_config.eos_token_id = None
     logits, tokens = [], []
     with torch.no_grad():
         for ids in prompts:
@@ -91,7 +94,6 @@ def hf_outputs(model, prompts) -> dict:
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=GREEDY_TOKENS,
-                min_new_tokens=GREEDY_TOKENS,
                 do_sample=False,
             )
             tokens.append(out[0, len(ids) :].tolist())

@@ -130,6 +130,7 @@ def quantized_smollm2():
 
 def _hf_dense(path: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as the worker: atom runs with ignore_eos
     logits, tokens = [], []
     with torch.no_grad():
         for ids in PROMPTS:
@@ -139,7 +140,6 @@ def _hf_dense(path: Path):
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=GREEDY_TOKENS,
-                min_new_tokens=GREEDY_TOKENS,
                 do_sample=False,
             )
             tokens.append(out[0, len(ids) :].tolist())

@@ -220,7 +220,26 @@ def write_pair(model, root, fmt, quantized_names):
     plain_dir, quant_dir = root / "plain", root / "quantized"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     tensors = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # HF stacks the routed experts; DeepSeek's checkpoints store each expert's linears
+        stacked, prefix = state[name], name.rsplit(".", 1)[0]
+        if name.endswith("gate_up_proj"):
+            inter = stacked.shape[1] // 2
+            parts = {
+                "gate_proj": lambda e: stacked[e, :inter],
+                "up_proj": lambda e: stacked[e, inter:],
+            }
+        else:
+            parts = {"down_proj": lambda e: stacked[e]}
+        for e in range(stacked.shape[0]):
+            for part, rows in parts.items():
+                module = f"{prefix}.{e}.{part}"
+                stored, dequantized = quantize_linear(module, rows(e).float(), fmt)
+                tensors.update(stored)
+                rows(e).copy_(dequantized)
     for name in list(state):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
         module = name[: -len(".weight")]
         if name.endswith(".weight") and quantized_names(name):
             stored, dequantized = quantize_linear(module, state[name].float(), fmt)
@@ -307,11 +326,12 @@ DEEPSEEK = dict(
 )
 
 
-@pytest.mark.parametrize("version", ["v2", "v3"])
-def test_deepseek_block_fp8_matches_dequantized_hf(tmp_path, version):
-    """Every projection, shared and routed expert in block FP8 (`weight_scale_inv`); blocks of
-    32 x 32 here so that these tiny matrices hold several blocks and ragged edges (real V3
-    checkpoints use 128 x 128, the same code)."""
+@pytest.mark.parametrize("version, block", [("v2", "24x32"), ("v3", "32x32")])
+def test_deepseek_block_fp8_matches_dequantized_hf(tmp_path, version, block):
+    """Every projection, shared and routed expert in block FP8 (`weight_scale_inv`); small
+    blocks here so that these tiny matrices hold several blocks and ragged edges (real V3
+    checkpoints use 128 x 128, the same code); 24 rows: the up rows of the fused experts
+    start inside a block."""
     torch.manual_seed(5)
     if version == "v3":
         config = transformers.DeepseekV3Config(
@@ -324,9 +344,11 @@ def test_deepseek_block_fp8_matches_dequantized_hf(tmp_path, version):
     def quantized(name):
         return name.startswith("model.layers.") and name.endswith(("proj.weight", "_mqa.weight"))
 
-    quant_dir, plain_dir = write_pair(model, tmp_path, "deepseek_fp8:32x32", quantized)
+    quant_dir, plain_dir = write_pair(model, tmp_path, f"deepseek_fp8:{block}", quantized)
     llm = check_parity(quant_dir, plain_dir)
     layer = llm.engine.model_runner.model.model.layers[1]
+    assert layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert layer.mlp.experts.down_proj.dtype == torch.float8_e4m3fn
     assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
     assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     assert layer.mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
