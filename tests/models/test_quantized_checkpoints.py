@@ -223,20 +223,16 @@ def write_pair(model, root, fmt, quantized_names):
     for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         # HF stacks the routed experts; DeepSeek's checkpoints store each expert's linears
         stacked, prefix = state[name], name.rsplit(".", 1)[0]
-        if name.endswith("gate_up_proj"):
-            inter = stacked.shape[1] // 2
-            parts = {
-                "gate_proj": lambda e: stacked[e, :inter],
-                "up_proj": lambda e: stacked[e, inter:],
-            }
-        else:
-            parts = {"down_proj": lambda e: stacked[e]}
         for e in range(stacked.shape[0]):
-            for part, rows in parts.items():
-                module = f"{prefix}.{e}.{part}"
-                stored, dequantized = quantize_linear(module, rows(e).float(), fmt)
+            if name.endswith("gate_up_proj"):
+                gate, up = stacked[e].chunk(2)
+                parts = {"gate_proj": gate, "up_proj": up}
+            else:
+                parts = {"down_proj": stacked[e]}
+            for part, rows in parts.items():  # views: the dequantized values go back in
+                stored, dequantized = quantize_linear(f"{prefix}.{e}.{part}", rows.float(), fmt)
                 tensors.update(stored)
-                rows(e).copy_(dequantized)
+                rows.copy_(dequantized)
     for name in list(state):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             continue
