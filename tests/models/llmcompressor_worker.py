@@ -14,7 +14,8 @@ OUT_DIR gets
 - dequantized/: the same model with compressed-tensors' decompression of every weight,
   saved as a plain fp32 checkpoint (no quantization_config);
 - hf_compressed.pt: HF transformers loading quantized/ (compressed-tensors at run time):
-  first-step logits and greedy tokens of each prompt.
+  last-token logits and greedy tokens of each prompt, and the input and output of two
+  linear layers.
 """
 
 import json
@@ -100,6 +101,26 @@ def hf_outputs(model, prompts) -> dict:
     return {"logits": torch.stack(logits), "tokens": tokens}
 
 
+def linear_io(model, ids) -> dict:
+    """Input and output of layer 0's q_proj and down_proj on `ids`, as compressed-tensors
+    runs them (its activation quantization included)."""
+    captured = {}
+    layer = model.model.layers[0]
+    hooks = [
+        layer.get_submodule(name).register_forward_hook(
+            lambda module, inputs, output, name=name: captured.__setitem__(
+                name, (inputs[0][0].clone(), output[0].clone())
+            )
+        )
+        for name in ("self_attn.q_proj", "mlp.down_proj")
+    ]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return captured
+
+
 def main() -> None:
     hf_dir, out, scheme, prompts_file = sys.argv[1:5]
     out = Path(out)
@@ -107,7 +128,9 @@ def main() -> None:
     quantize(hf_dir, out, scheme)
     quantized = out / "quantized"
     compressed = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
-    torch.save(hf_outputs(compressed.eval(), prompts), out / "hf_compressed.pt")
+    outputs = hf_outputs(compressed.eval(), prompts)
+    outputs["linears"] = linear_io(compressed, prompts[0])
+    torch.save(outputs, out / "hf_compressed.pt")
     # compressed-tensors' own decompression of every weight, kept as a plain checkpoint
     config = transformers.CompressedTensorsConfig(dequantize=True)
     dense = transformers.AutoModelForCausalLM.from_pretrained(

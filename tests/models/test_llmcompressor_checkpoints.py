@@ -13,11 +13,14 @@ Bounds (fp32 CPU):
 - int4 (W4A16 GPTQ, W4A16_ASYM): atom runs the very weights compressed-tensors decompresses,
   so greedy tokens equal HF's on both the compressed and the decompressed checkpoint, and the
   last-token logits agree to 1e-4 of the logit scale (summation order only).
-- FP8_DYNAMIC: activations are rounded to e4m3 per token, in atom as in compressed-tensors.
-  One e4m3 step is 1/16 relative, so a different summation order upstream (atom fuses
-  q | k | v and gate | up) can flip a rounding and move a logit by far more than 1e-4: the
-  last-token logits agree to 2e-2 of the scale, greedy tokens equal HF's for the first 8
-  steps, and the argmax of every prompt's last logits is HF's.
+- FP8_DYNAMIC: activations are rounded to e4m3 per token, in atom as in compressed-tensors:
+  one linear on the same input gives HF's output to 1e-6 (bit for bit in practice). Over 30
+  layers, 1e-6-sized summation-order differences (atom fuses q | k | v and gate | up) flip
+  a few roundings (one e4m3 step is 1/16 relative) and the flips compound: measured, the
+  last-token logits drift by 0.06-0.11 of the logit scale. So the whole-model checks are the
+  argmax of every prompt's last logits, the first 8 greedy tokens, and logits within 0.25 of
+  the scale; with the rounding switched off atom equals the decompressed model (greedy
+  tokens, logits within 1e-4: the weights are exact).
 """
 
 import hashlib
@@ -159,6 +162,7 @@ def _close(got, expected, bound):
     assert (got - expected).abs().max() <= bound * scale, (got - expected).abs().max() / scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
 def test_int4_checkpoint_matches_hf_and_the_decompressed_model(quantized_smollm2, scheme):
     out = quantized_smollm2[scheme]
@@ -173,14 +177,28 @@ def test_int4_checkpoint_matches_hf_and_the_decompressed_model(quantized_smollm2
     _close(logits, dense_logits, 1e-4)
 
 
-def test_fp8_dynamic_checkpoint_matches_hf(quantized_smollm2):
+@pytest.mark.slow
+def test_fp8_dynamic_checkpoint_matches_hf(quantized_smollm2, monkeypatch):
     out = quantized_smollm2["FP8_DYNAMIC"]
     config = json.loads((out / "quantized" / "config.json").read_text())["quantization_config"]
     assert config["format"] == "float-quantized"
     llm, logits, tokens = _atom(out / "quantized")
-    qkv = llm.engine.model_runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.float8_e4m3fn
+    layer = llm.engine.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     compressed = torch.load(out / "hf_compressed.pt")
-    _close(logits, compressed["logits"], 2e-2)
+    # one linear on the same input: compressed-tensors' activation rounding, bit for bit
+    x, y = compressed["linears"]["self_attn.q_proj"]
+    with torch.no_grad():
+        _close(layer.self_attn.qkv_proj(x)[:, : y.shape[-1]], y, 1e-6)
+        x, y = compressed["linears"]["mlp.down_proj"]
+        _close(layer.mlp.down_proj(x), y, 1e-6)
+    # the whole model: rounding flips make the logits drift (module docstring)
+    _close(logits, compressed["logits"], 0.25)
     assert torch.equal(logits.argmax(-1), compressed["logits"].argmax(-1))
     assert [t[:8] for t in tokens] == [t[:8] for t in compressed["tokens"]]
+    # weight-only (activations left unrounded): the decompressed model's fp32 weights exactly
+    monkeypatch.setattr("atom.models.quantization.fp8.fp8_round_per_token", lambda x: x)
+    _, logits, tokens = _atom(out / "quantized")
+    dense_logits, dense_tokens = _hf_dense(out / "dequantized")
+    assert tokens == dense_tokens
+    _close(logits, dense_logits, 1e-4)

@@ -322,12 +322,15 @@ DEEPSEEK = dict(
 )
 
 
-@pytest.mark.parametrize("version, block", [("v2", "24x32"), ("v3", "32x32")])
-def test_deepseek_block_fp8_matches_dequantized_hf(tmp_path, version, block):
-    """Every projection, shared and routed expert in block FP8 (`weight_scale_inv`); small
-    blocks here so that these tiny matrices hold several blocks and ragged edges (real V3
-    checkpoints use 128 x 128, the same code); 24 rows: the up rows of the fused experts
-    start inside a block."""
+@pytest.mark.parametrize(
+    "version, fmt",
+    [("v2", "deepseek_fp8:24x32"), ("v3", "deepseek_fp8:32x32"), ("v3", "gptq:channel")],
+)
+def test_deepseek_quantized_checkpoint_matches_dequantized_hf(tmp_path, version, fmt):
+    """Every projection, shared and routed expert quantized. Block FP8 (`weight_scale_inv`)
+    with small blocks, so that these tiny matrices hold several blocks and ragged edges (real
+    V3 checkpoints use 128 x 128, the same code; 24 rows: the up rows of the fused experts
+    start inside a block); GPTQ: the routed experts are dequantized at load."""
     torch.manual_seed(5)
     if version == "v3":
         config = transformers.DeepseekV3Config(
@@ -340,14 +343,16 @@ def test_deepseek_block_fp8_matches_dequantized_hf(tmp_path, version, block):
     def quantized(name):
         return name.startswith("model.layers.") and name.endswith(("proj.weight", "_mqa.weight"))
 
-    quant_dir, plain_dir = write_pair(model, tmp_path, f"deepseek_fp8:{block}", quantized)
+    quant_dir, plain_dir = write_pair(model, tmp_path, fmt, quantized)
     llm = check_parity(quant_dir, plain_dir)
     layer = llm.engine.model_runner.model.model.layers[1]
-    assert layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
-    assert layer.mlp.experts.down_proj.dtype == torch.float8_e4m3fn
-    assert layer.self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
-    assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
-    assert layer.mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
+    stored = torch.float8_e4m3fn if "fp8" in fmt else torch.uint8
+    assert layer.self_attn.q_b_proj.weight.dtype == stored
+    assert layer.self_attn.o_proj.weight.dtype == stored
+    assert layer.mlp.shared_experts.down_proj.weight.dtype == stored
+    experts = torch.float8_e4m3fn if "fp8" in fmt else torch.float32
+    assert layer.mlp.experts.gate_up_proj.dtype == experts
+    assert layer.mlp.experts.down_proj.dtype == experts
 
 
 # -- bad input: refused at load, naming the tensor or the key ------------------------------
