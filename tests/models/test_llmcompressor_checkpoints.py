@@ -109,6 +109,9 @@ def quantized_smollm2():
     site = _side_packages()
     hf_dir = _smollm2_hf_dir()
     key = hashlib.sha1(WORKER.read_bytes() + json.dumps(PROMPTS).encode()).hexdigest()[:10]
+    for stale in CACHE.glob("*-*"):  # results of an older worker or other prompts
+        if stale.name.startswith(("FP8_DYNAMIC-", "W4A16", "prompts-")) and key not in stale.name:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     prompts_file = CACHE / f"prompts-{key}.json"
     prompts_file.write_text(json.dumps(PROMPTS))
     env = dict(os.environ, PYTHONPATH=str(site), TOKENIZERS_PARALLELISM="false")
