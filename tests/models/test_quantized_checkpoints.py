@@ -450,3 +450,17 @@ def test_unsupported_gptq_awq_fp8_options_are_refused(fp8_dir, tmp_path, config,
     path = _variant(fp8_dir, tmp_path, edit_config=lambda c: (c.clear(), c.update(config)))
     with pytest.raises(ModelLoadError, match=f"quantization_config.{key}"):
         open_model(path)
+
+
+# -- tensor parallelism: the quantized weights and their scales sharded on 2 spawned ranks ----
+@pytest.mark.parametrize("fmt", ["ct_fp8:block", "ct_int4:asym_group"])
+def test_tensor_parallel_2_equals_1(llama_model, tmp_path, fmt):
+    """Column layers shard the rows of the weight, its scales and zero points; row layers
+    the inputs on block / group boundaries (128 of 256 and 512 here)."""
+    quant_dir, _ = write_pair(llama_model, tmp_path, fmt, _is_llama_linear)
+    expected = [o.token_ids for o in build_llm(quant_dir).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = build_llm(quant_dir, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+    finally:
+        llm.shutdown()
