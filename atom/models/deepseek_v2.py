@@ -35,22 +35,26 @@ from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
 from atom.models.load_error import ModelLoadError
 from atom.models.moe import routed_experts
-from atom.models.parallel_layers import ColumnParallelLinear, dense, load_parameter
-from atom.models.quantization import FP8, linear_method, read_quantization_scheme
+from atom.models.parallel_layers import (
+    ColumnParallelLinear,
+    dense,
+    linear_method_for,
+    load_parameter,
+)
+from atom.models.quantization import FP8, read_quantization_scheme
 from atom.models.quantization.experts import Fp8Experts
 from atom.models.quantization.fp8 import Fp8Weight
 
 
 def _linear(config, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
-    """nn.Linear, or for a quantized checkpoint that quantizes `name` (an HF module name
-    suffix, e.g. self_attn.q_proj) one-part ColumnParallelLinear holding FP8 / int4 weights.
-    kv_b_proj (read whole by MLA) is dequantized at load; routed experts: DeepseekMoE."""
-    scheme = read_quantization_scheme(config)
-    if scheme is None or not scheme.quantizes(name):
+    """nn.Linear, or for a quantized checkpoint that quantizes the HF linear `name` (e.g.
+    model.layers.0.self_attn.q_proj) a one-part ColumnParallelLinear holding FP8 / int4
+    weights. kv_b_proj (read whole by MLA) is dequantized at load; routed experts:
+    DeepseekMoE."""
+    method = linear_method_for(read_quantization_scheme(config), [name], name)
+    if method is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    layer = ColumnParallelLinear(in_features, [out_features], bias)
-    layer.quantize(linear_method(scheme))
-    return layer
+    return ColumnParallelLinear(in_features, [out_features], bias, quant_method=method)
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -110,7 +114,7 @@ def softmax_scale(config) -> float:
 
 
 class DeepseekV2Attention(nn.Module):
-    def __init__(self, config, max_position: int):
+    def __init__(self, config, max_position: int, prefix: str = "self_attn"):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.q_lora_rank = config.q_lora_rank
@@ -122,20 +126,20 @@ class DeepseekV2Attention(nn.Module):
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         q_out = self.num_heads * self.qk_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = _linear(config, "self_attn.q_proj", hidden, q_out, bias=False)
+            self.q_proj = _linear(config, f"{prefix}.q_proj", hidden, q_out, bias=False)
         else:
-            self.q_a_proj = _linear(config, "self_attn.q_a_proj", hidden, self.q_lora_rank, bias)
+            self.q_a_proj = _linear(config, f"{prefix}.q_a_proj", hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = _linear(config, "self_attn.q_b_proj", self.q_lora_rank, q_out, False)
+            self.q_b_proj = _linear(config, f"{prefix}.q_b_proj", self.q_lora_rank, q_out, False)
         self.kv_a_proj_with_mqa = _linear(
-            config, "self_attn.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias
+            config, f"{prefix}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
         )
         self.o_proj = _linear(
-            config, "self_attn.o_proj", self.num_heads * self.v_head_dim, hidden, bias
+            config, f"{prefix}.o_proj", self.num_heads * self.v_head_dim, hidden, bias
         )
         self.rotary = DeepseekRotaryEmbedding(config, max_position)
         self.attn = MLAAttention(
@@ -165,6 +169,7 @@ class DeepseekV2Attention(nn.Module):
 
 class DeepseekMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, config=None, prefix: str = "mlp"):
+        """prefix: the HF module name (model.layers.<i>.mlp), for a quantized checkpoint."""
         super().__init__()
         hidden, inter = hidden_size, intermediate_size
         self.gate_proj = _linear(config, f"{prefix}.gate_proj", hidden, inter, bias=False)
@@ -235,14 +240,18 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, prefix: str = "mlp"):
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.num_experts = config.n_routed_experts
         self.intermediate = inter
         self.gate = DeepseekRouter(config)
         scheme = read_quantization_scheme(config)
-        if scheme is not None and scheme.kind == FP8 and scheme.quantizes("mlp.experts"):
+        if (
+            scheme is not None
+            and scheme.kind == FP8
+            and scheme.quantizes(f"{prefix}.experts.0.gate_proj")
+        ):
             # held in FP8; int4 experts are dequantized at load into the dense stack below
             self.experts = Fp8Experts(self.num_experts, hidden, inter, scheme)
         else:
@@ -253,7 +262,9 @@ class DeepseekMoE(nn.Module):
             self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         shared = getattr(config, "n_shared_experts", None) or 0
         self.shared_experts = (
-            DeepseekMLP(hidden, inter * shared, config, "mlp.shared_experts") if shared else None
+            DeepseekMLP(hidden, inter * shared, config, f"{prefix}.shared_experts")
+            if shared
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +282,8 @@ class DeepseekMoE(nn.Module):
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, max_position: int):
         super().__init__()
-        self.self_attn = DeepseekV2Attention(config, max_position)
+        prefix = f"model.layers.{layer_idx}"  # HF module names, for a quantized checkpoint
+        self.self_attn = DeepseekV2Attention(config, max_position, f"{prefix}.self_attn")
         freq = getattr(config, "moe_layer_freq", 1) or 1
         is_moe = (
             config.n_routed_experts
@@ -279,9 +291,9 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
             and layer_idx % freq == 0
         )
         self.mlp = (
-            DeepseekMoE(config)
+            DeepseekMoE(config, f"{prefix}.mlp")
             if is_moe
-            else DeepseekMLP(config.hidden_size, config.intermediate_size, config)
+            else DeepseekMLP(config.hidden_size, config.intermediate_size, config, f"{prefix}.mlp")
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

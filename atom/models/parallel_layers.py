@@ -11,9 +11,10 @@ Each parameter carries a `weight_loader(param, tensor, shard_id, name)` that cop
 this rank's part of a full checkpoint tensor; `load_parameter` dispatches to it.
 
 A quantized checkpoint (atom/models/quantization/) gives the linear layers a linear method
-(`quantize_linear_layers`): the layer's `weight` is then the stored FP8 or packed int4 tensor
-with its scales beside it, sharded like the dense weight, and `forward` is the method's
-`apply`. A quantized checkpoint tensor bound for a dense parameter is dequantized.
+at construction (`quant_method`, from `linear_method_for`): the layer's `weight` is then the
+stored FP8 or packed int4 tensor with its scales beside it (no dense weight is ever
+allocated), sharded like the dense weight, and `forward` is the method's `apply`. A
+quantized checkpoint tensor bound for a dense parameter is dequantized.
 """
 
 from __future__ import annotations
@@ -64,26 +65,20 @@ def _quantized(layer, tensor, name: str):
     return tensor
 
 
-def quantize_linear_layers(model: nn.Module, scheme: QuantizationScheme | None, stacked=()):
-    """Give every Column/RowParallelLinear of `model` that `scheme` quantizes its linear
-    method (called once, at the end of the model's __init__). `stacked`: the model's
-    (HF name, fused name, shard id) triples, so a fused layer is quantized when all of
-    its HF parts are, and refused when only some are."""
+def linear_method_for(scheme: QuantizationScheme | None, names: list[str], layer: str):
+    """The linear method of a layer holding the HF linears `names` (one, or the parts of a
+    fused layer such as q_proj, k_proj, v_proj), or None when `scheme` leaves them dense.
+    A fused layer is quantized whole: an ignore list that keeps only some parts dense is
+    refused, naming the layer."""
     if scheme is None:
-        return
-    for module_name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            continue
-        prefix, _, leaf = module_name.rpartition(".")
-        names = [f"{prefix}.{hf}" for hf, fused, _ in stacked if fused == leaf] or [module_name]
-        quantized = {scheme.quantizes(name) for name in names}
-        if len(quantized) > 1:
-            raise ModelLoadError(
-                f"quantization_config ignore list {list(scheme.ignore)} keeps some of "
-                f"{names} unquantized; atom fuses them into one layer ({module_name})"
-            )
-        if quantized.pop():
-            module.quantize(linear_method(scheme))
+        return None
+    quantized = {scheme.quantizes(name) for name in names}
+    if len(quantized) > 1:
+        raise ModelLoadError(
+            f"quantization_config ignore list {list(scheme.ignore)} keeps some of {names} "
+            f"unquantized; atom fuses them into one layer ({layer})"
+        )
+    return linear_method(scheme) if quantized.pop() else None
 
 
 def _check_shape(tensor: torch.Tensor, expected, name: str) -> None:
@@ -117,6 +112,7 @@ class ColumnParallelLinear(nn.Module):
         tp: TensorParallelGroup | None = None,
         part_names: list | None = None,
         part_units: int = 1,
+        quant_method=None,
     ):
         super().__init__()
         self.tp = tp = _single(tp)
@@ -128,22 +124,20 @@ class ColumnParallelLinear(nn.Module):
             label = f"output part {self._name(index)} ({size // part_units} units of {part_units})"
             _, units = shard_range(size // part_units, tp.rank, tp.world_size, label)
             self.local_sizes.append(units * part_units)
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
+        # quant_method (Fp8LinearMethod, Int4LinearMethod): it creates `weight` and its scales
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
+        else:
+            row_starts = []  # where each part begins in the layer and in the checkpoint
+            for part, local in enumerate(self.local_sizes):
+                row_starts += [sum(self.local_sizes[:part]), tp.rank * local]
+            quant_method.create_weights(self, sum(self.local_sizes), input_size, row_starts, 0)
         self.weight.weight_loader = self._load
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)))
             self.bias.weight_loader = self._load
-        self.quant_method = None
-
-    def quantize(self, method) -> None:
-        """Hold the weight quantized by `method` (Fp8LinearMethod, Int4LinearMethod)."""
-        row_starts = []
-        for part, local in enumerate(self.local_sizes):
-            row_starts += [sum(self.local_sizes[:part]), self.tp.rank * local]
-        method.create_weights(self, sum(self.local_sizes), self.input_size, row_starts, 0)
-        self.weight.weight_loader = self._load
-        self.quant_method = method
 
     def _name(self, index: int):
         return self.part_names[index] if self.part_names is not None else index
@@ -191,6 +185,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         tp: TensorParallelGroup | None = None,
+        quant_method=None,
     ):
         tp = _single(tp)
         shard_range(num_heads, tp.rank, tp.world_size, "num_attention_heads")
@@ -202,6 +197,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             tp,
             part_names=["q", "k", "v"],
             part_units=head_dim,
+            quant_method=quant_method,
         )
         self.num_heads = num_heads // tp.world_size
         self.num_kv_heads = num_kv_heads // tp.world_size
@@ -212,25 +208,28 @@ class RowParallelLinear(nn.Module):
     of a column-parallel layer), the output is whole on every rank."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TensorParallelGroup | None = None,
+        quant_method=None,
     ):
         super().__init__()
         self.tp = tp = _single(tp)
         self.input_size = input_size
         self.output_size = output_size
         _, self.local_input = shard_range(input_size, tp.rank, tp.world_size, "input features")
-        self.weight = nn.Parameter(torch.empty(output_size, self.local_input))
+        # quant_method (Fp8LinearMethod, Int4LinearMethod): it creates `weight` and its scales
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(output_size, self.local_input))
+        else:
+            start = tp.rank * self.local_input
+            quant_method.create_weights(self, output_size, self.local_input, [0], start)
         self.weight.weight_loader = self._load_weight
         # The bias is added once, after the sum, so it is kept whole on every rank.
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
-        self.quant_method = None
-
-    def quantize(self, method) -> None:
-        """Hold the weight quantized by `method` (Fp8LinearMethod, Int4LinearMethod)."""
-        start = self.tp.rank * self.local_input
-        method.create_weights(self, self.output_size, self.local_input, [0], start)
-        self.weight.weight_loader = self._load_weight
-        self.quant_method = method
 
     def _load_weight(self, param, tensor, shard_id, name) -> None:
         start = self.tp.rank * self.local_input

@@ -464,3 +464,23 @@ def test_tensor_parallel_2_equals_1(llama_model, tmp_path, fmt):
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
     finally:
         llm.shutdown()
+
+
+def test_a_linear_on_the_ignore_list_stays_dense(llama_model, tmp_path):
+    """compressed-tensors `ignore` by module name and by `re:` pattern: those linears are
+    stored and held dense, the others quantized."""
+    dense = ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj")
+
+    def quantized(name):
+        return _is_llama_linear(name) and not name.startswith(dense)
+
+    quant_dir, plain_dir = write_pair(llama_model, tmp_path, "ct_fp8:channel", quantized)
+    config = json.loads((tmp_path / "quantized" / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", dense[0], "re:.*layers\\.0\\..*o_proj$"]
+    (tmp_path / "quantized" / "config.json").write_text(json.dumps(config))
+    llm = check_parity(quant_dir, plain_dir)
+    layers = llm.engine.model_runner.model.model.layers
+    assert layers[1].mlp.down_proj.weight.dtype == torch.float32
+    assert layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    assert layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    assert layers[1].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn

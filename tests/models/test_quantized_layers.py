@@ -59,16 +59,16 @@ def test_qkv_and_row_shards_compute_the_full_product(scheme):
     full = {name: F.linear(x, w.dequantize(torch.float32)) for name, w in parts.items()}
     total = torch.zeros(3, hidden)
     for tp in ranks(world):
-        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, tp)
-        qkv.quantize(linear_method(scheme))
+        qkv = QKVParallelLinear(
+            hidden, head_dim, heads, kv_heads, False, tp, quant_method=linear_method(scheme)
+        )
         for name, weight in parts.items():
             load_parameter(qkv.weight, weight, name, f"{name}_proj.weight")
         q, k, v = qkv(x).split([2 * head_dim, head_dim, head_dim], dim=-1)
         torch.testing.assert_close(q, full["q"][:, tp.rank * 32 : (tp.rank + 1) * 32])
         torch.testing.assert_close(k, full["k"][:, tp.rank * 16 : (tp.rank + 1) * 16])
         torch.testing.assert_close(v, full["v"][:, tp.rank * 16 : (tp.rank + 1) * 16])
-        row = RowParallelLinear(hidden, hidden, False, tp)
-        row.quantize(linear_method(scheme))
+        row = RowParallelLinear(hidden, hidden, False, tp, quant_method=linear_method(scheme))
         load_parameter(row.weight, down, None, "o_proj.weight")
         local = x[:, tp.rank * 32 : (tp.rank + 1) * 32]
         total += row(local)  # the all-reduce, by hand
@@ -77,16 +77,25 @@ def test_qkv_and_row_shards_compute_the_full_product(scheme):
 
 
 def test_fp8_block_scales_stay_blocks_when_parts_align():
-    gate_up = ColumnParallelLinear(64, [64, 64], False)
-    gate_up.quantize(linear_method(FP8_BLOCK))
+    gate_up = ColumnParallelLinear(64, [64, 64], False, quant_method=linear_method(FP8_BLOCK))
     assert gate_up.weight_block == (32, 32) and gate_up.weight_scale.shape == (4, 2)
-    qkv = QKVParallelLinear(64, 16, 4, 1, False)  # k starts at row 64, v at 80: inside a block
-    qkv.quantize(linear_method(FP8_BLOCK))
+    # k starts at row 64, v at 80: inside a block
+    qkv = QKVParallelLinear(64, 16, 4, 1, False, quant_method=linear_method(FP8_BLOCK))
     assert qkv.weight_block == (1, 32) and qkv.weight_scale.shape == (96, 2)
 
 
 @pytest.mark.parametrize("scheme", [FP8_BLOCK, INT4_GROUP])
 def test_a_shard_inside_a_scale_block_or_group_is_refused(scheme):
-    row = RowParallelLinear(48, 8, False, ranks(2)[1])  # inputs 24..47: inside block / group
-    with pytest.raises(ModelLoadError, match="tensor-parallel"):
-        row.quantize(linear_method(scheme))
+    with pytest.raises(ModelLoadError, match="tensor-parallel"):  # inputs 24..47 of 48
+        RowParallelLinear(48, 8, False, ranks(2)[1], quant_method=linear_method(scheme))
+
+
+def test_a_fused_layer_quantized_in_part_is_refused():
+    from atom.models.parallel_layers import linear_method_for
+
+    scheme = QuantizationScheme("fp8", "compressed-tensors", ignore=("re:.*k_proj",))
+    names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    with pytest.raises(ModelLoadError, match="fuses them into one layer"):
+        linear_method_for(scheme, names, "model.layers.0.self_attn")
+    assert linear_method_for(scheme, names[:1], "q") is not None
+    assert linear_method_for(scheme, names[1:2], "k") is None
