@@ -34,7 +34,28 @@ from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
+from atom.models.load_error import ModelLoadError
 from atom.models.moe import routed_experts
+from atom.models.parallel_layers import (
+    ColumnParallelLinear,
+    dense,
+    linear_method_for,
+    load_parameter,
+)
+from atom.models.quantization import FP8, read_quantization_scheme
+from atom.models.quantization.experts import Fp8Experts
+from atom.models.quantization.fp8 import Fp8Weight
+
+
+def _linear(config, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """nn.Linear, or for a quantized checkpoint that quantizes the HF linear `name` (e.g.
+    model.layers.0.self_attn.q_proj) a one-part ColumnParallelLinear holding FP8 / int4
+    weights. kv_b_proj (read whole by MLA) is dequantized at load; routed experts:
+    DeepseekMoE."""
+    method = linear_method_for(read_quantization_scheme(config), [name], name)
+    if method is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, [out_features], bias, quant_method=method)
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -94,7 +115,7 @@ def softmax_scale(config) -> float:
 
 
 class DeepseekV2Attention(nn.Module):
-    def __init__(self, config, max_position: int):
+    def __init__(self, config, max_position: int, prefix: str = "self_attn"):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.q_lora_rank = config.q_lora_rank
@@ -106,17 +127,21 @@ class DeepseekV2Attention(nn.Module):
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         q_out = self.num_heads * self.qk_head_dim
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = _linear(config, f"{prefix}.q_proj", hidden, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = _linear(config, f"{prefix}.q_a_proj", hidden, self.q_lora_rank, bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_b_proj = _linear(config, f"{prefix}.q_b_proj", self.q_lora_rank, q_out, False)
+        self.kv_a_proj_with_mqa = _linear(
+            config, f"{prefix}.kv_a_proj_with_mqa", hidden, self.kv_lora_rank + self.rope_dim, bias
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = _linear(
+            config, f"{prefix}.o_proj", self.num_heads * self.v_head_dim, hidden, bias
+        )
         self.rotary = DeepseekRotaryEmbedding(config, max_position)
         self.attn = MLAAttention(
             self.num_heads,
@@ -144,11 +169,13 @@ class DeepseekV2Attention(nn.Module):
 
 
 class DeepseekMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, config=None, prefix: str = "mlp"):
+        """prefix: the HF module name (model.layers.<i>.mlp), for a quantized checkpoint."""
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        hidden, inter = hidden_size, intermediate_size
+        self.gate_proj = _linear(config, f"{prefix}.gate_proj", hidden, inter, bias=False)
+        self.up_proj = _linear(config, f"{prefix}.up_proj", hidden, inter, bias=False)
+        self.down_proj = _linear(config, f"{prefix}.down_proj", inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -214,22 +241,40 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, prefix: str = "mlp"):
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.num_experts = config.n_routed_experts
         self.intermediate = inter
         self.gate = DeepseekRouter(config)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * inter, hidden))
-        self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        scheme = read_quantization_scheme(config)
+        if (
+            scheme is not None
+            and scheme.kind == FP8
+            and scheme.quantizes(f"{prefix}.experts.0.gate_proj")
+        ):
+            # held in FP8; int4 experts are dequantized at load into the dense stack below
+            self.experts = Fp8Experts(self.num_experts, hidden, inter, scheme)
+        else:
+            self.experts = nn.Module()
+            self.experts.gate_up_proj = nn.Parameter(
+                torch.empty(self.num_experts, 2 * inter, hidden)
+            )
+            self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
         shared = getattr(config, "n_shared_experts", None) or 0
-        self.shared_experts = DeepseekMLP(hidden, inter * shared) if shared else None
+        self.shared_experts = (
+            DeepseekMLP(hidden, inter * shared, config, f"{prefix}.shared_experts")
+            if shared
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if isinstance(self.experts, Fp8Experts):
+            gate_up, down, ids = self.experts.dense(ids, x.dtype)
         # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync
-        out = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = routed_experts(x, weights, ids, gate_up, down)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -238,7 +283,8 @@ class DeepseekMoE(nn.Module):
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, max_position: int):
         super().__init__()
-        self.self_attn = DeepseekV2Attention(config, max_position)
+        prefix = f"model.layers.{layer_idx}"  # HF module names, for a quantized checkpoint
+        self.self_attn = DeepseekV2Attention(config, max_position, f"{prefix}.self_attn")
         freq = getattr(config, "moe_layer_freq", 1) or 1
         is_moe = (
             config.n_routed_experts
@@ -246,9 +292,9 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
             and layer_idx % freq == 0
         )
         self.mlp = (
-            DeepseekMoE(config)
+            DeepseekMoE(config, f"{prefix}.mlp")
             if is_moe
-            else DeepseekMLP(config.hidden_size, config.intermediate_size)
+            else DeepseekMLP(config.hidden_size, config.intermediate_size, config, f"{prefix}.mlp")
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -323,9 +369,15 @@ class DeepseekV2ForCausalLM(nn.Module):
             param = params.get(target)
             if param is None or expert >= param.shape[0]:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            experts = self.get_submodule(prefix)
+            if isinstance(experts, Fp8Experts):
+                experts.load(expert, part, _fp8_expert(tensor, name, inter, experts))
+                loaded.add(f"{target}#{expert}.{part}")
+                continue
             dest = param.data[expert]
             if part != "down_proj":
                 dest = dest.narrow(0, 0 if part == "gate_proj" else inter, inter)
+            tensor = dense(tensor, dest.dtype)  # quantized experts are dequantized at load
             _check_shape(dest, tensor, name)
             dest.copy_(tensor)
             loaded.add(f"{target}#{expert}.{part}")
@@ -345,6 +397,19 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
 
+def _fp8_expert(tensor, name: str, inter: int, experts: Fp8Experts) -> Fp8Weight:
+    """An expert linear of an FP8 checkpoint: an Fp8Weight of the expert's shape."""
+    if not isinstance(tensor, Fp8Weight):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} is a plain {tensor.dtype} tensor where the checkpoint's "
+            f"quantization_config says {experts.method.scheme.describe()}"
+        )
+    hidden = experts.down_proj.shape[1]
+    expected = (hidden, inter) if name.endswith("down_proj.weight") else (inter, hidden)
+    _check_shape(torch.empty(expected, device="meta"), tensor, name)
+    return tensor
+
+
 def _check_shape(dest, tensor, source_name):
     if dest.shape != tensor.shape:
         raise ValueError(
@@ -357,5 +422,14 @@ def _copy_into(params, target, tensor, source_name):
     param = params.get(target)
     if param is None:
         raise ValueError(f"checkpoint tensor {source_name!r} has no place in the model")
+    if hasattr(param, "weight_loader"):  # a quantized linear's weight
+        load_parameter(param, tensor, None, source_name)
+        return
+    if param.dtype == torch.float8_e4m3fn:  # Fp8Experts, which read one expert at a time
+        raise ModelLoadError(
+            f"checkpoint tensor {source_name!r}: stacked experts in a quantized checkpoint are "
+            "not read; FP8 experts are read one expert at a time (experts.<e>.gate_proj ...)"
+        )
+    tensor = dense(tensor, param.dtype)  # e.g. kv_b_proj, which MLA reads whole
     _check_shape(param.data, tensor, source_name)
     param.data.copy_(tensor)

@@ -39,8 +39,10 @@ from atom.models.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    linear_method_for,
     load_parameter,
 )
+from atom.models.quantization import read_quantization_scheme
 
 
 def _fused_kernels_on(x: torch.Tensor) -> bool:
@@ -53,21 +55,31 @@ def _num_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def _quant(config, prefix: str, *names: str):
+    """The linear method of the layer holding HF linears `prefix`.`names` (None: dense)."""
+    scheme = read_quantization_scheme(config)
+    return linear_method_for(scheme, [f"{prefix}.{name}" for name in names], prefix)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, max_position: int, tp: TensorParallelGroup):
+    def __init__(self, config, max_position: int, tp: TensorParallelGroup, prefix: str = ""):
         super().__init__()
         total_heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, _num_kv_heads(config), bias, tp
-        )
+            config.hidden_size, self.head_dim, total_heads, _num_kv_heads(config), bias, tp,
+            quant_method=_quant(config, prefix, "q_proj", "k_proj", "v_proj"),
+        )  # fmt: skip
         # Heads on this rank (all of them with one rank).
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, False, tp)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, False, tp,
+            quant_method=_quant(config, prefix, "o_proj"),
+        )  # fmt: skip
         theta, scaling = rope_parameters(config)
         self.rotary = RotaryEmbedding(
             self.head_dim, max_position, theta, scaling, config.max_position_embeddings
@@ -97,25 +109,36 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TensorParallelGroup):
+    def __init__(self, config, tp: TensorParallelGroup, prefix: str = ""):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp)
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [inter, inter], False, tp,
+            quant_method=_quant(config, prefix, "gate_proj", "up_proj"),
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, False, tp, quant_method=_quant(config, prefix, "down_proj")
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.gate_up_proj.weight
-        if _fused_kernels_on(x) and current_fusions().gemv_silu and use_gemv(x, weight, True):
+        if (
+            _fused_kernels_on(x)
+            and self.gate_up_proj.quant_method is None  # the fused GEMVs read dense weights
+            and current_fusions().gemv_silu
+            and use_gemv(x, weight, True)
+        ):
             return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config, max_position: int, tp: TensorParallelGroup):
+    def __init__(self, config, max_position: int, tp: TensorParallelGroup, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_position, tp)
-        self.mlp = LlamaMLP(config, tp)
+        # prefix: the layer's HF module name (model.layers.<i>), for a quantized checkpoint
+        self.self_attn = LlamaAttention(config, max_position, tp, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, tp, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,6 +149,8 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
             and attention.qkv_proj.bias is None
+            and attention.qkv_proj.quant_method is None  # the fused GEMVs read dense weights
+            and mlp.gate_up_proj.quant_method is None
             and norm.weight.dtype == hidden.dtype
         ):
             return super().forward(positions, hidden, residual)
@@ -166,7 +191,7 @@ class LlamaModel(DecoderStack):
         )
         self.layers = stage_layers(
             config.num_hidden_layers,
-            lambda _: LlamaDecoderLayer(config, max_position, tp),
+            lambda i: LlamaDecoderLayer(config, max_position, tp, f"model.layers.{i}"),
             None if pp is None else pp.layer_range(config.num_hidden_layers),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None

@@ -2,6 +2,8 @@
 
 `open_model` reads only metadata; `ModelSource.weights()` then streams HF-named float32 CPU
 tensors one at a time, and `load_tokenizer` builds the matching transformers tokenizer.
+A quantized checkpoint (config.json `quantization_config`, atom/models/quantization/) streams
+each quantized linear as one FP8 / int4 weight in its stored dtypes, never upcast.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from atom.models.load_error import ModelLoadError  # noqa: F401 (re-exported: callers import it from here)
+from atom.models.quantization import (
+    SHARD_END,
+    QuantizationScheme,
+    QuantizedWeightStream,
+    read_quantization_scheme,
+)
 
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -30,6 +38,8 @@ SUPPORTED_MODEL_TYPES = (
 # Model types read straight from config.json (no released transformers has their class);
 # their tokenizer is built from tokenizer.json / tokenizer_config.json alone.
 NATIVE_MODEL_TYPES = ("deepseek_v41_text",)
+# Families whose linear layers hold quantized weights (config.json quantization_config).
+QUANTIZED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -85,6 +95,7 @@ class ModelSource:
     hf_config: PretrainedConfig
     tokenizer_source: TokenizerSource
     weight_reader: Callable[..., Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    quantization: QuantizationScheme | None = None
 
     def weights(
         self, wanted: Callable[[str], bool] | None = None
@@ -93,6 +104,8 @@ class ModelSource:
 
         `lm_head.weight` appears only when the checkpoint stores it (untied embeddings).
         `wanted(name)` False: the tensor is skipped unread (a pipeline stage's others).
+        With `quantization`, a quantized linear comes as one `<linear>.weight` entry, an
+        Fp8Weight or Int4Weight (atom/models/quantization/checkpoint.py).
         """
         return self.weight_reader(wanted)
 
@@ -179,6 +192,15 @@ def _open_hf_directory(path: str) -> ModelSource:
             f"{directory / 'config.json'}: model_type {hf_config.model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    try:
+        scheme = read_quantization_scheme(hf_config)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{directory / 'config.json'}: {e}") from None
+    if scheme is not None and hf_config.model_type not in QUANTIZED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{directory / 'config.json'}: a quantized {hf_config.model_type} checkpoint is not "
+            f"supported (quantized checkpoints: {', '.join(QUANTIZED_MODEL_TYPES)})"
+        )
     files = _safetensors_files(directory)
     for file in files:  # read each header now so a damaged file fails at open time
         try:
@@ -193,7 +215,8 @@ def _open_hf_directory(path: str) -> ModelSource:
         format="safetensors",
         hf_config=hf_config,
         tokenizer_source=TokenizerSource(directory=str(directory)),
-        weight_reader=lambda wanted=None: _iter_safetensors_weights(files, wanted),
+        weight_reader=lambda wanted=None: _iter_safetensors_weights(files, wanted, scheme),
+        quantization=scheme,
     )
 
 
@@ -219,7 +242,18 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _iter_safetensors_weights(files: list[Path], wanted=None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors_weights(
+    files: list[Path], wanted=None, scheme: QuantizationScheme | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if scheme is None:
+        yield from (item for item in _read_shards(files, wanted) if item is not SHARD_END)
+    else:
+        yield from QuantizedWeightStream(scheme)(_read_shards(files, wanted, keep_packed=True))
+
+
+def _read_shards(files: list[Path], wanted, keep_packed: bool = False):
+    """(name, float32 tensor) of every wanted tensor, SHARD_END after each file;
+    `keep_packed` (a quantized checkpoint): FP8 and integer tensors keep their dtype."""
     for file in files:
         with safe_open(file, framework="pt") as shard:
             for name in shard.keys():
@@ -231,4 +265,7 @@ def _iter_safetensors_weights(files: list[Path], wanted=None) -> Iterator[tuple[
                     raise ModelLoadError(
                         f"{file}: cannot read tensor {name}: {type(e).__name__}: {e}"
                     ) from e
-                yield name, tensor.to(torch.float32)
+                if not keep_packed or (tensor.is_floating_point() and tensor.element_size() >= 2):
+                    tensor = tensor.to(torch.float32)
+                yield name, tensor
+        yield SHARD_END

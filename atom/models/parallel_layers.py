@@ -9,6 +9,12 @@ the plain matmul / embedding lookup, bit for bit.
 
 Each parameter carries a `weight_loader(param, tensor, shard_id, name)` that copies only
 this rank's part of a full checkpoint tensor; `load_parameter` dispatches to it.
+
+A quantized checkpoint (atom/models/quantization/) gives the linear layers a linear method
+at construction (`quant_method`, from `linear_method_for`): the layer's `weight` is then the
+stored FP8 or packed int4 tensor with its scales beside it (no dense weight is ever
+allocated), sharded like the dense weight, and `forward` is the method's `apply`. A
+quantized checkpoint tensor bound for a dense parameter is dequantized.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from atom.distributed import TensorParallelGroup, shard_range
 from atom.forward_context import current_fusions
 from atom.kernels.gemv import gemv
 from atom.kernels.gemv_policy import use_gemv
+from atom.models.load_error import ModelLoadError
+from atom.models.quantization import QuantizationScheme, QuantizedWeight, linear_method
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -38,8 +46,39 @@ def load_parameter(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: st
     if loader is not None:
         loader(param, tensor, shard_id, name)
     else:
+        tensor = dense(tensor, param.dtype)
         _check_shape(tensor, param.shape, name)
         param.data.copy_(tensor)
+
+
+def dense(tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor for a dense parameter: a quantized weight is dequantized."""
+    return tensor.dequantize(dtype) if isinstance(tensor, QuantizedWeight) else tensor
+
+
+def _quantized(layer, tensor, name: str):
+    if not isinstance(tensor, QuantizedWeight):
+        raise ModelLoadError(
+            f"checkpoint tensor {name!r} is a plain {tensor.dtype} tensor where the "
+            f"checkpoint's quantization_config says {layer.quant_method.scheme.describe()}"
+        )
+    return tensor
+
+
+def linear_method_for(scheme: QuantizationScheme | None, names: list[str], layer: str):
+    """The linear method of a layer holding the HF linears `names` (one, or the parts of a
+    fused layer such as q_proj, k_proj, v_proj), or None when `scheme` leaves them dense.
+    A fused layer is quantized whole: an ignore list that keeps only some parts dense is
+    refused, naming the layer."""
+    if scheme is None:
+        return None
+    quantized = {scheme.quantizes(name) for name in names}
+    if len(quantized) > 1:
+        raise ModelLoadError(
+            f"quantization_config ignore list {list(scheme.ignore)} keeps some of {names} "
+            f"unquantized; atom fuses them into one layer ({layer})"
+        )
+    return linear_method(scheme) if quantized.pop() else None
 
 
 def _check_shape(tensor: torch.Tensor, expected, name: str) -> None:
@@ -73,6 +112,7 @@ class ColumnParallelLinear(nn.Module):
         tp: TensorParallelGroup | None = None,
         part_names: list | None = None,
         part_units: int = 1,
+        quant_method=None,
     ):
         super().__init__()
         self.tp = tp = _single(tp)
@@ -84,7 +124,15 @@ class ColumnParallelLinear(nn.Module):
             label = f"output part {self._name(index)} ({size // part_units} units of {part_units})"
             _, units = shard_range(size // part_units, tp.rank, tp.world_size, label)
             self.local_sizes.append(units * part_units)
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
+        # quant_method (Fp8LinearMethod, Int4LinearMethod): it creates `weight` and its scales
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size))
+        else:
+            row_starts = []  # where each part begins in the layer and in the checkpoint
+            for part, local in enumerate(self.local_sizes):
+                row_starts += [sum(self.local_sizes[:part]), tp.rank * local]
+            quant_method.create_weights(self, sum(self.local_sizes), input_size, row_starts, 0)
         self.weight.weight_loader = self._load
         self.bias = None
         if bias:
@@ -106,13 +154,21 @@ class ColumnParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str) -> None:
         part = self._part_index(shard_id)
         full = self.output_sizes[part]
-        expected = (full, self.input_size) if param.dim() == 2 else (full,)
-        _check_shape(tensor, expected, name)
         local = self.local_sizes[part]
         offset = sum(self.local_sizes[:part])
+        if self.quant_method is not None and param is self.weight:
+            tensor = _quantized(self, tensor, name)
+            _check_shape(tensor, (full, self.input_size), name)
+            self.quant_method.load(self, tensor, offset, self.tp.rank * local, local, 0)
+            return
+        tensor = dense(tensor, param.dtype)
+        expected = (full, self.input_size) if param.dim() == 2 else (full,)
+        _check_shape(tensor, expected, name)
         param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -129,6 +185,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         tp: TensorParallelGroup | None = None,
+        quant_method=None,
     ):
         tp = _single(tp)
         shard_range(num_heads, tp.rank, tp.world_size, "num_attention_heads")
@@ -140,6 +197,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             tp,
             part_names=["q", "k", "v"],
             part_units=head_dim,
+            quant_method=quant_method,
         )
         self.num_heads = num_heads // tp.world_size
         self.num_kv_heads = num_kv_heads // tp.world_size
@@ -150,24 +208,44 @@ class RowParallelLinear(nn.Module):
     of a column-parallel layer), the output is whole on every rank."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TensorParallelGroup | None = None,
+        quant_method=None,
     ):
         super().__init__()
         self.tp = tp = _single(tp)
         self.input_size = input_size
         self.output_size = output_size
         _, self.local_input = shard_range(input_size, tp.rank, tp.world_size, "input features")
-        self.weight = nn.Parameter(torch.empty(output_size, self.local_input))
+        # quant_method (Fp8LinearMethod, Int4LinearMethod): it creates `weight` and its scales
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = nn.Parameter(torch.empty(output_size, self.local_input))
+        else:
+            start = tp.rank * self.local_input
+            quant_method.create_weights(self, output_size, self.local_input, [0], start)
         self.weight.weight_loader = self._load_weight
         # The bias is added once, after the sum, so it is kept whole on every rank.
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def _load_weight(self, param, tensor, shard_id, name) -> None:
-        _check_shape(tensor, (self.output_size, self.input_size), name)
         start = self.tp.rank * self.local_input
+        if self.quant_method is not None:
+            tensor = _quantized(self, tensor, name)
+            _check_shape(tensor, (self.output_size, self.input_size), name)
+            self.quant_method.load(self, tensor, 0, 0, self.output_size, start)
+            return
+        tensor = dense(tensor, param.dtype)
+        _check_shape(tensor, (self.output_size, self.input_size), name)
         param.data.copy_(tensor.narrow(1, start, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            y = self.tp.all_reduce(self.quant_method.apply(self, x))
+            return y if self.bias is None else y + self.bias
         y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
@@ -192,6 +270,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self._load
 
     def _load(self, param, tensor, shard_id, name) -> None:
+        tensor = dense(tensor, param.dtype)
         _check_shape(tensor, (self.vocab_size, self.hidden_size), name)
         valid = max(0, min(self.end, self.vocab_size) - self.start)
         param.data[:valid].copy_(tensor[self.start : self.start + valid])

@@ -1,0 +1,76 @@
+"""Routed experts of an FP8 checkpoint (DeepSeek-V2/V3), held in FP8 with their scales.
+
+`Fp8Experts` replaces the stacked dense experts of a MoE layer: `gate_up_proj` float8_e4m3fn
+[E, 2I, H] (gate rows then up rows) and `down_proj` [E, H, I], with float32 scales per block
+(`gate_up_scale`, `down_scale`; blocks as fp8.py: the checkpoint's, or one row high where the
+up rows start inside a block). `dense(ids, dtype)` hands atom/models/moe.py's
+`routed_experts` dense weights: on CPU only the experts the step routes to (ids renumbered
+in expert order, so the torch reference runs the same GEMMs in the same order), on CUDA all of
+them (no host sync: graph capture stays possible) until a fused FP8 MoE kernel reads the
+FP8 weights itself.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from atom.models.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, Fp8Weight, dequantize_fp8
+from atom.models.quantization.scheme import QuantizationScheme
+
+
+class Fp8Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int, scheme: QuantizationScheme):
+        super().__init__()
+        self.method = Fp8LinearMethod(scheme)
+        self.inter = inter
+        bn, bk = scheme.block or (1, None)
+        self.gate_up_block = (bn if inter % bn == 0 else 1, bk or hidden)
+        self.down_block = (bn, bk or inter)
+        self.gate_up_proj = self._weight(num_experts, 2 * inter, hidden)
+        self.down_proj = self._weight(num_experts, hidden, inter)
+        self.register_buffer("gate_up_scale", self._scale(num_experts, 2 * inter, hidden, True))
+        self.register_buffer("down_scale", self._scale(num_experts, hidden, inter, False))
+
+    @staticmethod
+    def _weight(experts: int, rows: int, cols: int) -> nn.Parameter:
+        return nn.Parameter(torch.empty(experts, rows, cols, dtype=FP8_DTYPE), requires_grad=False)
+
+    def _scale(self, experts: int, rows: int, cols: int, gate_up: bool) -> torch.Tensor:
+        rb, cb = self.gate_up_block if gate_up else self.down_block
+        return torch.empty(experts, -(-rows // rb), -(-cols // cb), dtype=torch.float32)
+
+    def load(self, expert: int, part: str, weight: Fp8Weight) -> None:
+        """Copy one checkpoint expert linear (`gate_proj`, `up_proj` or `down_proj`) in."""
+        if part == "down_proj":
+            view = SimpleNamespace(
+                weight=self.down_proj[expert],
+                weight_scale=self.down_scale[expert],
+                weight_block=self.down_block,
+            )
+            self.method.load(view, weight, 0, 0, weight.shape[0], 0)
+            return
+        view = SimpleNamespace(
+            weight=self.gate_up_proj[expert],
+            weight_scale=self.gate_up_scale[expert],
+            weight_block=self.gate_up_block,
+        )
+        start = 0 if part == "gate_proj" else self.inter
+        self.method.load(view, weight, start, 0, self.inter, 0)
+
+    def dense(self, ids: torch.Tensor, dtype: torch.dtype):
+        """(gate_up [U, 2I, H], down [U, H, I], ids renumbered into them) in `dtype`."""
+        if ids.is_cuda:
+            used = None
+            gate_up, gate_up_scale = self.gate_up_proj, self.gate_up_scale
+            down, down_scale = self.down_proj, self.down_scale
+        else:
+            used, ids_in_used = torch.unique(ids, return_inverse=True)
+            gate_up, gate_up_scale = self.gate_up_proj[used], self.gate_up_scale[used]
+            down, down_scale = self.down_proj[used], self.down_scale[used]
+            ids = ids_in_used
+        gate_up = dequantize_fp8(gate_up, gate_up_scale, self.gate_up_block).to(dtype)
+        down = dequantize_fp8(down, down_scale, self.down_block).to(dtype)
+        return gate_up, down, ids

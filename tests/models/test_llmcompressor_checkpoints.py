@@ -1,0 +1,207 @@
+"""SmolLM2-135M quantized by llm-compressor (the real tool), loaded by atom, compared with HF.
+
+llmcompressor 0.14 pins transformers <= 5.17 and atom needs >= 5.24, so the tool lives in a
+side directory installed once with `pip install --no-deps --target` (it reuses this venv's
+torch, datasets, accelerate, ...; ~10 s, cached under the temp dir by version), and
+tests/models/llmcompressor_worker.py runs there as a subprocess: it quantizes the embedded
+GGUF converted to an HF directory, saves the compressed checkpoint, HF's logits and greedy
+tokens on it (transformers 5.17 + compressed-tensors at run time), and the weights as
+compressed-tensors decompresses them (a plain checkpoint). Each scheme is quantized once
+and kept on disk (keyed by the tool versions, the worker and the prompts).
+
+Bounds (fp32 CPU):
+- int4 (W4A16 GPTQ, W4A16_ASYM): atom runs the very weights compressed-tensors decompresses,
+  so greedy tokens equal HF's on both the compressed and the decompressed checkpoint, and the
+  last-token logits agree to 1e-4 of the logit scale (summation order only).
+- FP8_DYNAMIC: activations are rounded to e4m3 per token, in atom as in compressed-tensors:
+  one linear on the same input gives HF's output to 1e-6 (bit for bit in practice). Over 30
+  layers, 1e-6-sized summation-order differences (atom fuses q | k | v and gate | up) flip
+  a few roundings (one e4m3 step is 1/16 relative) and the flips compound: measured, the
+  last-token logits drift by 0.06-0.11 of the logit scale. So the whole-model checks are the
+  argmax of every prompt's last logits, the first 8 greedy tokens, and logits within 0.25 of
+  the scale; with the rounding switched off atom equals the decompressed model (greedy
+  tokens, logits within 1e-4: the weights are exact).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from atom.models.default_model import default_model_path
+from atom.sampling_params import SamplingParams
+from tests.engine_support import build_llm
+from tests.models.test_quantized_checkpoints import prefill_logits
+
+LLMCOMPRESSOR = "0.14.0.1"
+SIDE_PACKAGES = [
+    f"llmcompressor=={LLMCOMPRESSOR}",
+    "compressed-tensors==0.19.0",
+    "transformers==5.17.0",
+    "huggingface-hub>=1.5,<2",
+    "auto-round==0.15.1",
+    "loguru",
+    "nvidia-ml-py",
+    "pillow",
+]
+WORKER = Path(__file__).with_name("llmcompressor_worker.py")
+CACHE = Path(tempfile.gettempdir()) / f"atom-llmcompressor-{LLMCOMPRESSOR}"
+# "The capital of France is" and a short instruction, as SmolLM2 token ids
+PROMPTS = [[504, 3575, 282, 4649, 314], [28, 5248, 7432, 30, 2088, 314, 260, 3575, 282, 4649, 47]]
+GREEDY_TOKENS = 16  # as the worker's HF generate
+
+
+def _side_packages() -> Path:
+    site = CACHE / "site-packages"
+    if (site / "llmcompressor").is_dir():
+        return site
+    partial = CACHE / "site-packages.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target"]
+    result = subprocess.run(
+        [*command, str(partial), *SIDE_PACKAGES], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot install llmcompressor (no package index?): {result.stderr[-500:]}")
+    partial.rename(site)
+    return site
+
+
+def _smollm2_hf_dir() -> Path:
+    """The embedded SmolLM2 GGUF as an fp32 HF directory (as benchmarks/cpu_vs_vllm.py)."""
+    hf_dir = CACHE / "smollm2-hf"
+    if (hf_dir / "config.json").exists():
+        return hf_dir
+    gguf = Path(default_model_path())
+    kwargs = dict(gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, dtype=torch.float32, **kwargs
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # transformers refuses to save what it read from GGUF
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    partial = CACHE / "smollm2-hf.partial"
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(hf_dir)
+    return hf_dir
+
+
+@pytest.fixture(scope="session")
+def quantized_smollm2():
+    """scheme -> directory with quantized/, dequantized/ and hf_compressed.pt."""
+    try:
+        default_model_path()
+    except Exception as e:
+        pytest.skip(str(e))
+    CACHE.mkdir(parents=True, exist_ok=True)
+    site = _side_packages()
+    hf_dir = _smollm2_hf_dir()
+    key = hashlib.sha1(WORKER.read_bytes() + json.dumps(PROMPTS).encode()).hexdigest()[:10]
+    for stale in CACHE.glob("*-*"):  # results of an older worker or other prompts
+        if stale.name.startswith(("FP8_DYNAMIC-", "W4A16", "prompts-")) and key not in stale.name:
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    prompts_file = CACHE / f"prompts-{key}.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    env = dict(os.environ, PYTHONPATH=str(site), TOKENIZERS_PARALLELISM="false")
+    outputs = {}
+    for scheme in ("FP8_DYNAMIC", "W4A16", "W4A16_ASYM"):
+        out = CACHE / f"{scheme}-{key}"
+        if not (out / "hf_compressed.pt").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            result = subprocess.run(
+                [sys.executable, str(WORKER), str(hf_dir), str(out), scheme, str(prompts_file)],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                shutil.rmtree(out, ignore_errors=True)
+                pytest.fail(f"llmcompressor {scheme} failed:\n{result.stderr[-3000:]}")
+        outputs[scheme] = out
+    return outputs
+
+
+def _hf_dense(path: Path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as the worker: atom runs with ignore_eos
+    logits, tokens = [], []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            input_ids = torch.tensor([ids])
+            logits.append(model(input_ids).logits[0, -1])
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=GREEDY_TOKENS,
+                do_sample=False,
+            )
+            tokens.append(out[0, len(ids) :].tolist())
+    return torch.stack(logits), tokens
+
+
+def _atom(path: Path):
+    llm = build_llm(str(path), max_model_len=256, num_kvcache_blocks=32)
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    logits = torch.stack([prefill_logits(llm, ids)[-1] for ids in PROMPTS])
+    return llm, logits, tokens
+
+
+def _close(got, expected, bound):
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= bound * scale, (got - expected).abs().max() / scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
+def test_int4_checkpoint_matches_hf_and_the_decompressed_model(quantized_smollm2, scheme):
+    out = quantized_smollm2[scheme]
+    config = json.loads((out / "quantized" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "pack-quantized"
+    llm, logits, tokens = _atom(out / "quantized")
+    assert llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    compressed = torch.load(out / "hf_compressed.pt")
+    dense_logits, dense_tokens = _hf_dense(out / "dequantized")
+    assert tokens == compressed["tokens"] == dense_tokens
+    _close(logits, compressed["logits"], 1e-4)
+    _close(logits, dense_logits, 1e-4)
+
+
+@pytest.mark.slow
+def test_fp8_dynamic_checkpoint_matches_hf(quantized_smollm2, monkeypatch):
+    out = quantized_smollm2["FP8_DYNAMIC"]
+    config = json.loads((out / "quantized" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "float-quantized"
+    llm, logits, tokens = _atom(out / "quantized")
+    layer = llm.engine.model_runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    compressed = torch.load(out / "hf_compressed.pt")
+    # one linear on the same input: compressed-tensors' activation rounding, bit for bit
+    x, y = compressed["linears"]["self_attn.q_proj"]
+    with torch.no_grad():
+        _close(layer.self_attn.qkv_proj(x)[:, : y.shape[-1]], y, 1e-6)
+        x, y = compressed["linears"]["mlp.down_proj"]
+        _close(layer.mlp.down_proj(x), y, 1e-6)
+    # the whole model: rounding flips make the logits drift (module docstring)
+    _close(logits, compressed["logits"], 0.25)
+    assert torch.equal(logits.argmax(-1), compressed["logits"].argmax(-1))
+    assert [t[:8] for t in tokens] == [t[:8] for t in compressed["tokens"]]
+    # weight-only (activations left unrounded): the decompressed model's fp32 weights exactly
+    monkeypatch.setattr("atom.models.quantization.fp8.fp8_round_per_token", lambda x: x)
+    _, logits, tokens = _atom(out / "quantized")
+    dense_logits, dense_tokens = _hf_dense(out / "dequantized")
+    assert tokens == dense_tokens
+    _close(logits, dense_logits, 1e-4)
