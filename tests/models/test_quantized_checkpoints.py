@@ -384,6 +384,13 @@ def _load_all(path):
 SCALE = "model.layers.1.self_attn.k_proj.weight_scale"
 
 
+def test_dummy_weights_of_a_quantized_config_are_refused_naming_load_format(fp8_dir):
+    """Random weights are drawn dense only: a quantized config with load_format='dummy'
+    is refused at load with a message naming the option and the layer, not a torch error."""
+    with pytest.raises(ModelLoadError, match="load_format='dummy'.*float8"):
+        build_llm(fp8_dir, load_format="dummy", num_kvcache_blocks=8)
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
