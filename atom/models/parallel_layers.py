@@ -8,7 +8,9 @@ column-parallel (gate_up) then row-parallel (down_proj). With one rank every lay
 the plain matmul / embedding lookup, bit for bit.
 
 Each parameter carries a `weight_loader(param, tensor, shard_id, name)` that copies only
-this rank's part of a full checkpoint tensor; `load_parameter` dispatches to it.
+this rank's part of a full checkpoint tensor; `load_parameter` dispatches to it. On CPU
+(`Config.cpu_linear="packed"`) a linear layer's weight also carries `cpu_packed`, the same
+weight packed once for oneDNN (atom/kernels/cpu_linear.py; `pack_cpu_weights`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from atom.distributed import TensorParallelGroup, shard_range
 from atom.forward_context import current_fusions
+from atom.kernels.cpu_linear import PackedLinearWeight, can_pack
 from atom.kernels.gemv import gemv
 from atom.kernels.gemv_policy import use_gemv
 
@@ -26,7 +29,11 @@ from atom.kernels.gemv_policy import use_gemv
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear; on CUDA with `Fusions.gemv_linear` and one row (batch-1 decode), the
     Triton GEMV of atom/kernels/gemv.py instead where the GEMV policy measured it faster
-    for this shape (atom/kernels/gemv_policy.py `use_gemv`)."""
+    for this shape (atom/kernels/gemv_policy.py `use_gemv`); on CPU with a packed weight
+    (`pack_cpu_weights`), oneDNN's product on it."""
+    packed = getattr(weight, "cpu_packed", None)
+    if packed is not None:
+        return packed(x, bias)
     if bias is None and x.is_cuda and current_fusions().gemv_linear and use_gemv(x, weight):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
@@ -217,3 +224,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits
         return logits[..., : self.vocab_size]
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Pack the weight of every linear layer and LM head of `model` for oneDNN (once, after
+    the weights are loaded; atom/kernels/cpu_linear.py). A tied LM head packs the embedding
+    table beside itself: the lookup keeps the dense table. Returns the weights packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            weight = module.weight
+            if can_pack(weight) and getattr(weight, "cpu_packed", None) is None:
+                weight.cpu_packed = PackedLinearWeight(weight.data)
+                packed += 1
+    return packed
