@@ -47,7 +47,8 @@ def packed_for_one_row(weight: torch.Tensor) -> bool:
 
 class PackedLinearWeight:
     """A [out, in] weight reordered once into oneDNN's layout, beside the dense one (which
-    stays: a tied LM head's is the embedding table, and small 1-row products use it).
+    stays: a tied LM head's is the embedding table, and small 1-row products use it;
+    the packed copy costs as much memory again).
 
     `__call__(x, bias)` is `F.linear(x, dense, bias)` up to summation order; x is [..., in]
     fp32 on CPU, the result [..., out].
@@ -59,18 +60,25 @@ class PackedLinearWeight:
                 f"only 2-D fp32 CPU weights are packed, got {tuple(dense.shape)} "
                 f"{dense.dtype} on {dense.device}; set cpu_linear='dense' (ATOM_CPU_LINEAR=dense)"
             )
-        self.dense = dense
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(dense.detach())
+        # detach() shares the parameter's storage and version counter: an in-place write
+        # to the weight (a test setting weights after the engine started) bumps the
+        # version, and the next product packs it again. A write through `.data` is not seen.
+        self.dense = dense.detach()
+        self.version = self.dense._version
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense)
         self.out_features, self.in_features = dense.shape
         self.one_row_packed = packed_for_one_row(dense)
 
     def uses_packed(self, rows: int) -> bool:
-        return rows > 1 or (rows == 1 and self.one_row_packed)
+        return rows != 1 or self.one_row_packed
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if not self.uses_packed(rows) or x.dtype != torch.float32:
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
+        if (rows == 1 and not self.one_row_packed) or x.dtype != torch.float32:
             return F.linear(x, self.dense, bias)
+        if self.dense._version != self.version:
+            self.version = self.dense._version
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense)
         flat = x.reshape(rows, self.in_features)
         if bias is not None and bias.requires_grad:
             bias = bias.detach()  # the oneDNN op has no autograd; an engine never trains

@@ -235,6 +235,6 @@ def pack_cpu_weights(model: nn.Module) -> int:
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight
             if can_pack(weight) and getattr(weight, "cpu_packed", None) is None:
-                weight.cpu_packed = PackedLinearWeight(weight.data)
+                weight.cpu_packed = PackedLinearWeight(weight)
                 packed += 1
     return packed
