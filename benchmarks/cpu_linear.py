@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_linear                        # SmolLM2 + Llama-3.2-1B, 1 and 2 threads
     python -m benchmarks.cpu_linear --models smollm2 --threads 1 --rows 1 16
+    python -m benchmarks.cpu_linear --engine               # the engine, dense vs packed
 
 For each weight shape of the models' layers (qkv, o, gate_up, down, LM head) and each row
 count, four forms of y = x @ W^T in fp32:
@@ -18,6 +19,13 @@ same load) and the best round counts. Printed: microseconds per product, each fo
 against dense (dense time / form time: above 1 is faster), the largest |difference| from
 dense, and LOSS where atom's choice is more than 5% slower than the better of dense and
 onednn.
+
+`--engine`: one CPU engine on the embedded SmolLM2 (fp32), the same random 128-token
+prompts at each batch size, 64 greedy tokens with ignore_eos; each round runs the batch
+with the weights' packed forms taken away (dense: what `ATOM_CPU_LINEAR=dense` runs) and
+with them (packed), so both see the same load. Prints output tok/s (generated tokens /
+wall time of the `generate` call, prefill included), packed / dense per round, and whether
+the tokens are the same.
 """
 
 from __future__ import annotations
@@ -93,6 +101,47 @@ def measure(out_features: int, in_features: int, rows: int, rounds: int) -> dict
     return dict(seconds=seconds, diffs=diffs, packed=atom.uses_packed(rows))
 
 
+def engine_ab(batches: list[int], input_len: int, output_len: int, rounds: int) -> None:
+    from atom import LLM, SamplingParams
+    from benchmarks.offline_throughput import random_prompts
+
+    llm = LLM(device="cpu", max_num_seqs=max(batches), max_model_len=1024)
+    model = llm.engine.model_runner.model
+    packed = [(p, p.cpu_packed) for p in model.parameters() if hasattr(p, "cpu_packed")]
+    if not packed:
+        raise SystemExit("no packed weight: is ATOM_CPU_LINEAR=dense set?")
+    vocab = model.lm_head.vocab_size
+    prompts = random_prompts(max(batches) + 2, input_len, vocab, seed=0)
+
+    def generate(batch, form, max_tokens=output_len):
+        for parameter, packing in packed:
+            if form == "packed":
+                parameter.cpu_packed = packing
+            elif hasattr(parameter, "cpu_packed"):
+                del parameter.cpu_packed
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return sum(len(o.token_ids) for o in outputs) / seconds, [o.token_ids for o in outputs]
+
+    for form in ("dense", "packed"):
+        generate(prompts[-2:], form, 4)  # warm-up
+    print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}")
+    print("| batch | round | dense tok/s | packed tok/s | packed / dense | same tokens |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for batch in batches:
+        for round_ in range(rounds):
+            dense, dense_tokens = generate(prompts[:batch], "dense")
+            fast, packed_tokens = generate(prompts[:batch], "packed")
+            same = "yes" if dense_tokens == packed_tokens else "NO"
+            print(
+                f"| {batch} | {round_} | {dense:.1f} | {fast:.1f} | {fast / dense:.2f} | {same} |",
+                flush=True,
+            )
+    print(f"load average at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -102,7 +151,15 @@ def main() -> None:
     parser.add_argument(
         "--big-lm-head", action="store_true", help="also Llama-1B's 1 GB LM head (slow)"
     )
+    parser.add_argument("--engine", action="store_true", help="the engine, dense vs packed")
+    parser.add_argument("--engine-rounds", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
     args = parser.parse_args()
+    if args.engine:
+        engine_ab(args.batches, args.input_len, args.output_len, args.engine_rounds)
+        return
     print(f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}", flush=True)
     header = "threads model    layer    shape          rows   dense us  onednn     mkl    atom  |diff| onednn  atom"
     print(header)
