@@ -10,12 +10,14 @@ MKL-packed weights at 1, 16 and 64 rows on SmolLM2's and a 1B model's shapes
 used: at 2+ rows it computes what F.linear computes, at the same speed.
 
 The choice per call, by rows:
-- 2 rows or more: the packed weight (2-6x faster on every measured shape);
-- 1 row: the packed weight for weights of `ONE_ROW_PACKED_MIN_BYTES` or more (the LM head:
-  ~2x), F.linear below it: MKL's GEMV on a weight that stays in cache is ~8 us cheaper
-  than oneDNN's call, which loses 15-30% on SmolLM2's 0.6-3.5 MB projections.
+- 2 rows or more: the packed weight (2-3x faster at 16 and 64 rows on every measured
+  shape, 1 thread);
+- 1 row: the packed weight for weights of `ONE_ROW_PACKED_MIN_BYTES` or more (1.3-2.2x:
+  SmolLM2's gate_up and LM head, every 1B projection), F.linear below it: MKL's GEMV on a
+  weight that stays in cache is ~10 us cheaper than oneDNN's call, which loses 19-35% on
+  SmolLM2's 1.3-3.5 MB qkv, o and down projections.
 
-oneDNN sums in another order than MKL (max abs difference ~1e-5 on unit-scale inputs);
+oneDNN sums in another order than MKL (max abs difference under 1e-5 on unit-scale inputs);
 the CPU greedy parity tests against HF pass with it. Packing covers fp32 only: bf16 would
 need AVX512-BF16 or AMX to be fast, and is left to F.linear.
 """
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 # Below this many weight bytes a 1-row product keeps F.linear (benchmarks/cpu_linear.py:
-# oneDNN loses at 1 row on 0.6-3.5 MB weights, wins from ~7 MB on).
+# oneDNN loses at 1 row on 1.3-3.5 MB weights, wins from ~7 MB on).
 ONE_ROW_PACKED_MIN_BYTES = 4 << 20
 
 
