@@ -21,9 +21,10 @@ dense, and LOSS where the form atom chose (onednn or dense) is more than 5% slow
 the other one in the same rounds.
 
 `--engine`: one CPU engine on the embedded SmolLM2 (fp32), the same random 128-token
-prompts at each batch size, 64 greedy tokens with ignore_eos; each round runs the batch
-with the weights' packed forms taken away (dense: what `ATOM_CPU_LINEAR=dense` runs) and
-with them (packed), so both see the same load. Prints output tok/s (generated tokens /
+prompts at each batch size (prefix caching off: each run prefills them), 64 greedy tokens
+with ignore_eos; each round runs the batch with the weights' packed forms taken away
+(dense: what `ATOM_CPU_LINEAR=dense` runs) and with them (packed), so both see the same
+load. Prints output tok/s (generated tokens /
 wall time of the `generate` call, prefill included), packed / dense per round, and whether
 the tokens are the same.
 """
@@ -105,7 +106,10 @@ def engine_ab(batches: list[int], input_len: int, output_len: int, rounds: int) 
     from atom import LLM, SamplingParams
     from benchmarks.offline_throughput import random_prompts
 
-    llm = LLM(device="cpu", max_num_seqs=max(batches), max_model_len=1024)
+    # no prefix caching: every run prefills its prompts (the same prompts run 2 x rounds times)
+    llm = LLM(
+        device="cpu", max_num_seqs=max(batches), max_model_len=1024, enable_prefix_caching=False
+    )
     model = llm.engine.model_runner.model
     packed = [(p, p.cpu_packed) for p in model.parameters() if hasattr(p, "cpu_packed")]
     if not packed:
