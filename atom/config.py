@@ -118,6 +118,9 @@ class Config:
     # Torch threads of a CPU engine (atom/model_engine/cpu_threads.py). None: ATOM_CPU_THREADS,
     # else OMP_NUM_THREADS, else the cores free at start (resolved when the engine starts).
     cpu_threads: int | None = None
+    # A CPU engine's fp32 linear layers (atom/kernels/cpu_linear.py): "packed" (weights packed
+    # once for oneDNN) or "dense" (F.linear). None: ATOM_CPU_LINEAR, else packed.
+    cpu_linear: str | None = None
     # The compiled-grammar cache's bound in bytes; None: ATOM_GRAMMAR_CACHE_MB (512 MiB).
     grammar_cache_bytes: int | None = None
 
@@ -188,6 +191,13 @@ class Config:
             self.cpu_threads = envs.cpu_threads()  # still None: the cores free at start
         elif self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_linear is None:
+            self.cpu_linear = envs.cpu_linear()
+        elif self.cpu_linear not in envs.CPU_LINEAR_MODES:
+            raise ValueError(
+                f"cpu_linear must be one of {', '.join(envs.CPU_LINEAR_MODES)}, "
+                f"got {self.cpu_linear!r}"
+            )
         if self.grammar_cache_bytes is None:
             self.grammar_cache_bytes = envs.grammar_cache_bytes()
 

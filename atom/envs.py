@@ -65,6 +65,16 @@ def cpu_threads() -> int | None:
     return max(1, threads)
 
 
+CPU_LINEAR_MODES = ("packed", "dense")
+
+
+def cpu_linear() -> str:
+    """`ATOM_CPU_LINEAR`: how a CPU engine's fp32 linear layers multiply
+    (atom/kernels/cpu_linear.py): packed (the default: weights packed once for oneDNN) |
+    dense (F.linear on the checkpoint's layout)."""
+    return _choice("ATOM_CPU_LINEAR", CPU_LINEAR_MODES)
+
+
 def fusion_settings(variables: list[str]) -> dict[str, str]:
     """The `ATOM_FUSE_*` switches that are set, lower-cased ({variable: value}; atom/fusions.py
     parses them: 1 on, 0 off, unset or `default` the default)."""

