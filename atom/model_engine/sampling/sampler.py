@@ -58,28 +58,17 @@ class Sampler:
         """logits [S, V] -> token ids [S] (int64)."""
         if params.all_greedy:
             return self.argmax(logits)
-        logits = logits.float()
-        temps = params.temperatures
-        if temps is None:  # uniform temperature > 0: no greedy rows
-            scaled = logits / params.temperature
-        else:
-            scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
-        if params.needs_top_k or params.needs_top_p:
-            scaled = apply_top_k_top_p(
-                scaled,
-                params.top_k if params.needs_top_k else None,
-                params.top_p if params.needs_top_p else None,
-            )
-        probs = scaled.softmax(dim=-1)
+        probs = target_probs(logits, params)
         noise = torch.empty_like(probs).exponential_()
         if params.generators is not None:
             for row, generator in enumerate(params.generators):
                 if generator is not None:
                     noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
-        if temps is None:
+        if params.temperatures is None:  # uniform temperature > 0: no greedy rows
             return sampled
-        return torch.where(temps > 0, sampled, self.argmax(logits))
+        greedy = self.argmax(logits.float())
+        return torch.where(params.temperatures > 0, sampled, greedy)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None):
@@ -98,3 +87,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop[:, -1] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """[R, V] float32: the distribution the sampler draws from at each row (temperature,
+    top-k, top-p; also the target distribution of speculative verification)."""
+    logits = logits.float()
+    temps = params.temperatures
+    if temps is None:
+        scaled = logits / params.temperature
+    else:
+        scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
+    if params.needs_top_k or params.needs_top_p:
+        scaled = apply_top_k_top_p(
+            scaled,
+            params.top_k if params.needs_top_k else None,
+            params.top_p if params.needs_top_p else None,
+        )
+    return scaled.softmax(dim=-1)

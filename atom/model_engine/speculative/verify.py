@@ -20,24 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.model_engine.sampling.sampler import SamplingTensors, apply_top_k_top_p
-
-
-def target_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """[R, V] float32: the distribution the plain sampler draws from at each row."""
-    logits = logits.float()
-    temps = params.temperatures
-    if temps is None:
-        scaled = logits / params.temperature
-    else:
-        scaled = logits / torch.where(temps > 0, temps, 1.0).unsqueeze(1)
-    if params.needs_top_k or params.needs_top_p:
-        scaled = apply_top_k_top_p(
-            scaled,
-            params.top_k if params.needs_top_k else None,
-            params.top_p if params.needs_top_p else None,
-        )
-    return scaled.softmax(dim=-1)
+from atom.model_engine.sampling.sampler import SamplingTensors, target_probs
 
 
 def verify_rows(
