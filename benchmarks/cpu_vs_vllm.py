@@ -96,30 +96,10 @@ def ensure_vllm_venv(venv: Path) -> Path:
 
 
 def ensure_hf_dir(hf_dir: Path) -> Path:
-    """The embedded SmolLM2 GGUF as an fp32 HF directory (dequantized once by transformers,
-    the same weights atom's GGUF loader reads)."""
-    if (hf_dir / "config.json").exists():
-        return hf_dir
-    import torch
-    import transformers
+    """The embedded SmolLM2 GGUF as an fp32 HF directory (made once)."""
+    from atom.models.default_model import save_default_model_as_hf
 
-    from atom.models.default_model import default_model_path
-
-    gguf = Path(default_model_path())
-    kwargs = dict(gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, dtype=torch.float32, **kwargs
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    # transformers refuses to save a model it read from GGUF: copy it into a plain one
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
-    return hf_dir
+    return save_default_model_as_hf(hf_dir)
 
 
 def spawn(python: str, engine: str, args, prompts_file: str) -> list[dict]:

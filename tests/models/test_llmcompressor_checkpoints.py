@@ -36,7 +36,7 @@ import pytest
 import torch
 import transformers
 
-from atom.models.default_model import default_model_path
+from atom.models.default_model import default_model_path, save_default_model_as_hf
 from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm
 from tests.models.test_quantized_checkpoints import prefill_logits
@@ -76,26 +76,8 @@ def _side_packages() -> Path:
 
 
 def _smollm2_hf_dir() -> Path:
-    """The embedded SmolLM2 GGUF as an fp32 HF directory (as benchmarks/cpu_vs_vllm.py)."""
-    hf_dir = CACHE / "smollm2-hf"
-    if (hf_dir / "config.json").exists():
-        return hf_dir
-    gguf = Path(default_model_path())
-    kwargs = dict(gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, dtype=torch.float32, **kwargs
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # transformers refuses to save what it read from GGUF
-    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    partial = CACHE / "smollm2-hf.partial"
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(hf_dir)
-    return hf_dir
+    """The embedded SmolLM2 GGUF as an fp32 HF directory (made once, cached)."""
+    return save_default_model_as_hf(CACHE / "smollm2-hf")
 
 
 @pytest.fixture(scope="session")
