@@ -154,14 +154,15 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
 def build_engine(model_dir: str, args, fusions: Fusions):
     from atom.model_engine.llm import LLM
 
+    max_model_len = args.input_len + args.output_len + 16
     return LLM(
         model_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
-        max_model_len=args.input_len + args.output_len + 16,  # as the throughput run
+        max_model_len=max_model_len,  # as the throughput run
         max_num_seqs=1,
         max_num_batched_tokens=1024,
-        num_kvcache_blocks=512,
+        num_kvcache_blocks=max(512, -(-max_model_len // 16) + 8),  # 16-token blocks
         cuda_graph_batch_sizes=[1],
         fusions=fusions,
     )

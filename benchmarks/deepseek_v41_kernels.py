@@ -50,6 +50,37 @@ def bench_topk(rows: int, entries: int, topk: int, block_size: int, topk_blocks:
     )  # fmt: skip
 
 
+def bench_decode_select(rows: int, entries: int, topk: int, block_size: int, topk_blocks: int):
+    """The engine's decode choice on CUDA (attention/v41.py ``_choose_decode``: the
+    Triton select over each row's own entries) against the references it replaced
+    (``_choose``: a sort over the whole max_model_len row), candidate blocks then entries
+    inside them, as a candidate-source layer runs them."""
+    generator = torch.Generator(DEVICE).manual_seed(rows * 7 + entries)
+    scores = torch.randn(rows, entries, device=DEVICE, generator=generator)
+    # a decode row at a fixed context inside a wider max_model_len row
+    counts = torch.full((rows,), entries // 8, device=DEVICE, dtype=torch.int32)
+    visible = torch.arange(entries, device=DEVICE)[None] < counts[:, None].long()
+    scores = scores.masked_fill(~visible, float("-inf"))
+
+    def select_path():
+        blocks = v41_topk.candidate_blocks_decode(scores, counts, topk_blocks, block_size)
+        return blocks, v41_topk.two_level_topk_decode(scores, counts, topk, blocks)
+
+    def reference_path():
+        blocks = v41_topk.candidate_blocks_reference(scores, counts.long(), topk_blocks, block_size)
+        return blocks, v41_topk.two_level_topk_reference(scores, visible, topk, blocks)
+
+    (got_blocks, got), (want_blocks, want) = select_path(), reference_path()
+    same = torch.equal(got_blocks, want_blocks) and all(
+        set(a[a >= 0].tolist()) == set(b[b >= 0].tolist()) for a, b in zip(got, want)
+    )
+    emit(
+        case="decode_select", rows=rows, entries=entries, visible=entries // 8, topk=topk,
+        select_us=round(device_us(select_path), 2),
+        reference_us=round(device_us(reference_path), 2), same_sets=same,
+    )  # fmt: skip
+
+
 def bench_engram(tokens: int, hc: int, hidden: int, cols: int, head_dim: int, rows: int):
     generator = torch.Generator(DEVICE).manual_seed(tokens)
 
@@ -80,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.parse_args(argv)
     for rows, entries in [(1, 4096), (64, 4096), (1, 65536), (16, 65536)]:
         bench_topk(rows, entries, topk=512, block_size=64, topk_blocks=16)
+    for rows, entries in [(1, 8192), (64, 8192), (1, 65536), (64, 65536)]:
+        bench_decode_select(rows, entries, topk=512, block_size=64, topk_blocks=16)
     for tokens in [1, 64, 4096]:
         bench_engram(tokens, hc=4, hidden=4096, cols=16, head_dim=64, rows=100_000)
     return 0

@@ -125,6 +125,23 @@ class TrialInputs:
         run.config = config  # which candidate (a test's timer reads it)
         return run
 
+    def apart(self, config: GemvConfig):
+        """A norm site's other way: the RMSNorm kernel, then the Triton GEMV without the
+        norm prologue (``config``: a tile of that plain site); what the layer runs where
+        the policy keeps the norm site unfused and the plain site takes the Triton GEMV."""
+        site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
+        assert site.norm and self.rope is None
+
+        def run(weight):
+            h = rms_norm(x, norm_weight, EPS, residual)[0]
+            return (
+                gemv_silu_and_mul(h, weight, config) if site.silu_mul else gemv(h, weight, config)
+            )
+
+        run.config = config
+        run.apart = True  # (a test's timer reads it)
+        return run
+
 
 def first_output(result) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result

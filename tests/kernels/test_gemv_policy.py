@@ -22,16 +22,22 @@ IN, ROWS = 64, 96
 
 class FakeTimer:
     """Microseconds per call by candidate: the unfused path ``unfused_us``, a candidate
-    its entry in ``fused_us`` (by tile) or ``other_us``. Counts its calls."""
+    its entry in ``fused_us`` (by tile) or ``other_us``, a norm site's 'norm kernel +
+    plain GEMV' ``apart_us`` (by tile, else 50). Counts its calls (the norm-apart ones in
+    ``apart_calls``)."""
 
-    def __init__(self, unfused_us=10.0, fused_us=None, other_us=20.0, fail=False):
+    def __init__(self, unfused_us=10.0, fused_us=None, other_us=20.0, fail=False, apart_us=None):
         self.unfused_us, self.fused_us, self.other_us = unfused_us, fused_us or {}, other_us
+        self.apart_us = apart_us or {}
         self.fail = fail
-        self.calls = []
+        self.calls, self.apart_calls = [], []
 
     def __call__(self, run, weights, calls, replays):
         if self.fail:
             raise RuntimeError("out of memory (made up)")
+        if getattr(run, "apart", False):
+            self.apart_calls.append(run.config)
+            return self.apart_us.get(run.config, 50.0) * 1e-6
         self.calls.append(run.config)
         if run.config is None:
             return self.unfused_us * 1e-6
@@ -74,6 +80,32 @@ def test_the_fastest_candidate_wins_when_it_beats_the_unfused_path(tmp_path, sil
     # decided: asked again, nothing is timed again
     assert policy.config_for(x, weight, silu_mul, norm) == fastest
     assert len(timer.calls) == len(tiles) + 1
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_a_norm_site_keeps_the_norm_apart_where_that_is_faster(tmp_path, silu_mul):
+    """A norm site's fused norm must also beat the norm kernel followed by the plain
+    Triton GEMV (what the layer runs when the norm site stays unfused): where the latter
+    is faster, the norm site stays unfused, and the plain site decides its own GEMV."""
+    site = _site(silu_mul, norm=True)
+    plain = _site(silu_mul, norm=False)
+    fused_tile, plain_tile = candidates(site)[1], candidates(plain)[0]
+    timer = FakeTimer(unfused_us=10.0, fused_us={fused_tile: 8.0}, apart_us={plain_tile: 7.5})
+    policy = _policy(tmp_path, timer)
+    x, weight = _inputs()
+    assert policy.config_for(x, weight, silu_mul, norm=True) is None  # 8.0 > 7.5 * 0.97
+    assert sorted(map(str, timer.apart_calls)) == sorted(map(str, candidates(plain)))
+    [record] = policy.report()
+    assert record["choice"] == "unfused" and "norm apart" in record["reason"]
+    [choice] = policy.choices.values()
+    assert choice.candidates[("norm apart", *gemv_policy._label(plain_tile))] == 7.5
+    # the plain site: its own trial, the Triton GEMV at 7.0 against 10.0
+    timer.fused_us = {plain_tile: 7.0}
+    assert policy.config_for(x, weight, silu_mul, norm=False) == plain_tile
+    # the fused norm wins where it beats both by the margin
+    timer = FakeTimer(unfused_us=10.0, fused_us={fused_tile: 6.0}, apart_us={plain_tile: 7.5})
+    policy = _policy(tmp_path / "again", timer)
+    assert policy.config_for(x, weight, silu_mul, norm=True) == fused_tile
 
 
 def test_the_unfused_path_stays_unless_the_gemv_wins_by_the_margin(tmp_path):
