@@ -82,11 +82,12 @@ def test_the_fastest_candidate_wins_when_it_beats_the_unfused_path(tmp_path, sil
     assert len(timer.calls) == len(tiles) + 1
 
 
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_a_norm_site_keeps_the_norm_apart_where_that_is_faster(tmp_path, silu_mul):
+def test_a_norm_site_keeps_the_norm_apart_where_that_is_faster(tmp_path):
     """A norm site's fused norm must also beat the norm kernel followed by the plain
     Triton GEMV (what the layer runs when the norm site stays unfused): where the latter
-    is faster, the norm site stays unfused, and the plain site decides its own GEMV."""
+    is faster, the norm site stays unfused, and the plain site decides its own GEMV
+    (the MLP's gate_up + SiLU site, where this happens on the 1B shape)."""
+    silu_mul = True
     site = _site(silu_mul, norm=True)
     plain = _site(silu_mul, norm=False)
     fused_tile, plain_tile = candidates(site)[1], candidates(plain)[0]
