@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import torch
 
 from atom.fusions import Fusions
-from atom.kernels import decode_attention, gemv_policy
+from atom.kernels import decode_attention, gemv_policy, pdl
 from benchmarks import decode_profile, harness
 from benchmarks.model_shapes import MATRIX, hf_config
 
@@ -59,6 +59,8 @@ def _apply(name: str, pick) -> None:
         )
     elif name == "no_early_kv":
         decode_attention.PDL_EARLY_KV = False
+    elif name.startswith("pdl_mb"):
+        pdl.LATENCY_BOUND_BYTES = int(name.removeprefix("pdl_mb")) << 20
     elif name not in ("default", "pdl", "pdl_small", "pdl_all", "pdl_late", "no_pdl"):
         raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
 
@@ -70,6 +72,7 @@ def variant(name: str):
     policy = gemv_policy.current_policy()
     pick = decode_attention._pick_num_splits
     early_kv = decode_attention.PDL_EARLY_KV
+    latency_bound = pdl.LATENCY_BOUND_BYTES
     try:
         for part in name.split("+"):
             _apply(part, pick)
@@ -78,6 +81,7 @@ def variant(name: str):
         gemv_policy.set_policy(policy)
         decode_attention._pick_num_splits = pick
         decode_attention.PDL_EARLY_KV = early_kv
+        pdl.LATENCY_BOUND_BYTES = latency_bound
 
 
 def fusions_of(name: str) -> Fusions:
