@@ -60,7 +60,7 @@ def _apply(name: str, pick) -> None:
     elif name == "no_early_kv":
         decode_attention.PDL_EARLY_KV = False
     elif name.startswith("pdl_mb"):
-        pdl.LATENCY_BOUND_BYTES = int(name.removeprefix("pdl_mb")) << 20
+        pdl.PDL_GEMV_BYTES = int(name.removeprefix("pdl_mb")) << 20
     elif name not in ("default", "pdl", "pdl_small", "pdl_all", "pdl_late", "no_pdl"):
         raise SystemExit(f"unknown variant {name!r} (see the module docstring)")
 
@@ -72,7 +72,7 @@ def variant(name: str):
     policy = gemv_policy.current_policy()
     pick = decode_attention._pick_num_splits
     early_kv = decode_attention.PDL_EARLY_KV
-    latency_bound = pdl.LATENCY_BOUND_BYTES
+    gemv_bytes = pdl.PDL_GEMV_BYTES
     try:
         for part in name.split("+"):
             _apply(part, pick)
@@ -81,7 +81,7 @@ def variant(name: str):
         gemv_policy.set_policy(policy)
         decode_attention._pick_num_splits = pick
         decode_attention.PDL_EARLY_KV = early_kv
-        pdl.LATENCY_BOUND_BYTES = latency_bound
+        pdl.PDL_GEMV_BYTES = gemv_bytes
 
 
 def fusions_of(name: str) -> Fusions:

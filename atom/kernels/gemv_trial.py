@@ -26,9 +26,7 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     """A few tiles per shape: one or two output rows per program (many programs, the
     weight streamed once) with K chunks of up to 1024, 1 to 8 warps, and the heuristic's
     choice (atom/kernels/gemv.py); with the norm prologue also 2 and 4 rows over narrower
-    chunks (each program reads x, the residual and the norm weight again); with short rows
-    (K <= 1024) also 8 and 16 rows over the whole K in one chunk (a one-row program of a
-    576-wide LM head reads 1 KB: too little per program). The winners of
+    chunks (each program reads x, the residual and the norm weight again). The winners of
     the wider sweep (benchmarks/gemv_sweep.py) are of this family, and these narrow tiles
     stream large matrices near a streaming read's rate, where the heuristic's wider tiles
     fall well short (docs/benchmarks.md)."""
@@ -43,9 +41,6 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     if site.norm:  # each program re-reads x (+ residual, norm weight): fewer, wider ones
         out += [GemvConfig(min(2, rows), min(512, block_k), 2, 1),
                 GemvConfig(min(4, rows), min(256, block_k), 4, 1)]  # fmt: skip
-    if site.in_features <= 1024:  # short rows (a small model's LM head): more per program
-        wide = 1 << (max(rows, 1).bit_length() - 1)  # a power of two <= rows
-        out += [GemvConfig(min(8, wide), block_k, 4, 1), GemvConfig(min(16, wide), block_k, 8, 1)]
     return list(dict.fromkeys(out))
 
 

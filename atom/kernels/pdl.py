@@ -21,7 +21,7 @@ to the last kernel without PDL, which has finished; each still waits, so the cha
 stays ordered. The host side, ``pdl_launch(tensor, weight_bytes)``, gives the constexpr and
 the launch option: on when the forward context's fusions say so, the tensor is on a CUDA
 device that supports it (``pdl_supported``: Hopper or newer, never under the interpreter)
-and, for a GEMV, its weight is small enough to be bound by latency (LATENCY_BOUND_BYTES:
+and, for a GEMV, its weight is small enough to be bound by latency (PDL_GEMV_BYTES:
 a geometry, so one compiled variant per layer shape).
 A CUDA graph keeps the launch attributes it was captured with.
 
@@ -80,9 +80,15 @@ def pdl_supported(device: torch.device) -> bool:
 
 
 # A GEMV reading fewer weight bytes than this is bound by latency, not bandwidth (4 MB
-# stream in about a microsecond on an HBM3 GPU, about a launch): it joins the PDL chain
-# by default.
+# stream in about a microsecond on an HBM3 GPU, about a launch): paged decode after a qkv
+# projection this small loads cached K / V before its wait (``latency_bound``).
 LATENCY_BOUND_BYTES = 4 << 20
+# A Triton GEMV of up to this many weight bytes joins the PDL chain by default: about two
+# microseconds of streaming on an HBM3e GPU, so its launch and ramp-up, hidden behind the
+# kernel before it, are a large share (the 1B shape's o projection, 8.4 MB: +1.6% at
+# batch 1 against 4 MB, docs/benchmarks.md); past it, programs waiting under PDL would
+# hold SM slots a bandwidth-bound kernel before them needs.
+PDL_GEMV_BYTES = 10 << 20
 
 
 def latency_bound(weight: torch.Tensor) -> bool:
@@ -100,7 +106,7 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
     norm). The constexpr: 0 off, 1 the next kernel may launch at once, 2 after a GEMV's K
     loop, EMULATED (tests only: the PDL code paths without the launch intrinsics, which the
     Triton interpreter lacks). Measurement knobs (the forward's fusions): ``pdl_kernels``
-    latency (default: the small kernels and the GEMVs under LATENCY_BOUND_BYTES) | small
+    latency (default: the small kernels and the GEMVs up to PDL_GEMV_BYTES) | small
     (no GEMV) | all; ``pdl_release`` start | end (when a GEMV lets the next kernel launch)."""
     if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return _OFF
@@ -109,7 +115,7 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
         return _OFF
     if weight_bytes:
         kernels = fusions.pdl_kernels
-        if kernels == "small" or (kernels != "all" and weight_bytes > LATENCY_BOUND_BYTES):
+        if kernels == "small" or (kernels != "all" and weight_bytes > PDL_GEMV_BYTES):
             return _OFF
     # a small kernel lets the next one launch at once (its programs leave room); a GEMV
     # at its start (mode 1) or after its K loop (mode 2)

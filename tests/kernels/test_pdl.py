@@ -39,6 +39,7 @@ def test_small_kernels_and_latency_bound_gemvs_take_pdl(hopper):
     assert pdl.pdl_launch(_on_cuda(4096)) == ON
     assert pdl.pdl_launch(_on_cuda(1), small_weight) == ON
     assert pdl.pdl_launch(_on_cuda(1), big_weight) == (0, {})  # bandwidth-bound GEMV
+    assert pdl.pdl_launch(_on_cuda(1), 2048 * 2048 * 2) == ON  # the 1B's o, 8.4 MB <= 10 MB
     _knobs(hopper, pdl_kernels="all")
     assert pdl.pdl_launch(_on_cuda(1), big_weight) == ON
     _knobs(hopper, pdl_kernels="small")

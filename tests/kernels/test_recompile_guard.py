@@ -512,11 +512,11 @@ def test_gemv_one_row_one_variant_over_shapes(weights):
     atom/kernels/pdl.py: on by default), so each class of shapes is one variant."""
     config = gemv.GemvConfig(4, 512, 4, 2)
     shapes = {
-        "bandwidth-bound": [(2048, 3072), (2048, 2048), (8192, 2048)],  # > 4 MB of bf16
+        "bandwidth-bound": [(2048, 3072), (2048, 4096), (8192, 2048)],  # > 10 MB of bf16
         "latency-bound": [(576, 960), (576, 576), (1536, 576)],
     }[weights]
     for in_features, out_features in shapes:
-        pdl_on = 2 * in_features * out_features <= pdl.LATENCY_BOUND_BYTES
+        pdl_on = 2 * in_features * out_features <= pdl.PDL_GEMV_BYTES
         assert pdl_on == (weights == "latency-bound")
 
     def run(i):
