@@ -1,5 +1,6 @@
 """`python3 -m benchmarks.l2_prefetch`: a batch-1 decode step's kernel chain with and without
-L2 prefetches of the next weights (atom/kernels/l2_prefetch.py), graph replay time.
+L2 prefetches of the next weights (benchmarks/candidates/l2_prefetch.py, a candidate
+that lost), graph replay time.
 
 The chain is a Llama shape's batch-1 decode step built from atom's own kernels on random
 bf16 weights: per layer the qkv GEMV with its RMSNorm, paged decode attention over a short
@@ -59,9 +60,10 @@ class Chain:
             for _ in range(layers)
         ]  # fmt: skip
         self.lm_head = w(fields["vocab_size"], h)
-        self.weight_bytes = sum(
-            t.numel() * 2 for layer in self.layers for k, t in layer.items() if k[0] != "n"
-        ) + self.lm_head.numel() * 2
+        self.weight_bytes = (
+            sum(t.numel() * 2 for layer in self.layers for k, t in layer.items() if k[0] != "n")
+            + self.lm_head.numel() * 2
+        )
         block = 16
         blocks = -(-context // block)
         self.k_cache = torch.randn(blocks, block, self.kv_heads, d, device=dev, dtype=dt)

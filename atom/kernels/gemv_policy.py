@@ -224,15 +224,9 @@ class GemvPolicy:
         self.spent_s += time.perf_counter() - started
         measured = {}
         for config in candidates(site):
-            run = inputs.fused(config)
-            compiling = time.perf_counter()
-            got = first_output(run(weight)).float()  # compiles this candidate (once)
-            self.compile_s += time.perf_counter() - compiling
-            if not bool(((got - expected).abs() <= TOLERANCE * (1 + expected.abs())).all()):
-                continue
-            started = time.perf_counter()
-            measured[config] = 1e6 * timer(run, weights, self.calls, self.replays)
-            self.spent_s += time.perf_counter() - started
+            us = self._time_candidate(inputs.fused(config), weights, expected)
+            if us is not None:
+                measured[config] = us
         table = {_label(c): round(us, 3) for c, us in measured.items()}
         if not measured:
             return GemvChoice(None, "no candidate matched the unfused output", "measured",
@@ -260,20 +254,27 @@ class GemvPolicy:
         (inf, None for a site without the norm or with the RoPE epilogue)."""
         if not site.norm or rope is not None:
             return math.inf, None
-        timer = self.timer or cuda_seconds_per_call
         plain = dataclasses.replace(site, norm=False)
         best_us, best = math.inf, None
         for config in candidates(plain):
-            run = inputs.apart(config)
-            got = first_output(run(weights[0])).float()
-            if not bool(((got - expected).abs() <= TOLERANCE * (1 + expected.abs())).all()):
-                continue
-            started = time.perf_counter()
-            us = 1e6 * timer(run, weights, self.calls, self.replays)
-            self.spent_s += time.perf_counter() - started
-            if us < best_us:
+            us = self._time_candidate(inputs.apart(config), weights, expected)
+            if us is not None and us < best_us:
                 best_us, best = us, config
         return best_us, best
+
+    def _time_candidate(self, run, weights, expected) -> float | None:
+        """us per call of a candidate path, None where its output is not the unfused
+        path's (within TOLERANCE): never timed, never chosen. Its first call compiles it
+        (once; counted in compile_s, not the budget)."""
+        compiling = time.perf_counter()
+        got = first_output(run(weights[0])).float()
+        self.compile_s += time.perf_counter() - compiling
+        if not bool(((got - expected).abs() <= TOLERANCE * (1 + expected.abs())).all()):
+            return None
+        started = time.perf_counter()
+        us = 1e6 * (self.timer or cuda_seconds_per_call)(run, weights, self.calls, self.replays)
+        self.spent_s += time.perf_counter() - started
+        return us
 
     def _rotation(self, weight: torch.Tensor) -> list[torch.Tensor]:
         """``weight`` and enough copies that together they are twice the L2 (a call never

@@ -93,8 +93,9 @@ PDL_GEMV_BYTES = 10 << 20
 
 def latency_bound(weight: torch.Tensor) -> bool:
     """Whether a one-row GEMV over ``weight`` is bound by latency (LATENCY_BOUND_BYTES):
-    it then takes part in PDL, and paged decode after a qkv projection of that size loads
-    cached K / V before its wait (``paged_decode_attention(early_kv=...)``)."""
+    paged decode after a qkv projection of that size loads cached K / V before its wait
+    (``paged_decode_attention(early_kv=...)``). Which GEMVs join the PDL chain is
+    PDL_GEMV_BYTES, a larger size."""
     return weight.numel() * weight.element_size() <= LATENCY_BOUND_BYTES
 
 

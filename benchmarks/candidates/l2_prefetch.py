@@ -38,6 +38,7 @@ except ImportError:  # no Triton: keep the module importable
 CHUNK = 16384  # bytes per bulk prefetch request
 PER_PROGRAM = 32  # requests per program (one per lane of a warp)
 
+
 @triton.jit
 def _l2_prefetch_kernel(
     base_ptr,  # uint8 view of the weight
