@@ -19,6 +19,9 @@ Shapes and dtypes:
              columns. For ``gemv_silu_and_mul`` out_features = 2 * intermediate: gate rows
              then up rows (ColumnParallelLinear's [gate | up]).
     out      [num_rows, out_features] (``gemv``) or [num_rows, intermediate], x's dtype.
+    bias     optional [out_features] (``gemv``, ``gemv_rms_norm``, gemv_rope_kv.py), x's
+             dtype: added to the fp32 sum before the rounding (F.linear's one rounding)
+             and before the RoPE epilogue (Qwen2's qkv bias).
 
 Numerics: fp32 accumulation (fp32 products summed along K per lane, then across lanes),
 rounded to x's dtype as F.linear's output; with SiLU the gate and up are rounded first, then
@@ -154,11 +157,13 @@ def _gemv_row_kernel(
     slot_mapping_ptr,  # ROPE_KV: [1] the token's cache slot (-1: padding, nothing written)
     num_q_heads,
     num_kv_heads,
+    bias_ptr,  # HAS_BIAS: [weight rows], x's dtype, added before the epilogue
     SILU_MUL: tl.constexpr,  # weight rows [gate | up]; out = silu(gate) * up
     NORM: tl.constexpr,  # x := rms_norm(x (+ residual)) * norm_weight first
     HAS_RESIDUAL: tl.constexpr,
     ROPE_KV: tl.constexpr,  # weight rows [q | k | v heads]: RoPE of q and k, k and v cached
     HEAD_DIM: tl.constexpr,  # ROPE_KV only
+    HAS_BIAS: tl.constexpr,  # out = W x + bias (fp32 sum, one rounding: F.linear's)
     BLOCK_N: tl.constexpr,  # output rows per program, 1..16 (ROPE_KV: row pairs)
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # > 1: the K loop's loads pipelined through shared memory
@@ -221,6 +226,10 @@ def _gemv_row_kernel(
         rstd = tl.rsqrt(tl.sum(sum_squares, axis=1) / in_features + eps)
         out = out * rstd
         second = second * rstd
+    if HAS_BIAS:  # the gate / up or the rotary pair's second rows have their own entries
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SILU_MUL or ROPE_KV:
+            second += tl.load(bias_ptr + second_rows, mask=n_mask, other=0.0).to(tl.float32)
     if ROPE_KV:
         _rope_kv_epilogue(
             out, second, head, dim, n_mask, out_ptr, positions_ptr, cos_ptr,
@@ -246,6 +255,7 @@ def gemv_config(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | None = None,
     rope: bool = False,
+    bias: bool = False,
 ) -> GemvConfig:
     """The launch geometry for a weight [out_features, in_features] (out_features counts the
     weight's rows: 2 * intermediate with ``silu_mul``). On the GPU: the tile the GEMV policy
@@ -254,7 +264,7 @@ def gemv_config(
     if not on_gpu:  # the interpreter pays per program: few, big ones
         return GemvConfig(min(64, triton.next_power_of_2(rows)), 128, 4, 1)
     dtype_name = str(dtype).removeprefix("torch.")
-    site = GemvSite(in_features, out_features, silu_mul, norm, dtype_name, rope)
+    site = GemvSite(in_features, out_features, silu_mul, norm, dtype_name, rope, bias)
     tile = chosen_tile(site, device or torch.device("cuda"))
     return tile if tile is not None else heuristic_config(in_features, out_features, silu_mul)
 
@@ -270,13 +280,16 @@ def fits_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _flags(silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig) -> dict:
+def _flags(
+    silu_mul: bool, norm: bool, has_residual: bool, config: GemvConfig, bias: bool = False
+) -> dict:
     return dict(
         SILU_MUL=silu_mul,
         NORM=norm,
         HAS_RESIDUAL=has_residual,
         ROPE_KV=False,
         HEAD_DIM=1,
+        HAS_BIAS=bias,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
@@ -292,6 +305,7 @@ def compile_row_kernel(
     has_residual: bool,
     config: GemvConfig,
     dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
 ) -> None:
     """Compile the one-row kernel for this geometry without launching it (Triton's
     ``warmup``; under its AsyncCompileMode the compile joins a pool: the sweep compiles its
@@ -299,8 +313,8 @@ def compile_row_kernel(
     _gemv_row_kernel.warmup(
         dtype, dtype, dtype, dtype, dtype, dtype,
         in_features, out_features, 1e-5, in_features, *(dtype,) * 3, 16, *(dtype,) * 3, 1,
-        1, grid=(1,), NUM_STAGES=config.num_stages,
-        **_flags(silu_mul, norm, has_residual, config),
+        1, dtype, grid=(1,), NUM_STAGES=config.num_stages,
+        **_flags(silu_mul, norm, has_residual, config, bias),
     )  # fmt: skip
 
 
@@ -312,18 +326,24 @@ def _launch(
     norm: tuple | None = None,  # (residual or None, norm weight, eps, residual_out or None)
     config: GemvConfig | None = None,
     rope: RopeKV | None = None,  # one row: out is q, the k and v heads go to the caches
+    bias: torch.Tensor | None = None,  # [weight rows], x's dtype
 ) -> None:
     assert fits_gemv(x, weight), "x [1, K], weight [N, K], one dtype"
     assert weight.shape[1] == x.shape[1]
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.dtype == x.dtype
+        assert bias.is_contiguous()
     in_features, out_features = x.shape[1], out.shape[1]
     if config is None:
         config = gemv_config(in_features, weight.shape[0], silu_mul, norm is not None,
-                             x.is_cuda, x.dtype, x.device, rope is not None)  # fmt: skip
+                             x.is_cuda, x.dtype, x.device, rope is not None,
+                             bias is not None)  # fmt: skip
     residual, norm_weight, eps, residual_out = norm or (None, x, 0.0, None)
     if residual is None:  # never read
         residual = residual_out = x
     grid = (triton.cdiv(out_features, config.block_n),)
-    flags = _flags(silu_mul, norm is not None, norm is not None and norm[0] is not None, config)
+    has_residual = norm is not None and norm[0] is not None
+    flags = _flags(silu_mul, norm is not None, has_residual, config, bias is not None)
     rope_args = (*(x,) * 3, 16, *(x,) * 3, 1, 1)  # never read without ROPE_KV
     if rope is not None:  # the program's rows: BLOCK_N // 2 rotary pairs (the same bytes)
         pairs = max(1, config.block_n // 2)
@@ -335,20 +355,26 @@ def _launch(
     _gemv_row_kernel[grid](
         x, weight, out, residual, norm_weight, residual_out,
         in_features, out_features, eps, weight.stride(0), *rope_args,
+        x if bias is None else bias,
         NUM_STAGES=config.num_stages, PDL=pdl, **flags, **launch,
     )  # fmt: skip
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """``x @ weight.T`` (no bias).
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: F.linear.
 
     One row runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1); more rows, or no
     Triton, the reference. ``config`` overrides ``gemv_config`` (the sweep's candidates).
     """
     if not use_triton(x) or x.shape[0] != 1:
-        return gemv_reference(x, weight)
+        return gemv_reference(x, weight, bias)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, silu_mul=False, config=config)
+    _launch(x, weight, out, silu_mul=False, config=config, bias=bias)
     return out
 
 
@@ -376,6 +402,7 @@ def gemv_rms_norm(
     weight: torch.Tensor,
     silu_mul: bool = False,
     config: GemvConfig | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm (with the residual add) and the linear layer after it, in one kernel.
 
@@ -384,10 +411,11 @@ def gemv_rms_norm(
     the second item is ``x`` itself, as ``PreNormDecoderLayer`` carries it. ``norm_weight``
     [in_features] has x's dtype. One row runs the Triton kernel on CUDA (or under
     TRITON_INTERPRET=1); more rows, or no Triton, the reference. ``config`` overrides
-    ``gemv_config``.
+    ``gemv_config``. ``bias`` (not with ``silu_mul``): the linear layer's.
     """
+    assert bias is None or not silu_mul, "no bias with the SiLU epilogue"
     if not use_triton(x) or x.shape[0] != 1:
-        return gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul)
+        return gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul, bias)
     hidden = x.shape[1]
     assert norm_weight.shape == (hidden,) and norm_weight.dtype == x.dtype
     assert norm_weight.is_contiguous()
@@ -398,23 +426,27 @@ def gemv_rms_norm(
         residual_out = torch.empty_like(x)
     features = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     out = torch.empty(x.shape[0], features, dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, silu_mul, (residual, norm_weight, eps, residual_out), config)
+    norm_args = (residual, norm_weight, eps, residual_out)
+    _launch(x, weight, out, silu_mul, norm_args, config, bias=bias)
     return out, x if residual is None else residual_out
 
 
-def gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul=False):
+def gemv_rms_norm_reference(x, residual, norm_weight, eps, weight, silu_mul=False, bias=None):
     """Pure-torch ``gemv_rms_norm``: ``rms_norm_reference`` then the linear layer."""
     if residual is None:
         h, residual = rms_norm_reference(x, norm_weight, eps), x
     else:
         h, residual = rms_norm_reference(x, norm_weight, eps, residual)
-    linear = gemv_silu_and_mul_reference if silu_mul else gemv_reference
-    return linear(h, weight), residual
+    if silu_mul:
+        return gemv_silu_and_mul_reference(h, weight), residual
+    return gemv_reference(h, weight, bias), residual
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pure-torch ``gemv``: F.linear."""
-    return torch.nn.functional.linear(x, weight)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def gemv_silu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

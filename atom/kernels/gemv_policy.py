@@ -74,7 +74,8 @@ logger = logging.getLogger(__name__)
 MODES = envs.GEMV_POLICY_MODES  # measure | fused | unfused
 MARGIN = 0.03  # the Triton GEMV must beat the unfused path by 3% (a step adds its noise)
 BUDGET_S = 1.0  # seconds of timed trials per process
-CACHE_VERSION = 2  # 2: a norm site also weighed against the norm kernel + the plain GEMV
+CACHE_VERSION = 3  # 2: a norm site also weighed against the norm kernel + the plain GEMV;
+# 3: the key says whether the layer has a bias
 _BLOCK_NS = (1, 2, 4, 8, 16)
 _BLOCK_KS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -163,16 +164,21 @@ class GemvPolicy:
         silu_mul: bool = False,
         norm: bool = False,
         rope: RopeKV | None = None,
+        bias: torch.Tensor | None = None,
     ) -> GemvConfig | None:
         """The Triton GEMV's tile for this layer at one row, or None: the unfused path.
         ``rope``: the qkv GEMV with the RoPE + KV-write epilogue (against the GEMV and
-        ``rotary_kv_write``; the trial writes no cache slot)."""
-        if not fits_gemv(x, weight):
+        ``rotary_kv_write``; the trial writes no cache slot). ``bias``: the layer's (the
+        trial adds one of its shape to both paths)."""
+        if not fits_gemv(x, weight) or not _bias_fits(bias, x, weight, silu_mul):
             return None
         if self.mode == "unfused":
             return None
         dtype = _dtype_name(x)
-        site = GemvSite(weight.shape[1], weight.shape[0], silu_mul, norm, dtype, rope is not None)
+        site = GemvSite(
+            weight.shape[1], weight.shape[0], silu_mul, norm, dtype, rope is not None,
+            bias is not None,
+        )
         if self.mode == "fused":
             return heuristic_config(site.in_features, site.rows, site.silu_mul)
         key = self._key(site, x.device)
@@ -295,7 +301,7 @@ class GemvPolicy:
         name = _device_name(device)
         pdl = bool(current_fusions().pdl)
         return (name, _triton_version(), torch.__version__, site.in_features, site.rows,
-                site.silu_mul, site.norm, site.dtype, pdl, site.rope)  # fmt: skip
+                site.silu_mul, site.norm, site.dtype, pdl, site.rope, site.bias)  # fmt: skip
 
     @staticmethod
     def key_string(key: tuple) -> str:
@@ -365,7 +371,7 @@ class GemvPolicy:
         rows = []
         for key, choice in self.choices.items():
             in_features, rows_, silu_mul, norm, dtype = key[3:8]
-            site = GemvSite(in_features, rows_, silu_mul, norm, dtype, key[9])
+            site = GemvSite(in_features, rows_, silu_mul, norm, dtype, key[9], key[10])
             rows.append(dict(
                 site=site.label(), gpu=key[0], pdl=key[8],
                 choice="unfused" if choice.config is None else list(_label(choice.config)),
@@ -373,6 +379,19 @@ class GemvPolicy:
                 unfused_us=_rounded(choice.unfused_us), fused_us=_rounded(choice.fused_us),
             ))  # fmt: skip
         return rows
+
+
+def _bias_fits(bias, x, weight, silu_mul) -> bool:
+    """Whether the kernel takes this bias: one per weight row, x's dtype, contiguous (and
+    no layer has a bias before the SiLU: that epilogue takes none)."""
+    if bias is None:
+        return True
+    return (
+        not silu_mul
+        and bias.shape == (weight.shape[0],)
+        and bias.dtype == x.dtype
+        and bias.is_contiguous()
+    )
 
 
 _DEVICE_NAMES: dict[torch.device, str] = {}
@@ -469,7 +488,9 @@ def use_gemv(
     silu_mul: bool = False,
     norm: bool = False,
     rope: RopeKV | None = None,
+    bias: torch.Tensor | None = None,
 ) -> bool:
     """Whether a fusion switch should run this layer as the Triton GEMV (the policy's
-    choice for its shape at one row; ``rope``: with the RoPE + KV-write epilogue)."""
-    return current_policy().config_for(x, weight, silu_mul, norm, rope) is not None
+    choice for its shape at one row; ``rope``: with the RoPE + KV-write epilogue;
+    ``bias``: the layer's bias, added in the GEMV's epilogue)."""
+    return current_policy().config_for(x, weight, silu_mul, norm, rope, bias) is not None

@@ -26,31 +26,33 @@ from atom.kernels.rope_kv_epilogue import RopeKV
 from atom.kernels.rotary_kv import rotary_kv_write_reference
 
 
-def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, rope: RopeKV, norm: tuple | None = None, config=None):  # fmt: skip
-    """q [1, Hq * D] of ``x @ weight.T`` with k and v written to the caches (see the module
-    docstring). ``norm`` = (residual or None, norm weight, eps): the RMSNorm (and residual
-    add) first, as ``gemv_rms_norm``; then returns (q, x + residual, or x). ``config`` (a
-    GemvConfig) overrides ``gemv_config`` (the GEMV policy's trial)."""
+def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, rope: RopeKV, norm: tuple | None = None, config=None, bias=None):  # fmt: skip
+    """q [1, Hq * D] of ``x @ weight.T (+ bias)`` with k and v written to the caches (see
+    the module docstring). ``norm`` = (residual or None, norm weight, eps): the RMSNorm (and
+    residual add) first, as ``gemv_rms_norm``; then returns (q, x + residual, or x).
+    ``config`` (a GemvConfig) overrides ``gemv_config`` (the GEMV policy's trial)."""
     if not use_triton(x):
-        return gemv_rope_kv_reference(x, weight, rope, norm)
+        return gemv_rope_kv_reference(x, weight, rope, norm, bias)
     assert rope.fits(x, weight), "one token, fused q | k | v rows, caches of x's dtype"
     q = torch.empty(1, rope.num_q_heads * rope.head_dim, dtype=x.dtype, device=x.device)
     if norm is None:
-        gemv._launch(x, weight, q, silu_mul=False, config=config, rope=rope)
+        gemv._launch(x, weight, q, silu_mul=False, config=config, rope=rope, bias=bias)
         return q
     residual, norm_weight, eps = norm
     residual_out = None if residual is None else torch.empty_like(x)
     norm_args = (residual, norm_weight, eps, residual_out)
-    gemv._launch(x, weight, q, False, norm_args, config, rope=rope)
+    gemv._launch(x, weight, q, False, norm_args, config, rope=rope, bias=bias)
     return q, x if residual is None else residual_out
 
 
-def gemv_rope_kv_reference(x, weight, rope: RopeKV, norm=None):
+def gemv_rope_kv_reference(x, weight, rope: RopeKV, norm=None, bias=None):
     """The GEMV (or the norm + GEMV) then ``rotary_kv_write_reference``."""
     if norm is None:
-        qkv, residual = gemv_reference(x, weight), None
+        qkv, residual = gemv_reference(x, weight, bias), None
     else:
-        qkv, residual = gemv_rms_norm_reference(x, norm[0], norm[1], norm[2], weight)
+        qkv, residual = gemv_rms_norm_reference(
+            x, norm[0], norm[1], norm[2], weight, bias=bias
+        )
     q_size, kv_size = rope.num_q_heads * rope.head_dim, rope.num_kv_heads * rope.head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = rotary_kv_write_reference(

@@ -36,10 +36,12 @@ class GemvSite:
     norm: bool
     dtype: str  # "bfloat16", "float32", ...
     rope: bool = False  # q/k/v rows with RoPE and the KV write in the epilogue (gemv_rope_kv)
+    bias: bool = False  # the layer adds a bias (Qwen2's qkv)
 
     def label(self) -> str:
         parts = [f"{self.in_features}x{self.rows}"]
         parts += ["silu"] * self.silu_mul + ["norm"] * self.norm + ["rope_kv"] * self.rope
+        parts += ["bias"] * self.bias
         return "+".join(parts) + f" {self.dtype}"
 
 

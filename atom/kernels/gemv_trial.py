@@ -77,6 +77,10 @@ class TrialInputs:
         self.x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         self.residual = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         self.norm_weight = torch.ones(k, device=device, dtype=dtype)
+        self.bias = None  # a bias site: one of the layer's shape on both paths
+        if site.bias:
+            rows = site.rows
+            self.bias = torch.randn(rows, device=device, dtype=dtype, generator=generator)
         self.rope = None
         if rope is not None:  # nothing written: the trial must not touch the cache
             self.rope = dataclasses.replace(
@@ -85,11 +89,11 @@ class TrialInputs:
 
     def unfused(self):
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
-        rope = self.rope
+        rope, bias = self.rope, self.bias
 
         def run(weight):
             h = rms_norm(x, norm_weight, EPS, residual)[0] if site.norm else x
-            out = F.linear(h, weight)
+            out = F.linear(h, weight, bias)
             if rope is not None:
                 q_size, kv_size = (
                     rope.num_q_heads * rope.head_dim,
@@ -110,17 +114,19 @@ class TrialInputs:
 
     def fused(self, config: GemvConfig):
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
-        rope = self.rope
+        rope, bias = self.rope, self.bias
 
         def run(weight):
             if rope is not None:
                 norm = (residual, norm_weight, EPS) if site.norm else None
-                return gemv_rope_kv(x, weight, rope, norm, config)
+                return gemv_rope_kv(x, weight, rope, norm, config, bias)
             if site.norm:
-                return gemv_rms_norm(x, residual, norm_weight, EPS, weight, site.silu_mul, config)
+                return gemv_rms_norm(
+                    x, residual, norm_weight, EPS, weight, site.silu_mul, config, bias
+                )
             if site.silu_mul:
                 return gemv_silu_and_mul(x, weight, config)
-            return gemv(x, weight, config)
+            return gemv(x, weight, config, bias)
 
         run.config = config  # which candidate (a test's timer reads it)
         return run
@@ -132,11 +138,13 @@ class TrialInputs:
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
         assert site.norm and self.rope is None
 
+        bias = self.bias
+
         def run(weight):
             h = rms_norm(x, norm_weight, EPS, residual)[0]
-            return (
-                gemv_silu_and_mul(h, weight, config) if site.silu_mul else gemv(h, weight, config)
-            )
+            if site.silu_mul:
+                return gemv_silu_and_mul(h, weight, config)
+            return gemv(h, weight, config, bias)
 
         run.config = config
         run.apart = True  # (a test's timer reads it)

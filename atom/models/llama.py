@@ -145,10 +145,10 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     def forward(self, positions, hidden, residual):
         attention, mlp = self.self_attn, self.mlp
         qkv_weight, norm = attention.qkv_proj.weight, self.input_layernorm
+        qkv_bias = attention.qkv_proj.bias  # Qwen2's: added in the GEMV's epilogue
         if not (
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
-            and attention.qkv_proj.bias is None
             and attention.qkv_proj.quant_method is None  # the fused GEMVs read dense weights
             and mlp.gate_up_proj.quant_method is None
             and norm.weight.dtype == hidden.dtype
@@ -160,14 +160,16 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         rope = attention.attn.rope_kv(positions, attention.rotary, attention.num_heads)
         if rope is not None and not rope.fits(hidden, qkv_weight):
             rope = None
-        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope):
+        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope, bias=qkv_bias):
             return super().forward(positions, hidden, residual)
         if rope is not None:  # Fusions.gemv_rope_kv
             norm_args = (residual, norm.weight, norm.eps)
-            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args)
+            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args, bias=qkv_bias)
             hidden = attention.attend_cached(q)
         else:
-            qkv, residual = gemv_rms_norm(hidden, residual, norm.weight, norm.eps, qkv_weight)
+            qkv, residual = gemv_rms_norm(
+                hidden, residual, norm.weight, norm.eps, qkv_weight, bias=qkv_bias
+            )
             hidden = attention.attend(positions, qkv)
         norm = self.post_attention_layernorm
         gate_up = mlp.gate_up_proj.weight

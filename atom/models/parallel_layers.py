@@ -42,8 +42,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     packed = getattr(weight, "cpu_packed", None)
     if packed is not None:
         return packed(x, bias)
-    if bias is None and x.is_cuda and current_fusions().gemv_linear and use_gemv(x, weight):
-        return gemv(x, weight)
+    if x.is_cuda and current_fusions().gemv_linear and use_gemv(x, weight, bias=bias):
+        return gemv(x, weight, bias=bias)
     return F.linear(x, weight, bias)
 
 

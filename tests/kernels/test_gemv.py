@@ -67,6 +67,28 @@ def test_gemv_rms_norm_matches_norm_then_linear(
     assert torch.equal(new_residual, expected_residual)  # the same rounded sum, or x itself
 
 
+@pytest.mark.parametrize("dtype, device", DTYPES)
+@pytest.mark.parametrize("config", [GemvConfig(1, 64, 1, 1), GemvConfig(16, 64, 4, 3)])
+def test_one_row_gemv_adds_the_bias_as_linear(config, dtype, device):
+    """A bias (Qwen2's qkv): F.linear(x, weight, bias), with and without the norm; the
+    partial last tile of rows (130 % 16) reads no bias past its end."""
+    generator = torch.Generator().manual_seed(config.block_n)
+    x = (2 * torch.randn(1, 200, generator=generator)).to(device, dtype)
+    weight = (torch.randn(130, 200, generator=generator) / 8).to(device, dtype)
+    bias = torch.randn(130, generator=generator).to(device, dtype)
+    residual = torch.randn(1, 200, generator=generator).to(device, dtype)
+    norm_weight = (1 + torch.rand(200, generator=generator)).to(device, dtype)
+    tol = TOLERANCE[dtype]
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(gemv(x, weight, config, bias), expected.to(dtype), atol=tol, rtol=tol)
+    args = (x, residual, norm_weight, 1e-5, weight, False)
+    out, _ = gemv_rms_norm(*args, config=config, bias=bias)
+    expected = exact_norm_linear(*args).double() + bias.double()
+    torch.testing.assert_close(out, expected.to(dtype), atol=tol, rtol=tol)
+    reference, _ = gemv_rms_norm_reference(*args, bias=bias)  # more rows, no Triton
+    torch.testing.assert_close(reference, expected.to(dtype), atol=tol, rtol=tol)
+
+
 def exact_norm_linear(x, residual, norm_weight, eps, weight, silu_mul):
     """The norm-then-linear math in float64 from the same inputs (x + residual rounded to
     x's dtype, as both paths keep it): the one-row kernel never rounds the normalised row,

@@ -365,3 +365,34 @@ def test_a_rope_site_is_its_own_key_and_its_trial_writes_no_cache(tmp_path):
     policy.timer = FakeTimer(unfused_us=10.0, other_us=12.0)
     assert policy.config_for(x, weight, norm=True) is None
     assert len(policy.report()) == 2
+
+
+def test_a_bias_site_is_its_own_site_and_its_trial_adds_the_bias(tmp_path):
+    """A layer with a bias (Qwen2's qkv) is decided apart from the same shape without one
+    (another key; the report says 'bias'), and its trial's two paths add a bias: the fused
+    candidates are checked against F.linear with it (a candidate that dropped it would
+    never match). A bias the kernel cannot take (another dtype, before the SiLU) keeps the
+    unfused path without a trial."""
+    site = _site()
+    fastest = candidates(site)[0]
+    timer = FakeTimer(unfused_us=10.0, fused_us={fastest: 6.0})
+    policy = _policy(tmp_path, timer)
+    x, weight = _inputs()
+    bias = torch.randn(ROWS, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert policy.config_for(x, weight, bias=bias) == fastest
+    assert policy.config_for(x, weight) == fastest  # the plain site: a trial of its own
+    assert len(timer.calls) == 2 * (len(candidates(site)) + 1)
+    labels = sorted(record["site"] for record in policy.report())
+    assert labels == [f"{IN}x{ROWS} float32", f"{IN}x{ROWS}+bias float32"]
+    inputs = gemv_trial.TrialInputs(GemvSite(IN, ROWS, False, False, "float32", bias=True), weight)
+    expected = torch.nn.functional.linear(inputs.x, weight, inputs.bias)
+    torch.testing.assert_close(inputs.unfused()(weight), expected)
+    torch.testing.assert_close(inputs.fused(fastest)(weight), expected, atol=1e-4, rtol=1e-4)
+    calls = len(timer.calls)
+    assert policy.config_for(x, weight, bias=bias.double()) is None
+    assert policy.config_for(x, torch.cat([weight, weight]), silu_mul=True, bias=bias) is None
+    assert len(timer.calls) == calls
+    # the next start reads the bias site's choice from the cache
+    again = _policy(tmp_path, FakeTimer(fail=True))
+    assert again.config_for(x, weight, bias=bias) == fastest
+    assert again.report()[0]["source"] == "cached"

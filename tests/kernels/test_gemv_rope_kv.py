@@ -44,8 +44,11 @@ def _case(dtype, heads=(4, 2), head_dim=16, hidden=48, slot=5, position=7, seed=
 )
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("block_n", [1, 2, 8])
-def test_equals_gemv_then_rotary_kv_write(dtype, norm, block_n):
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_gemv_then_rotary_kv_write(dtype, norm, block_n, bias):
+    """With a bias (Qwen2's qkv) the reference is F.linear with it, then the rotary."""
     x, weight, got_rope, want_rope, randn = _case(dtype)
+    bias = randn(weight.shape[0]) if bias else None
     norm_args = None
     if norm:
         norm_args = (randn(1, x.shape[1]), randn(x.shape[1]), 1e-6)
@@ -55,10 +58,10 @@ def test_equals_gemv_then_rotary_kv_write(dtype, norm, block_n):
     original = gemv_module.gemv_config
     gemv_module.gemv_config = lambda *args, **kwargs: config
     try:
-        got = gemv_rope_kv(x, weight, got_rope, norm_args)
+        got = gemv_rope_kv(x, weight, got_rope, norm_args, bias=bias)
     finally:
         gemv_module.gemv_config = original
-    want = gemv_rope_kv_reference(x, weight, want_rope, norm_args)
+    want = gemv_rope_kv_reference(x, weight, want_rope, norm_args, bias)
     tolerance = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
     if norm:
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # x + residual

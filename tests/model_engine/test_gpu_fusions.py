@@ -97,3 +97,44 @@ def test_every_gemv_policy_choice_keeps_the_unfused_tokens(tmp_path, mode):
             assert [r["choice"] for r in policy.report()] == [r["choice"] for r in report]
     finally:
         gemv_policy.set_policy(previous)
+
+
+def test_a_qkv_bias_in_the_gemv_keeps_the_unfused_tokens(tmp_path):
+    """Qwen2's qkv bias is added in the batch-1 GEMV's epilogue (with the norm prologue
+    and the RoPE + KV-write epilogue): with every site on the Triton GEMV (policy
+    ``fused``), a Qwen2 shape (fp32, random weights and biases) gives the greedy tokens of
+    the engine with every fusion off."""
+    import transformers
+
+    from atom.kernels import gemv_policy
+    from tests.engine_support import vocab_prompts
+
+    model_dir = tmp_path / "model"
+    config = transformers.Qwen2Config(
+        hidden_size=512, intermediate_size=1408, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():  # HF starts the biases at zero
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(model_dir)
+    common = dict(device="cuda", dtype="float32", num_kvcache_blocks=512, max_num_seqs=4,
+                  skip_tokenizer_init=True)  # fmt: skip
+    previous = gemv_policy.set_policy(gemv_policy.GemvPolicy("fused"))
+    try:
+        fused = build_llm(str(model_dir), fusions=Fusions(), **common)
+        plain = build_llm(str(model_dir), fusions=Fusions.none(), **common)
+        qkv = fused.engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.bias is not None and qkv.bias.abs().sum() > 0
+        for prompt in vocab_prompts(5, [1, 17, 130], 8000):
+            a = fused.generate([prompt], GREEDY, use_tqdm=False)[0]
+            b = plain.generate([prompt], GREEDY, use_tqdm=False)[0]
+            assert a.token_ids == b.token_ids
+    finally:
+        gemv_policy.set_policy(previous)
