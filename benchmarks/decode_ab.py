@@ -119,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(MATRIX), required=True)
     parser.add_argument("--variants", nargs="+", default=["default", "default"])
+    parser.add_argument("--prompt-len", type=int, default=128,
+                        help="the batch-1 prompt (context) length; the block table is "
+                             "this + 656 tokens wide (784 at the default)")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
         return 2
     shape = f"{args.shape}-shape"
-    run = types.SimpleNamespace(input_len=512, output_len=256, batch1_input_len=128,
+    run = types.SimpleNamespace(input_len=args.prompt_len + 384, output_len=256,
+                                batch1_input_len=args.prompt_len,
                                 batch1_output_len=256, window_steps=64, profile_steps=30,
                                 top_kernels=6)  # fmt: skip
     bandwidth = harness.streaming_bandwidth()
