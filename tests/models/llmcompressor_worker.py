@@ -3,13 +3,13 @@
 Runs in the pinned side environment tests/models/test_quantized_checkpoints.py builds
 (llmcompressor pins a transformers older than atom's), never imported by atom or its tests:
 
-    python tests/models/llmcompressor_worker.py HF_DIR OUT_DIR SCHEME PROMPTS_JSON
+    python tests/models/llmcompressor_worker.py HF_DIR PROMPTS_JSON SCHEME=OUT_DIR...
 
-SCHEME is "FP8_DYNAMIC" (no data), "W4A16" (GPTQ on a tiny calibration text) or
+each SCHEME is "FP8_DYNAMIC" (no data), "W4A16" (GPTQ on a tiny calibration text) or
 "W4A16_ASYM" (round-to-nearest with zero points, no data). SmolLM2-135M's 576 hidden
 features are not a multiple of the presets' group of 128, so the int4 schemes are the W4A16
 presets with groups of 64 (llm-compressor refuses groups that do not divide the inputs).
-OUT_DIR gets
+Each OUT_DIR gets
 - quantized/: what `oneshot` + `save_pretrained(save_compressed=True)` writes;
 - dequantized/: the same model with compressed-tensors' decompression of every weight,
   saved as a plain fp32 checkpoint (no quantization_config);
@@ -121,16 +121,14 @@ def linear_io(model, ids) -> dict:
     return captured
 
 
-def main() -> None:
-    hf_dir, out, scheme, prompts_file = sys.argv[1:5]
-    out = Path(out)
-    prompts = json.loads(Path(prompts_file).read_text())
+def record(hf_dir: str, out: Path, scheme: str, prompts) -> None:
+    """Quantize with ``scheme`` into ``out`` and record HF's view of the result;
+    hf_compressed.pt, written last, marks ``out`` complete."""
     quantize(hf_dir, out, scheme)
     quantized = out / "quantized"
     compressed = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
     outputs = hf_outputs(compressed.eval(), prompts)
     outputs["linears"] = linear_io(compressed, prompts[0])
-    torch.save(outputs, out / "hf_compressed.pt")
     # compressed-tensors' own decompression of every weight, kept as a plain checkpoint
     config = transformers.CompressedTensorsConfig(dequantize=True)
     dense = transformers.AutoModelForCausalLM.from_pretrained(
@@ -147,6 +145,17 @@ def main() -> None:
         raise SystemExit(f"decompressed state does not fit: {missing} {unexpected}")
     plain.save_pretrained(out / "dequantized")
     shutil.copy(quantized / "tokenizer.json", out / "dequantized" / "tokenizer.json")
+    torch.save(outputs, out / "hf_compressed.pt")
+
+
+def main() -> None:
+    """HF_DIR PROMPTS_JSON SCHEME=OUT_DIR...: every scheme in this one process (its
+    imports of llm-compressor and transformers are paid once)."""
+    hf_dir, prompts_file, *jobs = sys.argv[1:]
+    prompts = json.loads(Path(prompts_file).read_text())
+    for job in jobs:
+        scheme, out = job.split("=", 1)
+        record(hf_dir, Path(out), scheme, prompts)
 
 
 if __name__ == "__main__":
