@@ -73,3 +73,38 @@ def use_tile_source(source: TileSource | None) -> TileSource | None:
 def chosen_tile(site: GemvSite, device: torch.device) -> GemvConfig | None:
     """The tile the GEMV policy chose for a site (None: none chosen, the heuristic's)."""
     return None if _tile_source is None else _tile_source(site, device)
+
+
+# bytes of one weight element in the quantized GEMVs (atom/kernels/fp8_linear.py, int4_linear.py)
+_QUANT_BYTES = {"fp8": 1.0, "int4": 0.5}
+
+
+def quant_gemv_config(
+    in_features: int,
+    out_features: int,
+    fmt: str,
+    group: int = 0,
+    on_gpu: bool = True,
+    device: torch.device | None = None,
+) -> GemvConfig:
+    """The batch-1 quantized GEMV's launch geometry for a weight [out_features, in_features]
+    in ``fmt`` ("fp8" or "int4"), its scales in groups of ``group`` inputs (0: one scale
+    per output row). The GEMV policy's tile for the site when it chose one (site dtype
+    "fp8" / "int4"), else the shape's heuristic: BLOCK_N as ``heuristic_config`` (~8
+    programs per SM), BLOCK_K for ~4 KB of weight per tile (16-byte loads per thread of 4
+    warps, twice over) and a multiple of ``group``. block_k counts inputs."""
+    if not on_gpu:  # the interpreter pays per program: few, big ones
+        block_k = max(128, group)
+        return GemvConfig(min(64, 1 << max(out_features - 1, 0).bit_length()), block_k, 4, 1)
+    site = GemvSite(in_features, out_features, False, False, fmt)
+    tile = chosen_tile(site, device or torch.device("cuda"))
+    if tile is not None and (not group or tile.block_k % group == 0):
+        return tile
+    block_n = 16
+    while block_n > 1 and -(-out_features // block_n) < 8 * _NUM_SMS:
+        block_n //= 2
+    target = int(4096 / _QUANT_BYTES[fmt])  # inputs per tile: ~4 KB of weight
+    block_k = max(128, min(4096, target // block_n, 1 << max(in_features - 1, 0).bit_length()))
+    if group:
+        block_k = max(block_k, group)
+    return GemvConfig(block_n, block_k, 4, 3 if in_features > block_k else 1)
