@@ -170,6 +170,37 @@ def _fp8_dot_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def _quantize_rows_kernel(
+    x_ptr,  # [M, K]
+    out_ptr,  # [M, K] fp8, contiguous
+    scale_ptr,  # [M] float32
+    num_rows,
+    in_features,
+    stride_x,
+    BLOCK_K: tl.constexpr,
+):
+    """Row m of x rounded to e4m3 at scale amax(|x[m]|) / 448 (two passes over the row:
+    the max, then the rounding): the activations of the FP8 tensor-core GEMM, one launch."""
+    row = tl.program_id(0)
+    if row >= num_rows:
+        return
+    offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k_start in range(0, in_features, BLOCK_K):
+        x = tl.load(x_row + k_start + offs, mask=k_start + offs < in_features, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1.1754943508222875e-38)
+    out_row = out_ptr + row.to(tl.int64) * in_features
+    for k_start in range(0, in_features, BLOCK_K):
+        mask = k_start + offs < in_features
+        x = tl.load(x_row + k_start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(out_row + k_start + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -200,12 +231,19 @@ def fits_fp8_kernels(x: torch.Tensor, weight, scale, block: tuple[int, int]) -> 
         and scale.dtype == torch.float32
         and scale.stride(-1) == 1
         and (_per_row(weight, block) or (cols >= 16 and cols & (cols - 1) == 0))
+        and (not x.is_cuda or _fp8_capable(x.device))
     )
+
+
+@functools.cache
+def _fp8_capable(device: torch.device) -> bool:
+    """Triton converts e4m3 on compute capability >= 8.9 (Ada, Hopper and later)."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _dot_tiles(rows: int, block: tuple[int, int], weight) -> tuple[int, int, int]:
     block_m = 16 if rows <= GEMV_MAX_ROWS else 64
-    block_n = 32 if rows <= GEMV_MAX_ROWS else 128
+    block_n = 16 if rows <= GEMV_MAX_ROWS else 128
     block_k = 128 if _per_row(weight, block) else min(128, block[1])
     return block_m, block_n, block_k
 
@@ -253,9 +291,7 @@ def fp8_dot(x, weight, scale, block, bias=None):
 def _scaled_mm_supported(device: torch.device) -> bool:
     """torch._scaled_mm with row-wise scales needs FP8 tensor cores (compute capability
     >= 8.9) and a torch that has it."""
-    if not hasattr(torch, "_scaled_mm") or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return hasattr(torch, "_scaled_mm") and device.type == "cuda" and _fp8_capable(device)
 
 
 _SCALED_MM_FAILED: set = set()
@@ -263,7 +299,20 @@ _SCALED_MM_FAILED: set = set()
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x rounded to e4m3 at one scale per row, the float32 scales [M, 1]):
-    scale = amax(|row|) / 448."""
+    scale = amax(|row|) / 448. One Triton launch on CUDA (``_quantize_rows_kernel``)."""
+    if use_triton(x) and x.dim() == 2 and x.stride(1) == 1:
+        rows, cols = x.shape
+        xq = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+        block = min(4096, triton.next_power_of_2(cols))
+        _quantize_rows_kernel[(rows,)](x, xq, scale, rows, cols, x.stride(0), BLOCK_K=block,
+                                       num_warps=4)  # fmt: skip
+        return xq, scale
+    return quantize_rows_fp8_reference(x)
+
+
+def quantize_rows_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch ``quantize_rows_fp8``."""
     scale = x.abs().amax(dim=-1, keepdim=True).to(torch.float32) / FP8_MAX
     scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
     xq = (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -103,8 +103,11 @@ def quant_gemv_config(
     block_n = 16
     while block_n > 1 and -(-out_features // block_n) < 8 * _NUM_SMS:
         block_n //= 2
-    target = int(4096 / _QUANT_BYTES[fmt])  # inputs per tile: ~4 KB of weight
+    # ~4 KB of weight per tile, at most 32 weights per thread (registers): int4 has twice
+    # the weights per byte, so 8 warps
+    warps = 8 if fmt == "int4" else 4
+    target = int(4096 / _QUANT_BYTES[fmt])
     block_k = max(128, min(4096, target // block_n, 1 << max(in_features - 1, 0).bit_length()))
     if group:
         block_k = max(block_k, group)
-    return GemvConfig(block_n, block_k, 4, 3 if in_features > block_k else 1)
+    return GemvConfig(block_n, block_k, warps, 3 if in_features > block_k else 1)

@@ -248,7 +248,7 @@ def int4_dot(x, packed, scale, zero, group: int, bias=None):
     rows, cols = packed.shape[0], packed.shape[1] * 2
     group_words = min(group, cols) // 8 if group < cols else -(-cols // 8)
     block_m = 16 if x.shape[0] <= GEMV_MAX_ROWS else 64
-    block_n = 32 if x.shape[0] <= GEMV_MAX_ROWS else 128
+    block_n = 16 if x.shape[0] <= GEMV_MAX_ROWS else 128
     block_w = 16
     while block_w > 2 and group < cols and group_words % block_w:
         block_w //= 2

@@ -261,6 +261,7 @@ KERNELS = {
             "scale_rows",
         ],
     ),  # fmt: skip
+    (fp8_linear, "_quantize_rows_kernel"): (["num_rows"], ["in_features", "stride_x"]),
     (int4_linear, "_int4_gemv_kernel"): (
         [],
         ["in_words", "out_features", "stride_weight", "stride_scale"],
