@@ -313,6 +313,10 @@ def run_format(config, fmt: str, args, batch: int, measure) -> dict:
             record["load_seconds"] = round(time.perf_counter() - start, 1)
         record["weight_read_bytes"] = read_bytes(llm.engine.model_runner.model)
         record.update(measure(llm, args))
+        from atom.kernels.gemv_tiles import quant_gemv_choices
+
+        if fmt != "bf16" and quant_gemv_choices():
+            record["gemv_tiles"] = quant_gemv_choices()  # the tuner's, per layer shape
     except Exception as e:  # noqa: BLE001 (a benchmark reports and goes on)
         traceback.print_exc(file=sys.stderr)
         record["error"] = f"{type(e).__name__}: {e}"

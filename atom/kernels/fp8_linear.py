@@ -43,7 +43,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.gemv_tiles import GemvConfig, quant_gemv_config
+from atom.kernels.gemv_tiles import (
+    GemvConfig,
+    quant_gemv_candidates,
+    quant_gemv_config,
+    tuned_quant_gemv,
+)
 from atom.kernels.platform import dot_precision, use_triton
 
 try:
@@ -78,6 +83,7 @@ def _fp8_gemv_kernel(
     GROUP_K: tl.constexpr,  # inputs per scale group (PER_ROW: the chunk)
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    X_ONCE: tl.constexpr = False,  # x loaded [1, ...] and broadcast (else in the tile's shape)
 ):
     """One row: out[n] = sum_k weight[n, k] * scale[n, k] * x[k] for BLOCK_N rows n."""
     BLOCK_K: tl.constexpr = GROUPS * GROUP_K
@@ -90,8 +96,8 @@ def _fp8_gemv_kernel(
     groups = tl.arange(0, GROUPS)[None, :, None]
     # [1, GROUPS, GROUP_K] input offsets of a chunk; x is loaded in the tile's full shape
     # (broadcast over rows: L1 hits, no layout conversion)
-    cols = groups * GROUP_K + tl.arange(0, GROUP_K)[None, None, :]
-    cols = cols + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)
+    cols_once = groups * GROUP_K + tl.arange(0, GROUP_K)[None, None, :]
+    cols = cols_once + tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)
     acc = tl.zeros([BLOCK_N, GROUPS, GROUP_K], dtype=tl.float32)
     for k_start in tl.range(0, in_features, BLOCK_K, num_stages=NUM_STAGES):
         offs_k = k_start + cols
@@ -99,7 +105,11 @@ def _fp8_gemv_kernel(
         w = tl.load(
             rows + offs_k, mask=n_mask3 & k_mask, other=0.0, eviction_policy="evict_first"
         ).to(tl.float32)
-        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if X_ONCE:
+            x_offs = k_start + cols_once
+            x = tl.load(x_ptr + x_offs, mask=x_offs < in_features, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         if not PER_ROW:
             group_ids = k_start // GROUP_K + groups
             s_mask = n_mask3 & (group_ids * GROUP_K < in_features)
@@ -248,14 +258,22 @@ def _dot_tiles(rows: int, block: tuple[int, int], weight) -> tuple[int, int, int
     return block_m, block_n, block_k
 
 
-def fp8_gemv(x, weight, scale, block, bias=None, config: GemvConfig | None = None):
-    """One row of ``fp8_linear`` through ``_fp8_gemv_kernel``; ``config`` overrides the
-    tile (``quant_gemv_config``)."""
+def fp8_gemv(x, weight, scale, block, bias=None, config: GemvConfig | None = None,
+             x_once: bool = False):  # fmt: skip
+    """One row of ``fp8_linear`` through ``_fp8_gemv_kernel``; ``config`` (and ``x_once``)
+    override the tile: else ``quant_gemv_config``'s, or on CUDA the fastest of its
+    candidates measured at the shape's first call (``tuned_quant_gemv``)."""
     rows, cols = weight.shape
     per_row = _per_row(weight, block)
     if config is None:
-        config = quant_gemv_config(cols, rows, "fp8", 0 if per_row else block[1],
-                                   x.is_cuda, x.device)  # fmt: skip
+        group = 0 if per_row else block[1]
+        config = quant_gemv_config(cols, rows, "fp8", group, x.is_cuda, x.device)
+        if x.is_cuda:
+            key = ("fp8", rows, cols, block, x.dtype, bias is not None)
+            config, x_once = tuned_quant_gemv(
+                key, quant_gemv_candidates(config, group), x.device,
+                lambda c: fp8_gemv(x, weight, scale, block, bias, *c),
+            )  # fmt: skip
     group_k = config.block_k if per_row else block[1]
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(rows, config.block_n),)](
@@ -263,7 +281,7 @@ def fp8_gemv(x, weight, scale, block, bias=None, config: GemvConfig | None = Non
         cols, rows, weight.stride(0), scale.stride(0), block[0],
         HAS_BIAS=bias is not None, PER_ROW=per_row, GROUPS=config.block_k // group_k,
         GROUP_K=group_k, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        X_ONCE=x_once, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

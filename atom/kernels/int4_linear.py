@@ -37,7 +37,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.gemv_tiles import GemvConfig, quant_gemv_config
+from atom.kernels.gemv_tiles import (
+    GemvConfig,
+    quant_gemv_candidates,
+    quant_gemv_config,
+    tuned_quant_gemv,
+)
 from atom.kernels.platform import dot_precision, use_triton
 
 try:
@@ -71,6 +76,7 @@ def _int4_gemv_kernel(
     GROUP_WORDS: tl.constexpr,  # words per group (PER_ROW: the chunk's)
     BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    X_ONCE: tl.constexpr = False,  # x loaded [1, ...] and broadcast (else in the tile's shape)
 ):
     """One row: out[n] = sum_k (q[n, k] - zero[n, g]) * scale[n, g] * x[k] for BLOCK_N rows."""
     BLOCK_W: tl.constexpr = GROUPS * GROUP_WORDS
@@ -85,7 +91,8 @@ def _int4_gemv_kernel(
     words = groups * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, None, :, None]
     nibbles = tl.arange(0, 8)[None, None, None, :]
     # x's offsets in the tile's full shape (broadcast over rows: L1 hits)
-    x_cols = words * 8 + nibbles + tl.zeros([BLOCK_N, 1, 1, 1], dtype=tl.int32)
+    x_cols_once = words * 8 + nibbles
+    x_cols = x_cols_once + tl.zeros([BLOCK_N, 1, 1, 1], dtype=tl.int32)
     acc = tl.zeros([BLOCK_N, GROUPS, GROUP_WORDS, 8], dtype=tl.float32)
     # the magic float's offset, with the zero point (one per row when PER_ROW)
     offset = tl.load(zero_row, mask=n_mask4, other=0).to(tl.float32) + 8388608.0
@@ -95,8 +102,15 @@ def _int4_gemv_kernel(
         packed = tl.load(rows + offs_w, mask=n_mask4 & w_mask, other=0,
                          eviction_policy="evict_first")  # fmt: skip
         q = (packed >> (nibbles * 4)) & 0xF
-        x = tl.load(x_ptr + w_start * 8 + x_cols, mask=(w_start + x_cols // 8) < in_words,
-                    other=0.0).to(tl.float32)  # fmt: skip
+        if X_ONCE:
+            x = tl.load(
+                x_ptr + w_start * 8 + x_cols_once,
+                mask=(w_start + x_cols_once // 8) < in_words,
+                other=0.0,
+            ).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + w_start * 8 + x_cols, mask=(w_start + x_cols // 8) < in_words,
+                        other=0.0).to(tl.float32)  # fmt: skip
         if PER_ROW:
             w = (q | 0x4B000000).to(tl.float32, bitcast=True) - offset
         else:
@@ -221,14 +235,22 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
-def int4_gemv(x, packed, scale, zero, group: int, bias=None, config: GemvConfig | None = None):
-    """One row of ``int4_linear`` through ``_int4_gemv_kernel``; ``config`` overrides the
-    tile (``quant_gemv_config``; block_k counts inputs)."""
+def int4_gemv(x, packed, scale, zero, group: int, bias=None, config: GemvConfig | None = None,
+              x_once: bool = False):  # fmt: skip
+    """One row of ``int4_linear`` through ``_int4_gemv_kernel``; ``config`` (and
+    ``x_once``) override the tile (block_k counts inputs): else ``quant_gemv_config``'s, or
+    on CUDA the fastest of its candidates measured at the shape's first call."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     per_row = group >= cols
     if config is None:
-        config = quant_gemv_config(cols, rows, "int4", 0 if per_row else group,
-                                   x.is_cuda, x.device)  # fmt: skip
+        tile_group = 0 if per_row else group
+        config = quant_gemv_config(cols, rows, "int4", tile_group, x.is_cuda, x.device)
+        if x.is_cuda:
+            key = ("int4", rows, cols, group, x.dtype, bias is not None)
+            config, x_once = tuned_quant_gemv(
+                key, quant_gemv_candidates(config, tile_group), x.device,
+                lambda c: int4_gemv(x, packed, scale, zero, group, bias, *c),
+            )  # fmt: skip
     block_w = config.block_k // 8
     group_words = block_w if per_row else group // 8
     words = _words(packed)
@@ -238,7 +260,7 @@ def int4_gemv(x, packed, scale, zero, group: int, bias=None, config: GemvConfig 
         cols // 8, rows, words.stride(0), scale.stride(0),
         HAS_BIAS=bias is not None, PER_ROW=per_row, GROUPS=block_w // group_words,
         GROUP_WORDS=group_words, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        X_ONCE=x_once, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

@@ -20,6 +20,7 @@ from torch import nn
 from atom.kernels import fp8_linear as fp8_kernels
 from atom.kernels import int4_linear as int4_kernels
 from atom.kernels.fp8_linear import fp8_linear, quantize_rows_fp8
+from atom.kernels.gemv_tiles import quant_gemv_candidates, quant_gemv_config
 from atom.kernels.int4_linear import int4_linear
 from atom.models.quantization import Fp8LinearMethod, Int4LinearMethod, read_quantization_scheme
 from atom.models.quantization.fp8 import read_fp8_weight
@@ -276,3 +277,32 @@ def test_quantize_rows_kernel_matches_its_reference(rows, cols, device):
         same |= ((q - q_ref).abs() <= q_ref.abs() / 8 + 2.0**-9) | (q * 2 == q_ref)
     assert bool(same.all()), (q[~same], q_ref[~same])
     assert (q_ref * scale - x.float()).abs().max() <= x.float().abs().max() / 16
+
+
+@pytest.mark.parametrize("fmt", ["ct_fp8:channel", "deepseek_fp8:128x128", "gptq:group",
+                                 "ct_int4:sym_channel"])  # fmt: skip
+def test_every_gemv_tile_candidate_computes_the_same_product(fmt):
+    """The tiles the CUDA tuner measures (quant_gemv_candidates around the GPU heuristic's,
+    x in the tile's shape or broadcast once) all give the reference's product."""
+    layer, method, dequantized = quantized_layer(fmt, random_parts([48], 512, seed=9))
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
+    fp8 = isinstance(method, Fp8LinearMethod)
+    if fp8:
+        per_row = layer.weight_block[1] >= 512
+        group = 0 if per_row else layer.weight_block[1]
+    else:
+        group = 0 if layer.weight_group >= 512 else layer.weight_group
+    heuristic = quant_gemv_config(512, 48, "fp8" if fp8 else "int4", group, on_gpu=True,
+                                  device=torch.device("cpu"))  # fmt: skip
+    candidates = quant_gemv_candidates(heuristic, group)
+    assert candidates[0] == (heuristic, False) and len(candidates) >= 4
+    for config, x_once in candidates:
+        assert not group or config.block_k % group == 0
+        if fp8:
+            out = fp8_kernels.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
+                                       config=config, x_once=x_once)  # fmt: skip
+        else:
+            out = int4_kernels.int4_gemv(x, layer.weight, layer.weight_scale,
+                                         layer.weight_zero_point, layer.weight_group,
+                                         config=config, x_once=x_once)  # fmt: skip
+        check(out, x, dequantized)
