@@ -171,6 +171,8 @@ def checkpoint_shards(config, fmt: str, device: str, seed: int = 0):
     if not config.tie_word_embeddings:
         yield "lm_head.weight", randn(vocab, hidden).float().cpu()
     yield SHARD_END
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the quantizer's temporaries: the KV cache is sized after
 
 
 @contextlib.contextmanager
