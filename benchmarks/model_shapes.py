@@ -113,6 +113,18 @@ LLAMA_2_13B = dict(
     eos_token_id=2,
 )
 
+# too big for one H200 in bf16 (~141 GB of weights): FP8 (~70 GB) only, so not in MATRIX
+# (whose every shape the bf16 benchmarks run); benchmarks/quantized_decode.py names it
+LLAMA_31_70B = dict(
+    LLAMA_31_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+
 # name -> (model type, config fields); Qwen2's q/k/v carry a bias
 MATRIX = {
     "llama-3.2-1b": ("llama", LLAMA_32_1B),
@@ -125,10 +137,13 @@ MATRIX = {
 }
 
 
+QUANTIZED_ONLY = {"llama-3.1-70b": ("llama", LLAMA_31_70B)}
+
+
 def hf_config(name: str):
-    """The transformers config of the shape ``name`` (a key of MATRIX)."""
+    """The transformers config of the shape ``name`` (a key of MATRIX or QUANTIZED_ONLY)."""
     import transformers
 
-    model_type, fields = MATRIX[name]
+    model_type, fields = {**MATRIX, **QUANTIZED_ONLY}[name]
     architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
     return transformers.AutoConfig.for_model(model_type, architectures=[architecture], **fields)

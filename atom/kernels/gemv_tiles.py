@@ -9,6 +9,7 @@ policy, and ``gemv_config`` asks ``chosen_tile``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,3 +76,121 @@ def use_tile_source(source: TileSource | None) -> TileSource | None:
 def chosen_tile(site: GemvSite, device: torch.device) -> GemvConfig | None:
     """The tile the GEMV policy chose for a site (None: none chosen, the heuristic's)."""
     return None if _tile_source is None else _tile_source(site, device)
+
+
+# bytes of one weight element in the quantized GEMVs (atom/kernels/fp8_linear.py, int4_linear.py)
+_QUANT_BYTES = {"fp8": 1.0, "int4": 0.5}
+
+
+def quant_gemv_config(
+    in_features: int,
+    out_features: int,
+    fmt: str,
+    group: int = 0,
+    on_gpu: bool = True,
+    device: torch.device | None = None,
+) -> GemvConfig:
+    """The batch-1 quantized GEMV's launch geometry for a weight [out_features, in_features]
+    in ``fmt`` ("fp8" or "int4"), its scales in groups of ``group`` inputs (0: one scale
+    per output row). The GEMV policy's tile for the site when it chose one (site dtype
+    "fp8" / "int4"), else the shape's heuristic: BLOCK_N as ``heuristic_config`` (~8
+    programs per SM), BLOCK_K for ~4 KB of weight per tile (16-byte loads per thread of 4
+    warps, twice over) and a multiple of ``group``. block_k counts inputs."""
+    if not on_gpu:  # the interpreter pays per program: few, big ones
+        block_k = max(128, group)
+        return GemvConfig(min(64, 1 << max(out_features - 1, 0).bit_length()), block_k, 4, 1)
+    site = GemvSite(in_features, out_features, False, False, fmt)
+    tile = chosen_tile(site, device or torch.device("cuda"))
+    if tile is not None and (not group or tile.block_k % group == 0):
+        return tile
+    block_n = 16
+    while block_n > 1 and -(-out_features // block_n) < 8 * _NUM_SMS:
+        block_n //= 2
+    # ~4 KB of weight per tile, at most 32 weights per thread (registers): int4 has twice
+    # the weights per byte, so 8 warps
+    warps = 8 if fmt == "int4" else 4
+    target = int(4096 / _QUANT_BYTES[fmt])
+    block_k = max(128, min(4096, target // block_n, 1 << max(in_features - 1, 0).bit_length()))
+    if group:
+        block_k = max(block_k, group)
+    return GemvConfig(block_n, block_k, warps, 3 if in_features > block_k else 1)
+
+
+def quant_gemv_candidates(config: GemvConfig, group: int) -> list[tuple[GemvConfig, bool]]:
+    """(tile, x loaded once and broadcast) candidates around the heuristic's ``config``,
+    the heuristic first: x in the tile's shape or broadcast, half / twice the rows per
+    program (twice / half the chunk: the same bytes per tile), the other warp count."""
+    half_k = max(config.block_k // 2, group, 128)
+    candidates = [
+        (config, False),
+        (config, True),
+        (
+            GemvConfig(min(16, config.block_n * 2), half_k, config.num_warps, config.num_stages),
+            False,
+        ),
+        (
+            GemvConfig(
+                max(1, config.block_n // 2),
+                config.block_k * 2,
+                config.num_warps,
+                max(2, config.num_stages),
+            ),
+            False,
+        ),  # fmt: skip
+        (
+            GemvConfig(config.block_n, config.block_k, 12 - config.num_warps, config.num_stages),
+            False,
+        ),
+    ]
+    return list(dict.fromkeys(candidates))
+
+
+_QUANT_CHOICES: dict = {}
+
+
+def quant_gemv_choices() -> dict[str, str]:
+    """The tiles the tuner chose in this process, readable: {"fp8 4096x4096": "..."}."""
+    return {
+        f"{key[0]} {key[1]}x{key[2]}": f"block_n {config.block_n} block_k {config.block_k} "
+        f"warps {config.num_warps} stages {config.num_stages}" + " x_once" * x_once
+        for key, (config, x_once) in _QUANT_CHOICES.items()
+    }
+
+
+def tuned_quant_gemv(key, candidates: list, device: torch.device, launch: Callable) -> tuple:
+    """The fastest of ``candidates`` for ``key`` (a quantized GEMV's format, shape, dtype),
+    measured once per process on CUDA: each launched once (compiled), then timed over five
+    launches after an L2 flush (CUDA events). Never measured while a CUDA graph is being
+    captured (the heuristic's, ``candidates[0]``, then) or with ATOM_QUANT_GEMV_TUNE=0; a
+    candidate that fails is skipped."""
+    choice = _QUANT_CHOICES.get(key)
+    if choice is not None:
+        return choice
+    if (
+        os.environ.get("ATOM_QUANT_GEMV_TUNE", "1") == "0"
+        or device.type != "cuda"
+        or torch.cuda.is_current_stream_capturing()
+        or len(candidates) == 1
+    ):
+        return candidates[0]
+    flush = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best, best_ms = candidates[0], float("inf")
+    for candidate in candidates:
+        try:
+            launch(candidate)
+            times = []
+            for _ in range(5):
+                flush.zero_()
+                start.record()
+                launch(candidate)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        except Exception:  # noqa: BLE001 (a tile this GPU cannot run: not chosen)
+            continue
+        ms = sorted(times)[len(times) // 2]
+        if ms < best_ms:
+            best, best_ms = candidate, ms
+    _QUANT_CHOICES[key] = best
+    return best

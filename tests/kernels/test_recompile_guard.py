@@ -18,10 +18,12 @@ from atom.kernels import (
     activation,
     argmax,
     decode_attention,
+    fp8_linear,
     gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
     gemv,
+    int4_linear,
     kv_cache,
     logprob_topk,
     mla,
@@ -243,6 +245,39 @@ KERNELS = {
     ),
     (sampling, "_count_sampled_kernel"): (["vocab_size"], []),
     (sampling, "_count_greater_kernel"): (["vocab_size", "logits_stride", "num_blocks"], []),
+    (fp8_linear, "_fp8_gemv_kernel"): (
+        [],
+        ["in_features", "out_features", "stride_weight", "stride_scale", "scale_rows"],
+    ),
+    (fp8_linear, "_fp8_dot_kernel"): (
+        ["num_rows"],
+        [
+            "in_features",
+            "out_features",
+            "stride_x",
+            "stride_out",
+            "stride_weight",
+            "stride_scale",
+            "scale_rows",
+        ],
+    ),  # fmt: skip
+    (fp8_linear, "_quantize_rows_kernel"): (["num_rows"], ["in_features", "stride_x"]),
+    (int4_linear, "_int4_gemv_kernel"): (
+        [],
+        ["in_words", "out_features", "stride_weight", "stride_scale"],
+    ),
+    (int4_linear, "_int4_dot_kernel"): (
+        ["num_rows"],
+        [
+            "in_words",
+            "out_features",
+            "stride_x",
+            "stride_out",
+            "stride_weight",
+            "stride_scale",
+            "group_words",
+        ],
+    ),  # fmt: skip
     (logprob_topk, "_select_topk_kernel"): (
         ["logits_stride", "vocab_size", "num_blocks", "sub_width", "k"],
         [],
@@ -995,3 +1030,59 @@ def test_sampling_kernels_one_variant(mode):
     )
     if mode in ("stats", "greedy_stats"):
         assert_one_variant(logprob_topk, ["_select_topk_kernel"], run)
+
+
+def _quantized_weights(rows, cols, group):
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    fp8 = torch.randn(rows, cols, device=DEVICE, generator=generator).to(torch.float8_e4m3fn)
+    packed = torch.randint(0, 256, (rows, cols // 2), device=DEVICE, dtype=torch.uint8)
+    scale = torch.rand(rows, -(-cols // group), device=DEVICE) + 0.5
+    zero = torch.full_like(scale, 8, dtype=torch.uint8)
+    return fp8, packed, scale, zero
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(1, 4096), (128, 128), (1, 128)])
+def test_fp8_linear_one_variant_per_geometry(block):
+    """Batch rows never add variants: rows 2..16 share the dot kernel's 16-row tiles, more
+    rows its 64-row tiles (block scales; per-row scales take torch._scaled_mm), one row the
+    GEMV; layer shapes (multiples of 16) share the GEMV's variant."""
+    weight, _, _, _ = _quantized_weights(4096, 4096, 128)
+    scale = torch.rand(-(-4096 // block[0]), -(-4096 // block[1]), device=DEVICE) + 0.5
+    x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        fp8_linear.fp8_linear(x[:n], weight, scale, block)
+
+    assert_one_variant(fp8_linear, ["_fp8_dot_kernel"], run, [2, 3, 7, 16])
+    if block[0] > 1 or block[1] < 4096:
+        assert_one_variant(fp8_linear, ["_fp8_dot_kernel"], run, [17, 64, 257, 4097])
+    shapes = [(4096, 6144), (4096, 4096), (14336, 4096)]
+    config = gemv.GemvConfig(4, 512, 4, 3)
+
+    def gemv_over_shapes(i):  # one tile: the layer shapes (multiples of 16) share it
+        cols, rows = shapes[i]
+        w = torch.randn(rows, cols, device=DEVICE).to(torch.float8_e4m3fn)
+        blocks = (block[0], cols if block[1] == 4096 else block[1])
+        s = torch.rand(-(-rows // blocks[0]), -(-cols // blocks[1]), device=DEVICE)
+        x1 = torch.randn(1, cols, device=DEVICE, dtype=BF16)
+        fp8_linear.fp8_gemv(x1, w, s, blocks, config=config)
+
+    assert_one_variant(fp8_linear, ["_fp8_gemv_kernel"], gemv_over_shapes, range(3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [128, 4096])
+def test_int4_linear_one_variant_per_geometry(group, monkeypatch):
+    """Rows 2..16 share the dot kernel's 16-row tiles, more rows its 64-row tiles, one row
+    the GEMV (with the heuristic's tile: the tuner, which compiles each candidate once, off)."""
+    monkeypatch.setenv("ATOM_QUANT_GEMV_TUNE", "0")
+    _, packed, scale, zero = _quantized_weights(4096, 4096, group)
+    x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        int4_linear.int4_linear(x[:n], packed, scale, zero, group)
+
+    assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [2, 3, 7, 16])
+    assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [17, 64, 257, 4097])
+    assert_one_variant(int4_linear, ["_int4_gemv_kernel"], run, [1, 1])

@@ -296,6 +296,30 @@ def test_llama_quantized_checkpoint_matches_dequantized_hf(llama_model, tmp_path
     assert llm.engine.model_runner.model.lm_head.weight.dtype == torch.float32
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "fmt",
+    ["ct_fp8:channel", "ct_fp8:tensor", "deepseek_fp8:96x128", "gptq:group", "ct_int4:asym_group"],
+)
+def test_llama_quantized_on_cuda_runs_the_kernels_and_generates_the_dequantized_tokens(
+    llama_model, tmp_path, fmt
+):
+    """On CUDA (fp32, CUDA graphs) the quantized layers run the kernels of
+    atom/kernels/fp8_linear.py and int4_linear.py: greedy tokens equal those of the
+    dequantized plain checkpoint on CUDA, and the weights stay quantized."""
+    quant_dir, plain_dir = write_pair(llama_model, tmp_path, fmt, _is_llama_linear)
+    options = dict(device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=256)
+    quantized = build_llm(quant_dir, **options)
+    got = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    layer = quantized.engine.model_runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.is_cuda
+    assert layer.mlp.down_proj.weight.dtype in (torch.float8_e4m3fn, torch.uint8)
+    quantized.engine.shutdown()
+    plain = build_llm(plain_dir, **options)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == expected
+
+
 # -- DeepSeek-V2 / V3 with DeepSeek's block FP8 --------------------------------------------
 DEEPSEEK = dict(
     vocab_size=VOCAB,

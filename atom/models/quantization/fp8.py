@@ -15,15 +15,22 @@ kernel may replace `Fp8LinearMethod.apply` per shape (docs/quantization.md).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from atom.kernels.fp8_linear import fp8_linear
 from atom.models.load_error import ModelLoadError
 from atom.models.quantization.scheme import COMPRESSED_TENSORS, DEEPSEEK_FP8, QuantizationScheme
 
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+def quant_kernels_enabled() -> bool:
+    """ATOM_QUANT_KERNELS=0 runs the dequantize-then-F.linear reference on CUDA too (A/B)."""
+    return os.environ.get("ATOM_QUANT_KERNELS", "1") != "0"
 
 
 @dataclass
@@ -157,9 +164,13 @@ class Fp8LinearMethod:
         return dequantize_fp8(layer.weight, layer.weight_scale, layer.weight_block).to(dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The torch reference (CPU, and the GPU fallback): dequantize, then F.linear.
-        compressed-tensors' dynamic per-token FP8 activations are emulated (each row
-        rounded to e4m3 with its own scale), as compressed-tensors and FP8 GEMMs do."""
+        """On CUDA the FP8 kernels (atom/kernels/fp8_linear.py: the GEMV up to 16 rows,
+        weight-only; more rows FP8 tensor cores with per-row dynamic activation scales where
+        the scales are per row). Else the torch reference: dequantize, then F.linear, with
+        compressed-tensors' dynamic per-token FP8 activations emulated (each row rounded to
+        e4m3 with its own scale), as compressed-tensors and FP8 GEMMs do."""
+        if x.is_cuda and quant_kernels_enabled():
+            return fp8_linear(x, layer.weight, layer.weight_scale, layer.weight_block, bias)
         if self.scheme.layout == COMPRESSED_TENSORS and self.scheme.activations == "dynamic":
             x = fp8_round_per_token(x)
         return F.linear(x, self.dequantize(layer, x.dtype), bias)

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from atom.kernels.int4_linear import int4_linear
 from atom.models.load_error import ModelLoadError
-from atom.models.quantization.fp8 import check_scale
+from atom.models.quantization.fp8 import check_scale, quant_kernels_enabled
 from atom.models.quantization.scheme import COMPRESSED_TENSORS, GPTQ, QuantizationScheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8w + AWQ_ORDER[i]
@@ -210,5 +211,11 @@ class Int4LinearMethod:
         ).to(dtype)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The torch reference (CPU, and the GPU fallback): dequantize, then F.linear."""
+        """On CUDA the int4 kernels (atom/kernels/int4_linear.py: the GEMV at one row, the
+        dot kernel for more); else the torch reference: dequantize, then F.linear."""
+        if x.is_cuda and quant_kernels_enabled():
+            return int4_linear(
+                x, layer.weight, layer.weight_scale, layer.weight_zero_point,
+                layer.weight_group, bias,
+            )  # fmt: skip
         return F.linear(x, self.dequantize(layer, x.dtype), bias)
