@@ -22,6 +22,15 @@ def h2d_checked() -> bool:
     return os.environ.get("ATOM_H2D_CHECKED", "0") not in ("0", "", "false", "False")
 
 
+def flag(name: str, default: bool) -> bool:
+    """A 0/1 knob (``ATOM_QUANT_KERNELS``, ``ATOM_QUANT_GEMV_TUNE``): unset the default,
+    ``0``/``false``/``off`` off, anything else on."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "off")
+
+
 def torch_profiler_dir() -> str | None:
     """`ATOM_TORCH_PROFILER_DIR`: where `LLM.start_profile`/`--profile` write traces."""
     return os.environ.get("ATOM_TORCH_PROFILER_DIR") or None

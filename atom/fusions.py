@@ -101,6 +101,12 @@ class Fusions:
     # The longest new run from which a GDN prefill takes the chunked delta-rule kernels
     # (atom/kernels/gdn_chunk.py use_chunked; ATOM_GDN_CHUNKED_MIN_TOKENS): not a switch.
     gdn_chunked_min_tokens: int = 8192
+    # Quantized linear layers on CUDA (atom/models/quantization): the Triton / FP8 kernels
+    # (ATOM_QUANT_KERNELS=0: dequantize, then F.linear, for A/B runs), and whether a
+    # quantized GEMV shape times its tile candidates once (ATOM_QUANT_GEMV_TUNE=0: the
+    # heuristic's tile; atom/kernels/gemv_tiles.py tuned_quant_gemv): not switches.
+    quant_kernels: bool = True
+    quant_gemv_tune: bool = True
 
     @classmethod
     def from_env(cls) -> Fusions:
@@ -123,6 +129,8 @@ class Fusions:
             pdl_kernels=envs.pdl_kernels(),
             pdl_release=envs.pdl_release(),
             gdn_chunked_min_tokens=envs.gdn_chunked_min_tokens(),
+            quant_kernels=envs.flag("ATOM_QUANT_KERNELS", True),
+            quant_gemv_tune=envs.flag("ATOM_QUANT_GEMV_TUNE", True),
         )
 
     @classmethod

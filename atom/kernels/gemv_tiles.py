@@ -9,11 +9,12 @@ policy, and ``gemv_config`` asks ``chosen_tile``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from atom.forward_context import current_fusions
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def tuned_quant_gemv(key, candidates: list, device: torch.device, launch: Callab
     if choice is not None:
         return choice
     if (
-        os.environ.get("ATOM_QUANT_GEMV_TUNE", "1") == "0"
+        not current_fusions().quant_gemv_tune
         or device.type != "cuda"
         or torch.cuda.is_current_stream_capturing()
         or len(candidates) == 1

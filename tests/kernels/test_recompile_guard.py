@@ -1076,7 +1076,11 @@ def test_fp8_linear_one_variant_per_geometry(block):
 def test_int4_linear_one_variant_per_geometry(group, monkeypatch):
     """Rows 2..16 share the dot kernel's 16-row tiles, more rows its 64-row tiles, one row
     the GEMV (with the heuristic's tile: the tuner, which compiles each candidate once, off)."""
-    monkeypatch.setenv("ATOM_QUANT_GEMV_TUNE", "0")
+    from atom.fusions import Fusions
+    from atom.kernels import gemv_tiles
+
+    # Fusions.quant_gemv_tune off (ATOM_QUANT_GEMV_TUNE=0 in an engine's Config)
+    monkeypatch.setattr(gemv_tiles, "current_fusions", lambda: Fusions(quant_gemv_tune=False))
     _, packed, scale, zero = _quantized_weights(4096, 4096, group)
     x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
 

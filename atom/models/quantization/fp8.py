@@ -15,12 +15,12 @@ kernel may replace `Fp8LinearMethod.apply` per shape (docs/quantization.md).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from atom.forward_context import current_fusions
 from atom.kernels.fp8_linear import fp8_linear
 from atom.models.load_error import ModelLoadError
 from atom.models.quantization.scheme import COMPRESSED_TENSORS, DEEPSEEK_FP8, QuantizationScheme
@@ -29,8 +29,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 
 def quant_kernels_enabled() -> bool:
-    """ATOM_QUANT_KERNELS=0 runs the dequantize-then-F.linear reference on CUDA too (A/B)."""
-    return os.environ.get("ATOM_QUANT_KERNELS", "1") != "0"
+    """The forward's ``Fusions.quant_kernels`` (ATOM_QUANT_KERNELS=0: the
+    dequantize-then-F.linear reference on CUDA too, for A/B runs)."""
+    return current_fusions().quant_kernels
 
 
 @dataclass
