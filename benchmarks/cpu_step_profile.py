@@ -7,15 +7,18 @@
 For each source tree (`--trees`, default this one) a worker process runs with that tree's
 `atom` first on its path, so the same measurement runs on two versions of the engine; with
 several trees and `--rounds` the workers alternate (tree A, tree B, tree A, ...), and the
-table gives each tree's median per round and the ratios to the first tree, from one run
-(the shared machine's load moves between processes more than a change does).
+table gives each tree's figures per round and the ratio of its median step CPU time to the
+first tree's, from one run (the shared machine's load moves between processes more than a
+change does).
 
 A worker builds one engine (SmolLM2-135M-Instruct fp32 from the embedded GGUF, prefix
 caching off), and for each batch size starts that many random --input-len-token prompts
 (greedy, ignore_eos), steps through their prefill, then measures decode-only steps:
 
 - `step_ms`: median wall time of `LLMEngine.step()` over --steps decode steps (scheduler,
-  staging, forward, LM head, sampling, outputs);
+  staging, forward, LM head, sampling, outputs); `step_cpu_ms`: the process's CPU time
+  in it (with one thread, what the step costs whatever the other processes do: on a
+  loaded machine compare this one);
 - `forward_ms`: median of the model's forward + LM head inside those steps;
 - `ops`: torch ops dispatched by one decode forward + LM head (a TorchDispatchMode);
 - with --top N: torch.profiler over one more step, the N ops of largest self CPU time
@@ -97,11 +100,12 @@ def worker(batches: list[int], input_len: int, steps: int, top: int) -> None:
             prompt = torch.randint(0, vocab, (input_len,), generator=generator).tolist()
             engine.add_request(prompt, params)
 
-    def decode_step() -> tuple[float, float, bool]:
+    def decode_step() -> tuple[float, float, float, bool]:
         Clock.forward, Clock.decode = 0.0, False
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         engine.step()
-        return time.perf_counter() - begin, Clock.forward, Clock.decode
+        wall, cpu = time.perf_counter() - begin, time.process_time() - cpu
+        return wall, cpu, Clock.forward, Clock.decode
 
     start(2, 8)  # warm-up
     while engine.has_unfinished():
@@ -110,11 +114,12 @@ def worker(batches: list[int], input_len: int, steps: int, top: int) -> None:
         start(batch, steps + 16)
         for _ in range(4):  # prefill (in as many steps as the token budget needs)
             decode_step()
-        wall, fwd = [], []
+        wall, cpu, fwd = [], [], []
         while len(wall) < steps:
-            seconds, forward_seconds, decode = decode_step()
+            seconds, cpu_seconds, forward_seconds, decode = decode_step()
             if decode:
                 wall.append(seconds)
+                cpu.append(cpu_seconds)
                 fwd.append(forward_seconds)
         Clock.ops, Clock.counting = 0, True
         decode_step()
@@ -122,6 +127,7 @@ def worker(batches: list[int], input_len: int, steps: int, top: int) -> None:
         record = dict(
             batch=batch,
             step_ms=round(1e3 * statistics.median(wall), 3),
+            step_cpu_ms=round(1e3 * statistics.median(cpu), 3),
             forward_ms=round(1e3 * statistics.median(fwd), 3),
             ops=Clock.ops,
             threads=torch.get_num_threads(),
@@ -171,19 +177,19 @@ def main(argv: list[str] | None = None) -> int:
                     record = dict(json.loads(line), tree=tree, round=round_)
                     print(json.dumps(record), flush=True)
                     results.setdefault((tree, record["batch"]), []).append(record)
-    print("| batch | tree | step ms (per round) | forward ms | ops | step vs first tree |",
-          file=sys.stderr)  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- |", file=sys.stderr)
+    print("| batch | tree | step ms (per round) | step CPU ms | forward ms | ops "
+          "| step CPU vs first tree |", file=sys.stderr)  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |", file=sys.stderr)
     for batch in args.batches:
         first = None
         for tree in trees:
             rows = results[(tree, batch)]
-            steps = [r["step_ms"] for r in rows]
-            median = statistics.median(steps)
+            median = statistics.median(r["step_cpu_ms"] for r in rows)
             first = first or median
-            step_ms = " / ".join(f"{s:.1f}" for s in steps)
+            step_ms = " / ".join(f"{r['step_ms']:.1f}" for r in rows)
+            cpu_ms = " / ".join(f"{r['step_cpu_ms']:.1f}" for r in rows)
             forward_ms = " / ".join(f"{r['forward_ms']:.1f}" for r in rows)
-            print(f"| {batch} | {Path(tree).name} | {step_ms} | {forward_ms} | "
+            print(f"| {batch} | {Path(tree).name} | {step_ms} | {cpu_ms} | {forward_ms} | "
                   f"{rows[0]['ops']} | {median / first:.2f} |", file=sys.stderr)  # fmt: skip
     return 0
 
