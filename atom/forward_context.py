@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,12 @@ class ForwardContext:
     # The CPU attention's gather plan of this step (atom/kernels/paged_attention_cpu.py):
     # built by the first layer that needs it, reused by the others (same rows, same lengths).
     cpu_attention_plan: object | None = None
+    # The CPU engine's other per-step values that every layer shares, built by the first
+    # layer that needs them: the rotary cos / sin rows of the step's positions, by
+    # (table, positions, dtype) (atom/kernels/rotary.py `rotary_rows`), and the KV cache
+    # write's (rows, slots) index (atom/kernels/kv_cache.py `kv_write_plan`).
+    cpu_rotary_rows: dict = field(default_factory=dict)
+    cpu_kv_write: tuple | None = None
 
 
 _local = threading.local()
@@ -67,6 +73,11 @@ def current_fusions() -> Fusions:
     """The fused-kernel switches of the forward being run (the defaults outside one)."""
     current = getattr(_local, "current", None)
     return Fusions() if current is None else current.fusions
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward being run, None outside one."""
+    return getattr(_local, "current", None)
 
 
 def get_forward_context() -> ForwardContext:

@@ -28,6 +28,7 @@ from atom.kernels import (
     store_kvcache_reference,
 )
 from atom.kernels.gemv_rope_kv import RopeKV
+from atom.kernels.kv_cache import kv_write_plan, store_kvcache_cpu
 from atom.kernels.paged_attention_cpu import (
     decode_attention_cpu,
     decode_plan,
@@ -65,6 +66,11 @@ class MHAAttention(nn.Module):
         meta = context.attention
         if meta.block_tables is None:
             return self._dense_causal(q, k, v)
+        if not q.is_cuda and self.k_scale is None:  # one write plan per step, every layer
+            if context.cpu_kv_write is None:
+                context.cpu_kv_write = kv_write_plan(meta.slot_mapping)
+            store_kvcache_cpu(k, v, self.k_cache, self.v_cache, context.cpu_kv_write)
+            return self._attend(q, meta)
         store = store_kvcache if q.is_cuda else store_kvcache_reference
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)

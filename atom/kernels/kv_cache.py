@@ -274,6 +274,26 @@ def dequantize_fp8_reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
     return q.float() * scale[..., None]
 
 
+def kv_write_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(rows, slots) of a step's cache write for `store_kvcache_cpu`, computed once per step:
+    the int64 slots of the rows whose slot is not -1, and those rows (None: all of them)."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return None, slot_mapping.long()
+    rows = valid.nonzero().squeeze(1)
+    return rows, slot_mapping.index_select(0, rows).long()
+
+
+def store_kvcache_cpu(key, value, k_cache, v_cache, plan) -> None:
+    """``store_kvcache_reference`` of an unquantized cache with a `kv_write_plan`: one
+    index_copy_ per cache (same bytes; the slots of a step are distinct)."""
+    rows, slots = plan
+    if rows is not None:
+        key, value = key.index_select(0, rows), value.index_select(0, rows)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+
+
 def store_kvcache_reference(
     key: torch.Tensor,
     value: torch.Tensor,

@@ -39,7 +39,9 @@ class GatherPlan:
     """Where one group of sequences reads its keys, shared by every layer of a step.
 
     slots:       [B, T] int64 cache slot of each key position (masked ones: a valid slot).
-    mask:        [B, 1, Q, T] bool, True where the query may attend the key.
+    mask:        [B, 1, Q, T] bool, True where the query may attend the key; None where
+                 every query attends every key (a decode step whose sequences all have
+                 the same length: SDPA without a mask is a third faster).
     query_index: [B * Q] int64 row of q for each padded query (prefill; None for decode).
     token_index: [n] int64 padded row of each real query (prefill) ...
     token_rows:  [n] int64 ... and its row of q / of the output.
@@ -48,7 +50,7 @@ class GatherPlan:
     """
 
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     query_index: torch.Tensor | None = None
     token_index: torch.Tensor | None = None
     token_rows: torch.Tensor | None = None
@@ -72,6 +74,8 @@ def decode_plan(block_tables, context_lens, batch: int, block_size: int, num_slo
     slots, valid = _key_slots(block_tables[:batch], lens, num_keys, block_size, num_slots)
     live = lens > 0
     if bool(live.all()):
+        if bool(lens.min() == num_keys):  # all of one length: no key to mask
+            return GatherPlan(slots, None)
         return GatherPlan(slots, valid[:, None, None, :])
     valid[:, 0] |= ~live  # a padding row attends one (finite) key, then is zeroed
     return GatherPlan(slots, valid[:, None, None, :], live=live[:, None, None, None])
@@ -148,7 +152,7 @@ def decode_attention_cpu(q, k_cache, v_cache, plan: GatherPlan, scale, *, k_scal
     # [B, Hkv, T, D]; the query group of a KV head is SDPA's query axis
     k = _gather(k_cache, k_scale, plan.slots).transpose(1, 2)
     v = _gather(v_cache, v_scale, plan.slots).transpose(1, 2)
-    query = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    query = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim).float()
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=plan.mask, scale=scale)
     if plan.live is not None:
         out = out.where(plan.live, 0.0)

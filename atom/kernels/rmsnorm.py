@@ -140,6 +140,24 @@ def rms_norm(
     return out, residual_out.view(x.shape)
 
 
+def rms_norm_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm_reference`` in two torch ops (the residual add, then aten's fused
+    ``rms_norm``) where that gives its bytes: fp32 x and weight (the CPU engine's dtype);
+    otherwise the reference (in bf16 / fp16 the fused op rounds once where the reference
+    rounds before the weight multiply). tests/kernels/test_rmsnorm.py checks they are equal."""
+    if not (x.dtype == weight.dtype == torch.float32):
+        return rms_norm_reference(x, weight, eps, residual)
+    if residual is not None:
+        x = residual = x + residual
+    out = torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    return out if residual is None else (out, residual)
+
+
 def rms_norm_reference(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -210,6 +210,25 @@ def apply_rotary_reference(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def rotary_rows(
+    positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [T, 1, D] cos rows of `positions` and their sin rows with the first half negated,
+    for `rotate_rows`: computed once per step, shared by every layer (the CPU engine)."""
+    cos = cos_cache[positions].unsqueeze(1).to(dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(dtype)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated as ``apply_rotary_reference`` rotates it, in its exact bytes, with
+    rows of `rotary_rows`: rotate_half(x) * sin is x rolled by half times the signed sin
+    ((-a) * b and a * (-b) round alike). q and k may be one tensor (their heads side by
+    side), so a step rotates each layer's q | k in four ops."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

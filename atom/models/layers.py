@@ -11,14 +11,16 @@ import math
 import torch
 from torch import nn
 
+from atom.forward_context import current_forward_context
 from atom.kernels import (
     apply_rotary,
     apply_rotary_reference,
     rms_norm,
-    rms_norm_reference,
     silu_and_mul,
     silu_and_mul_reference,
 )
+from atom.kernels.rmsnorm import rms_norm_cpu
+from atom.kernels.rotary import rotary_rows, rotate_rows
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +33,7 @@ class RMSNorm(nn.Module):
         """Normalise x; with `residual`, first add it and also return the sum."""
         if x.is_cuda:
             return rms_norm(x, self.weight, self.eps, residual)
-        return rms_norm_reference(x, self.weight, self.eps, residual)
+        return rms_norm_cpu(x, self.weight, self.eps, residual)
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -218,3 +220,16 @@ class RotaryEmbedding(nn.Module):
         if q.is_cuda:
             return apply_rotary(positions, q, k, self.cos, self.sin)
         return apply_rotary_reference(positions, q, k, self.cos, self.sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated on CPU (q and k heads side by side: one pass for both), the
+        same bytes as `forward`; the cos / sin rows of `positions` are computed once per
+        forward and shared by every layer holding this embedding (ForwardContext)."""
+        context = current_forward_context()
+        key = (self.cos.data_ptr(), positions.data_ptr(), x.dtype)
+        rows = None if context is None else context.cpu_rotary_rows.get(key)
+        if rows is None:
+            rows = rotary_rows(positions, self.cos, self.sin, x.dtype)
+            if context is not None:
+                context.cpu_rotary_rows[key] = rows
+        return rotate_rows(x, *rows)

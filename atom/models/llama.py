@@ -61,11 +61,31 @@ def _quant(config, prefix: str, *names: str):
     return linear_method_for(scheme, [f"{prefix}.{name}" for name in names], prefix)
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rotary(config, max_position: int) -> RotaryEmbedding:
+    theta, scaling = rope_parameters(config)
+    return RotaryEmbedding(
+        _head_dim(config), max_position, theta, scaling, config.max_position_embeddings
+    )
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, max_position: int, tp: TensorParallelGroup, prefix: str = ""):
+    def __init__(
+        self,
+        config,
+        max_position: int,
+        tp: TensorParallelGroup,
+        prefix: str = "",
+        rotary: RotaryEmbedding | None = None,
+    ):
+        """``rotary``: the model's one RotaryEmbedding, shared by its layers (a new one
+        without it)."""
         super().__init__()
         total_heads = config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.head_dim = _head_dim(config)
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, total_heads, _num_kv_heads(config), bias, tp,
@@ -80,10 +100,7 @@ class LlamaAttention(nn.Module):
             total_heads * self.head_dim, config.hidden_size, False, tp,
             quant_method=_quant(config, prefix, "o_proj"),
         )  # fmt: skip
-        theta, scaling = rope_parameters(config)
-        self.rotary = RotaryEmbedding(
-            self.head_dim, max_position, theta, scaling, config.max_position_embeddings
-        )
+        self.rotary = rotary or _rotary(config, max_position)
         # a latency-bound qkv GEMV lets paged decode start early under PDL (batch 1): its
         # cached K / V are then loaded before the wait (atom/kernels/decode_attention.py)
         self.attn = MHAAttention(
@@ -96,6 +113,12 @@ class LlamaAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention and o_proj from the fused q | k | v projection's output."""
+        if not qkv.is_cuda:  # q | k rotated in one pass, the step's rotary rows shared
+            tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
+            qk = self.rotary.rotate(positions, qkv[:, :qk_size].view(tokens, -1, self.head_dim))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn.forward(q, k, v))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -134,10 +157,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config, max_position: int, tp: TensorParallelGroup, prefix: str = ""):
+    def __init__(
+        self,
+        config,
+        max_position: int,
+        tp: TensorParallelGroup,
+        prefix: str = "",
+        rotary: RotaryEmbedding | None = None,
+    ):
         super().__init__()
         # prefix: the layer's HF module name (model.layers.<i>), for a quantized checkpoint
-        self.self_attn = LlamaAttention(config, max_position, tp, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(config, max_position, tp, f"{prefix}.self_attn", rotary)
         self.mlp = LlamaMLP(config, tp, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -191,9 +221,11 @@ class LlamaModel(DecoderStack):
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if first else None
         )
+        # one rotary table for every layer: its cos / sin rows are computed once per step
+        rotary = _rotary(config, max_position)
         self.layers = stage_layers(
             config.num_hidden_layers,
-            lambda i: LlamaDecoderLayer(config, max_position, tp, f"model.layers.{i}"),
+            lambda i: LlamaDecoderLayer(config, max_position, tp, f"model.layers.{i}", rotary),
             None if pp is None else pp.layer_range(config.num_hidden_layers),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None

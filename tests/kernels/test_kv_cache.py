@@ -229,3 +229,20 @@ def test_store_kvcache_reference_writes_slots_and_skips_padding():
     written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     written[1, 1] = written[2, 3] = True
     assert k_cache[~written].abs().sum() == 0 and v_cache[~written].abs().sum() == 0
+
+
+@pytest.mark.parametrize("slots", [[5, 0, 11], [5, -1, 11], [-1, -1, 2]])
+def test_store_kvcache_cpu_equals_reference(slots):
+    """The CPU engine's planned write (one index_copy_ per cache) writes the reference's
+    bytes, padding rows skipped; key / value may be strided views of a wider tensor."""
+    from atom.kernels.kv_cache import kv_write_plan, store_kvcache_cpu
+
+    num_blocks, block_size, num_kv_heads, head_dim = 3, 4, 2, 8
+    qkv = torch.randn(len(slots), 5, num_kv_heads, head_dim)
+    key, value = qkv[:, 1], qkv[:, 3]
+    slots = torch.tensor(slots)
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    store_kvcache_reference(key, value, *expected, slots)
+    store_kvcache_cpu(key, value, *caches, kv_write_plan(slots))
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])

@@ -24,6 +24,7 @@ DECODE_CASES = [
     ([17, 1, 0, 1100, 64], 2, 2, 64, 16),
     ([33, 0, 1037, 5], 8, 2, 128, 32),  # GQA group 4
     ([300, 129, 16, 15, 17], 9, 3, 64, 16),  # SmolLM2's heads
+    ([145, 145, 145], 9, 3, 64, 16),  # one length: the plan has no mask
 ]
 
 
@@ -124,3 +125,13 @@ def test_prefill_matches_per_sequence_reference(
     )  # fmt: skip
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_plan_masks_only_unequal_lengths():
+    """No mask where every row has the same length (SDPA without one is faster), one where
+    lengths differ or a padding row is present."""
+    block_tables = torch.arange(12, dtype=torch.int32).view(3, 4)
+    for lens, masked in (([40, 40, 40], False), ([40, 39, 40], True), ([40, 0, 40], True)):
+        lens = torch.tensor(lens, dtype=torch.int32)
+        plan = decode_plan(block_tables, lens, 3, 16, 12 * 16)
+        assert (plan.mask is not None) == masked

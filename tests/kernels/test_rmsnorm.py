@@ -83,3 +83,23 @@ def test_offset_rms_norm_matches_reference_and_hf(dtype, device):
     with torch.no_grad():
         norm.weight.copy_(weight)
         torch.testing.assert_close(expected, norm(x + residual), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", [64, 576, 2048])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rms_norm_cpu_equals_reference(num_tokens, hidden, with_residual):
+    """The CPU engine's two-op form gives the reference's exact fp32 bytes; other dtypes
+    take the reference itself."""
+    from atom.kernels.rmsnorm import rms_norm_cpu
+
+    x, residual, weight = _make_inputs(num_tokens, hidden, torch.float32, "cpu", strided=True)
+    if with_residual:
+        out, new_residual = rms_norm_cpu(x, weight, 1e-6, residual)
+        expected, expected_residual = rms_norm_reference(x, weight, 1e-6, residual)
+        assert torch.equal(new_residual, expected_residual)
+    else:
+        out, expected = rms_norm_cpu(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
+    assert torch.equal(out, expected)
+    half = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    assert torch.equal(rms_norm_cpu(*half, 1e-6), rms_norm_reference(*half, 1e-6))

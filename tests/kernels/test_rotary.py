@@ -81,3 +81,26 @@ def test_apply_rotary_int32_positions_and_low_precision_cache():
     tolerance = TOLERANCE[torch.float16]
     torch.testing.assert_close(q_out, q_expected, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(k_out, k_expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_tokens, num_q_heads, num_kv_heads, head_dim",
+    [(1, 9, 3, 64), (7, 14, 2, 80), (300, 8, 2, 128)],
+)
+def test_rotate_rows_equals_reference(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype):
+    """The CPU engine's form (rows once per step, q | k in one pass) gives the reference's
+    exact bytes."""
+    from atom.kernels.rotary import rotary_rows, rotate_rows
+
+    positions, q, k, cos, sin = _make_inputs(
+        num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, "cpu", fused=True
+    )
+    expected_q, expected_k = apply_rotary_reference(positions, q, k, cos, sin)
+    rows = rotary_rows(positions, cos, sin, dtype)
+    qk = q.as_strided(
+        (num_tokens, num_q_heads + num_kv_heads, head_dim), (q.stride(0), head_dim, 1)
+    )
+    out_q, out_k = rotate_rows(qk, *rows).split([num_q_heads, num_kv_heads], dim=1)
+    assert torch.equal(out_q, expected_q)
+    assert torch.equal(out_k, expected_k)
