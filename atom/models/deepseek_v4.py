@@ -25,6 +25,8 @@ from torch.nn import functional as F
 
 from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention, V4Family
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.platform import use_cuda_path
+from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
@@ -192,9 +194,22 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         return pre, post, comb
 
-    def forward(self, streams: torch.Tensor):
+    def forward(self, streams: torch.Tensor, norm: FP32RMSNorm):
+        """(post, comb, the block's input: `norm` of the collapsed streams); the CUDA path
+        in two launches (atom/kernels/v4_mhc.py)."""
+        if use_cuda_path(streams):
+            return hc_pre(
+                streams, self.fn.float(), self.base.float(), self.scale.float(),
+                norm.weight.float(), self.iters, self.eps, self.hc_eps, norm.eps,
+            )  # fmt: skip
         pre, post, comb = self.mixes(streams)
-        return post, comb, collapse(streams, pre)
+        return post, comb, norm(collapse(streams, pre))
+
+    @staticmethod
+    def expand(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor:
+        if use_cuda_path(streams):
+            return hc_post(out, streams, post, comb)
+        return expand(out, streams, post, comb)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -219,7 +234,16 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, norm: FP32RMSNorm) -> torch.Tensor:
+        """`norm` of the streams collapsed by the head's weights."""
+        if use_cuda_path(streams):
+            return hc_head(
+                streams, self.hc_fn.float(), self.hc_base.float(), self.hc_scale.float(),
+                norm.weight.float(), self.eps, self.hc_eps, norm.eps,
+            )  # fmt: skip
+        return norm(self.collapse(streams))
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
@@ -301,17 +325,10 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams, positions, input_ids):
         """streams [T, hc_mult, D] -> the same."""
-        dtype = streams.dtype
-        post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(positions, self.input_layernorm(collapsed))
-        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
-        post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
+        post, comb, x = self.attn_hc(streams, self.input_layernorm)
+        streams = self.attn_hc.expand(self.self_attn(positions, x), streams, post, comb)
+        post, comb, x = self.ffn_hc(streams, self.post_attention_layernorm)
+        return self.ffn_hc.expand(self.mlp(x, input_ids), streams, post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -340,7 +357,7 @@ class DeepseekV4Model(nn.Module):
         streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
-        return self.norm(self.hc_head(streams))
+        return self.hc_head(streams, self.norm)
 
 
 class DeepseekCausalLM(nn.Module):
