@@ -27,8 +27,7 @@ from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention, V4Fa
 from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
-from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
-from atom.kernels.v4_rope import rope_tables
+from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
 from atom.models.moe import routed_experts
 
@@ -96,10 +95,12 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
-    def indexer_inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
+    def indexer_inputs(self, hidden, q_residual, positions, tables, fused) -> IndexerInputs:
         q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
         weights = self.scorer.weights_proj(hidden).float() * self.num_heads**-0.5
-        return IndexerInputs(self.inputs(hidden), rope(q, cos, sin), weights)
+        return IndexerInputs(
+            self.inputs(hidden), norm_then_rope(q, positions, tables, fused), weights
+        )
 
 
 class DeepseekV4Attention(nn.Module):
@@ -131,23 +132,34 @@ class DeepseekV4Attention(nn.Module):
         self.attn = V4Attention(config, layer_type, tables["compress"], max_model_len)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        cos_table, sin_table = self.tables[self.rope_kind]
-        cos, sin = cos_table[positions], sin_table[positions]
-        q_residual = self.q_a_norm(self.q_a_proj(hidden))
+        tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
+        q_residual = norm_then_rope(
+            self.q_a_proj(hidden)[:, None], positions, None, fused, self.q_a_norm
+        )[:, 0]
         q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
-        q = rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = rope(self.kv_norm(self.kv_proj(hidden))[:, None, :], cos, sin)[:, 0]
+        q = norm_then_rope(q, positions, tables, fused, eps=self.eps)
+        kv = self.kv_proj(hidden)[:, None, :]
+        kv = norm_then_rope(kv, positions, tables, fused, self.kv_norm)[:, 0]
         compressor = indexer = None
         if self.compressor is not None:
             compressor = self.compressor.inputs(hidden)
             if hasattr(self.compressor, "indexer"):
-                c_cos, c_sin = self.tables["compress"]
                 indexer = self.compressor.indexer.indexer_inputs(
-                    hidden, q_residual, c_cos[positions], c_sin[positions]
+                    hidden, q_residual, positions, self.tables["compress"], fused
                 )
         out = self.attn(q, kv, positions, self.sinks, compressor, indexer)
-        out = rope(out, cos, -sin)
+        out = norm_then_rope(out, positions, tables, fused, inverse=True)
         return grouped_output(out, self.o_groups, self.o_a_proj.weight, self.o_b_proj)
+
+
+def norm_then_rope(x, positions, tables, fused: bool, norm=None, eps=None, inverse=False):
+    """x [T, H, D]: `norm` (an FP32RMSNorm; `eps` alone: the unweighted per-head norm; neither:
+    none), then the interleaved rope at `positions` with `tables` (cos, sin) (None: none;
+    `inverse`: -sin). `fused`: one launch (v4_rope.norm_rope), else the torch ops."""
+    cos_table, sin_table = tables if tables is not None else (None, None)
+    weight, eps = (norm.weight, norm.eps) if norm is not None else (None, eps)
+    apply = norm_rope if fused else norm_rope_reference
+    return apply(x, positions, cos_table, sin_table, weight, eps, inverse)
 
 
 def grouped_output(out: torch.Tensor, groups: int, a_weight: torch.Tensor, b_proj) -> torch.Tensor:
