@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention, V4Family
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.activation import clamped_silu_and_mul, clamped_silu_and_mul_reference
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
@@ -275,10 +276,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.limit is not None:
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        act = clamped_silu_and_mul if use_cuda_path(x) else clamped_silu_and_mul_reference
+        return self.down_proj(act(gate, up, self.limit))
 
 
 class DeepseekV4MoE(nn.Module):

@@ -59,6 +59,10 @@ triton = pytest.importorskip("triton")
 # must be a pointer (named *_ptr) or a constexpr.
 KERNELS = {
     (activation, "_silu_and_mul_kernel"): (["num_tokens"], ["stride_x", "stride_out"]),
+    (activation, "_clamped_silu_and_mul_kernel"): (
+        ["num_tokens"],
+        ["stride_gate", "stride_up", "stride_out", "limit"],
+    ),
     (rmsnorm, "_rms_norm_kernel"): (
         ["num_tokens"],
         ["eps", "stride_x", "stride_residual", "stride_out", "stride_residual_out"],
@@ -342,6 +346,17 @@ def test_silu_and_mul_one_variant():
     x = torch.randn(max(SWEEP), 2 * intermediate, device=DEVICE, dtype=BF16)
     assert_one_variant(
         activation, ["_silu_and_mul_kernel"], lambda n: activation.silu_and_mul(x[:n])
+    )
+
+
+@pytest.mark.gpu
+def test_clamped_silu_and_mul_one_variant():
+    intermediate = 2048
+    x = torch.randn(max(SWEEP), 2 * intermediate, device=DEVICE, dtype=BF16)
+    assert_one_variant(
+        activation,
+        ["_clamped_silu_and_mul_kernel"],
+        lambda n: activation.clamped_silu_and_mul(x[:n, :intermediate], x[:n, intermediate:], 10.0),
     )
 
 
