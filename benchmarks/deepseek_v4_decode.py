@@ -12,7 +12,8 @@ DeepseekV4 (>= 5.24; carry the wheel when the machine's is older). One JSON line
   context) beside a full-attention cache of the same head shape (one shared K=V head of
   head_dim, and separate K and V);
 - `decode` per engine and batch: output tok/s of decode steps over `--context`-token
-  prompts (atom: engine steps after every prefill is done, CUDA graphs; HF: its forward
+  prompts (atom: engine steps after every prefill is done, CUDA graphs, beside the CUDA
+  kernels of one step and per layer from torch.profiler's kernel list; HF: its forward
   with its own cache, one sequence prefilled and its cache repeated over the batch, greedy
   argmax per step);
 - `logits`: atom bf16 greedy tokens against HF fp32 on the same weights: the largest gap
@@ -163,7 +164,7 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
     engine = llm.engine
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(2, vocab, (batch, context), generator=generator).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + PROFILED_STEPS + 8, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)
     while engine.scheduler.waiting or any(
@@ -178,10 +179,34 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
         engine.step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    kernels = kernels_per_step(engine, PROFILED_STEPS)
     while engine.has_unfinished():
         engine.step()
+    layers = len(engine.model_runner.model.model.layers)
     return dict(case="decode", engine="atom", batch=batch, context=context,
-                tok_s=round(batch * steps / seconds, 1), ms_per_step=round(seconds / steps * 1e3, 3))  # fmt: skip
+                tok_s=round(batch * steps / seconds, 1), ms_per_step=round(seconds / steps * 1e3, 3),
+                kernels_per_step=kernels, kernels_per_layer=round(kernels / layers, 1))  # fmt: skip
+
+
+PROFILED_STEPS = 4
+
+
+def kernels_per_step(engine, steps: int) -> float:
+    """CUDA kernels of one decode step, from torch.profiler's kernel list over `steps` steps
+    (graph replays included; copies and memsets not counted). Per layer: over the layers,
+    the LM head, sampler and embedding included."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [
+        e for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]  # fmt: skip
+    return round(len(kernels) / steps, 1)
 
 
 def repeat_cache(cache, batch: int):

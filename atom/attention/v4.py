@@ -36,6 +36,7 @@ from atom.attention.family import (
 )
 from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
+from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_attention import (
     attend_with_sink,
     v4_decode_attention,
@@ -193,7 +194,7 @@ class V4Attention(nn.Module):
     def _decode(self, q, kv, positions, sinks, compressor, indexer, meta):
         slots, tables = meta.state_slots, meta.block_tables
         block_size = self.block_size
-        on_gpu = q.is_cuda  # Triton on CUDA, the torch references on CPU
+        on_gpu = use_cuda_path(q)  # Triton on CUDA, the torch references on CPU
         (write_window if on_gpu else write_window_reference)(self.ring, kv, slots, positions)
         attend = v4_decode_attention if on_gpu else v4_decode_attention_reference
         if not self.ratio:
@@ -221,7 +222,7 @@ class V4Attention(nn.Module):
         )  # fmt: skip
 
     def _emit_decode(self, inputs, state_kv, state_gate, pool, meta, positions):
-        emit = compressor_decode if inputs.kv.is_cuda else compressor_decode_reference
+        emit = compressor_decode if use_cuda_path(inputs.kv) else compressor_decode_reference
         emit(
             state_kv, state_gate, inputs.kv, inputs.gate, inputs.position_bias,
             inputs.norm_weight, inputs.eps, self.compress_cos, self.compress_sin,

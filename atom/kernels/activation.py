@@ -89,3 +89,67 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """Pure-torch ``silu_and_mul``."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+# -- the clamped SwiGLU (DeepSeek-V4's shared expert): gate and up from separate projections --
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _clamped_silu_and_mul_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    num_tokens,
+    stride_gate,
+    stride_up,
+    stride_out,
+    limit,
+    INTERMEDIATE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_t < num_tokens)[:, None] & (offs_i < INTERMEDIATE)[None, :]
+    row = offs_t.to(tl.int64)[:, None]
+    col = offs_i[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + row * stride_gate + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # rounded like torch's F.silu
+    tl.store(out_ptr + row * stride_out + col, (silu.to(tl.float32) * up).to(dtype), mask=mask)
+
+
+def clamped_silu_and_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` ([T, I] each, rows may be
+    strided; ``limit`` None: no clamp) in one launch; the torch reference where Triton does
+    not run."""
+    if not use_triton(gate):
+        return clamped_silu_and_mul_reference(gate, up, limit)
+    assert gate.shape == up.shape and gate.dim() == 2
+    assert gate.stride(-1) == 1 and up.stride(-1) == 1
+    num_tokens, intermediate = gate.shape
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if num_tokens > 0 and intermediate > 0:
+        block_i = min(4096, triton.next_power_of_2(intermediate))
+        block_t = max(1, min(16, 4096 // block_i))
+        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(intermediate, block_i))
+        _clamped_silu_and_mul_kernel[grid](
+            gate, up, out, num_tokens, gate.stride(0), up.stride(0), out.stride(0),
+            0.0 if limit is None else float(limit), INTERMEDIATE=intermediate,
+            HAS_LIMIT=limit is not None, BLOCK_T=block_t, BLOCK_I=block_i,
+            num_warps=8 if block_t * block_i >= 4096 else 4,
+        )  # fmt: skip
+    return out
+
+
+def clamped_silu_and_mul_reference(gate, up, limit: float | None) -> torch.Tensor:
+    """The model's torch ops (atom/models/deepseek_v4.py `SwiGLUMLP`)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(gate) * up

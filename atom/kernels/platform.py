@@ -39,3 +39,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     default rounds fp32 operands to TF32, ~1e-3 relative: enough to flip greedy near-ties
     against an fp32 reference), "tf32" otherwise (ignored for 16-bit operands)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def use_cuda_path(tensor: torch.Tensor) -> bool:
+    """True where a model takes its CUDA path (fused Triton kernels) rather than the torch
+    references: on CUDA, and on CPU under the interpreter when ``ATOM_INTERPRET_CUDA_PATH=1``
+    (tests and the kernel map run the CUDA path's kernels there, slowly). Plain CPU keeps the
+    references, faster there than interpreted kernels."""
+    if tensor.is_cuda:
+        return True
+    return (
+        HAS_TRITON
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and os.environ.get("ATOM_INTERPRET_CUDA_PATH") == "1"
+    )

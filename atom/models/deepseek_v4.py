@@ -25,8 +25,10 @@ from torch.nn import functional as F
 
 from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention, V4Family
 from atom.distributed.tensor_parallel import ShardingError
-from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
-from atom.kernels.v4_rope import rope_tables
+from atom.kernels.activation import clamped_silu_and_mul, clamped_silu_and_mul_reference
+from atom.kernels.platform import use_cuda_path
+from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
+from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
 from atom.models.moe import routed_experts
 
@@ -94,10 +96,12 @@ class Indexer(Compressor):
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
-    def indexer_inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
+    def indexer_inputs(self, hidden, q_residual, positions, tables, fused) -> IndexerInputs:
         q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
         weights = self.scorer.weights_proj(hidden).float() * self.num_heads**-0.5
-        return IndexerInputs(self.inputs(hidden), rope(q, cos, sin), weights)
+        return IndexerInputs(
+            self.inputs(hidden), norm_then_rope(q, positions, tables, fused), weights
+        )
 
 
 class DeepseekV4Attention(nn.Module):
@@ -129,23 +133,34 @@ class DeepseekV4Attention(nn.Module):
         self.attn = V4Attention(config, layer_type, tables["compress"], max_model_len)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        cos_table, sin_table = self.tables[self.rope_kind]
-        cos, sin = cos_table[positions], sin_table[positions]
-        q_residual = self.q_a_norm(self.q_a_proj(hidden))
+        tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
+        q_residual = norm_then_rope(
+            self.q_a_proj(hidden)[:, None], positions, None, fused, self.q_a_norm
+        )[:, 0]
         q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
-        q = rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = rope(self.kv_norm(self.kv_proj(hidden))[:, None, :], cos, sin)[:, 0]
+        q = norm_then_rope(q, positions, tables, fused, eps=self.eps)
+        kv = self.kv_proj(hidden)[:, None, :]
+        kv = norm_then_rope(kv, positions, tables, fused, self.kv_norm)[:, 0]
         compressor = indexer = None
         if self.compressor is not None:
             compressor = self.compressor.inputs(hidden)
             if hasattr(self.compressor, "indexer"):
-                c_cos, c_sin = self.tables["compress"]
                 indexer = self.compressor.indexer.indexer_inputs(
-                    hidden, q_residual, c_cos[positions], c_sin[positions]
+                    hidden, q_residual, positions, self.tables["compress"], fused
                 )
         out = self.attn(q, kv, positions, self.sinks, compressor, indexer)
-        out = rope(out, cos, -sin)
+        out = norm_then_rope(out, positions, tables, fused, inverse=True)
         return grouped_output(out, self.o_groups, self.o_a_proj.weight, self.o_b_proj)
+
+
+def norm_then_rope(x, positions, tables, fused: bool, norm=None, eps=None, inverse=False):
+    """x [T, H, D]: `norm` (an FP32RMSNorm; `eps` alone: the unweighted per-head norm; neither:
+    none), then the interleaved rope at `positions` with `tables` (cos, sin) (None: none;
+    `inverse`: -sin). `fused`: one launch (v4_rope.norm_rope), else the torch ops."""
+    cos_table, sin_table = tables if tables is not None else (None, None)
+    weight, eps = (norm.weight, norm.eps) if norm is not None else (None, eps)
+    apply = norm_rope if fused else norm_rope_reference
+    return apply(x, positions, cos_table, sin_table, weight, eps, inverse)
 
 
 def grouped_output(out: torch.Tensor, groups: int, a_weight: torch.Tensor, b_proj) -> torch.Tensor:
@@ -192,9 +207,22 @@ class HyperConnection(nn.Module):
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         return pre, post, comb
 
-    def forward(self, streams: torch.Tensor):
+    def forward(self, streams: torch.Tensor, norm: FP32RMSNorm):
+        """(post, comb, the block's input: `norm` of the collapsed streams); the CUDA path
+        in two launches (atom/kernels/v4_mhc.py)."""
+        if use_cuda_path(streams):
+            return hc_pre(
+                streams, self.fn.float(), self.base.float(), self.scale.float(),
+                norm.weight.float(), self.iters, self.eps, self.hc_eps, norm.eps,
+            )  # fmt: skip
         pre, post, comb = self.mixes(streams)
-        return post, comb, collapse(streams, pre)
+        return post, comb, norm(collapse(streams, pre))
+
+    @staticmethod
+    def expand(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor:
+        if use_cuda_path(streams):
+            return hc_post(out, streams, post, comb)
+        return expand(out, streams, post, comb)
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -219,7 +247,16 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, norm: FP32RMSNorm) -> torch.Tensor:
+        """`norm` of the streams collapsed by the head's weights."""
+        if use_cuda_path(streams):
+            return hc_head(
+                streams, self.hc_fn.float(), self.hc_base.float(), self.hc_scale.float(),
+                norm.weight.float(), self.eps, self.hc_eps, norm.eps,
+            )  # fmt: skip
+        return norm(self.collapse(streams))
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
@@ -239,10 +276,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.limit is not None:
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        act = clamped_silu_and_mul if use_cuda_path(x) else clamped_silu_and_mul_reference
+        return self.down_proj(act(gate, up, self.limit))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -301,17 +336,10 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams, positions, input_ids):
         """streams [T, hc_mult, D] -> the same."""
-        dtype = streams.dtype
-        post, comb, collapsed = self.attn_hc(streams)
-        out = self.self_attn(positions, self.input_layernorm(collapsed))
-        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
-        post, comb, collapsed = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), streams
-        )
+        post, comb, x = self.attn_hc(streams, self.input_layernorm)
+        streams = self.attn_hc.expand(self.self_attn(positions, x), streams, post, comb)
+        post, comb, x = self.ffn_hc(streams, self.post_attention_layernorm)
+        return self.ffn_hc.expand(self.mlp(x, input_ids), streams, post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -340,7 +368,7 @@ class DeepseekV4Model(nn.Module):
         streams = hidden.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
-        return self.norm(self.hc_head(streams))
+        return self.hc_head(streams, self.norm)
 
 
 class DeepseekCausalLM(nn.Module):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.moe import fused_moe, routed_experts_reference
+from atom.kernels.platform import use_cuda_path
 
 
 def routed_experts(
@@ -34,6 +35,6 @@ def routed_experts(
     multiplies the activation, the input of ``down`` (same result, other rounding points).
     """
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
-    if x.is_cuda:
+    if use_cuda_path(x):
         return fused_moe(*args, weight_before_down=weight_before_down)
     return routed_experts_reference(*args, weight_before_down=weight_before_down)

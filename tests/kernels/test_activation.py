@@ -54,3 +54,24 @@ def test_silu_and_mul_keeps_leading_dims_and_handles_extremes():
 
 def test_silu_and_mul_empty():
     assert silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype, device", DTYPES)
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("num_tokens, intermediate", [(1, 48), (5, 300)])
+def test_clamped_silu_and_mul_matches_hand_clamped_swiglu(num_tokens, intermediate, limit,
+                                                          dtype, device):  # fmt: skip
+    """DeepSeek-V4's SwiGLU: gate clamped to at most `limit`, up to [-limit, limit]."""
+    from atom.kernels.activation import clamped_silu_and_mul
+
+    g = torch.Generator().manual_seed(num_tokens)
+    gate_up = (torch.randn(num_tokens, 2 * intermediate + 5, generator=g) * 2).to(device, dtype)
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate : 2 * intermediate]  # strided
+    got = clamped_silu_and_mul(gate, up, limit)
+    g32, u32 = gate.float(), up.float()
+    if limit is not None:
+        g32, u32 = torch.minimum(g32, torch.tensor(limit)), u32.clamp(-limit, limit)
+        assert float(got.float().abs().max()) <= limit * max(limit, 1) + 1e-3
+    expected = (g32 * torch.sigmoid(g32) * u32).to(dtype)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)

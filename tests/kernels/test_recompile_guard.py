@@ -40,6 +40,8 @@ from atom.kernels import (
     v4_attention,
     v4_compressor,
     v4_indexer,
+    v4_mhc,
+    v4_rope,
     v4_topk,
     v41_engram,
     v41_quant,
@@ -59,6 +61,10 @@ triton = pytest.importorskip("triton")
 # must be a pointer (named *_ptr) or a constexpr.
 KERNELS = {
     (activation, "_silu_and_mul_kernel"): (["num_tokens"], ["stride_x", "stride_out"]),
+    (activation, "_clamped_silu_and_mul_kernel"): (
+        ["num_tokens"],
+        ["stride_gate", "stride_up", "stride_out", "limit"],
+    ),
     (rmsnorm, "_rms_norm_kernel"): (
         ["num_tokens"],
         ["eps", "stride_x", "stride_residual", "stride_out", "stride_residual_out"],
@@ -234,6 +240,14 @@ KERNELS = {
             "stride_out_head",
         ],
     ),
+    # DeepSeek-V4 mHC and norm + rope: tokens come from the grid; strides and eps are fixed
+    (v4_mhc, "_hc_mix_partial_kernel"): ([], ["stride_streams_row"]),
+    (v4_mhc, "_hc_finish_kernel"): (
+        [],
+        ["stride_streams_row", "stride_out_row", "mix_eps", "hc_eps", "norm_eps"],
+    ),
+    (v4_mhc, "_hc_post_kernel"): ([], ["stride_out_row", "stride_streams_row"]),
+    (v4_rope, "_norm_rope_kernel"): ([], ["stride_x_row", "stride_x_head", "eps", "sign"]),
     # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
     (v41_quant, "_fake_quant_kernel"): (["num_blocks"], []),
     (v41_engram, "_engram_hash_kernel"): (["num_tokens"], []),
@@ -300,6 +314,7 @@ DEVICE_FUNCTIONS = {
     (v4_attention, "_online_update"),
     (v4_topk, "_ordered_bits"),
     (v4_compressor, "pool_offsets"),
+    (v4_mhc, "_mix_sum"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),
     (v41_quant, "_e4m3"),
@@ -366,6 +381,17 @@ def test_silu_and_mul_one_variant():
     x = torch.randn(max(SWEEP), 2 * intermediate, device=DEVICE, dtype=BF16)
     assert_one_variant(
         activation, ["_silu_and_mul_kernel"], lambda n: activation.silu_and_mul(x[:n])
+    )
+
+
+@pytest.mark.gpu
+def test_clamped_silu_and_mul_one_variant():
+    intermediate = 2048
+    x = torch.randn(max(SWEEP), 2 * intermediate, device=DEVICE, dtype=BF16)
+    assert_one_variant(
+        activation,
+        ["_clamped_silu_and_mul_kernel"],
+        lambda n: activation.clamped_silu_and_mul(x[:n, :intermediate], x[:n, intermediate:], 10.0),
     )
 
 
@@ -863,6 +889,44 @@ def test_v4_window_write_and_decode_one_variant():
         )  # fmt: skip
 
     assert_one_variant(v4_attention, ["_write_window_kernel", "_v4_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_mhc_one_variant():
+    """Tokens (the grid) swept through hc_pre, hc_post and hc_head."""
+    n, hidden = 4, 4096
+    streams = torch.randn(max(SWEEP), n, hidden, device=DEVICE, dtype=BF16)
+    fn = torch.randn((2 + n) * n, n * hidden, device=DEVICE) * 0.01
+    head_fn = torch.randn(n, n * hidden, device=DEVICE) * 0.01
+    base, scale = torch.randn((2 + n) * n, device=DEVICE), torch.ones(3, device=DEVICE)
+    weight = torch.ones(hidden, device=DEVICE)
+
+    def run(n_tokens):
+        post, comb, x = v4_mhc.hc_pre(streams[:n_tokens], fn, base, scale, weight, 20,
+                                      1e-6, 1e-6, 1e-6)  # fmt: skip
+        v4_mhc.hc_post(x, streams[:n_tokens], post, comb)
+        v4_mhc.hc_head(streams[:n_tokens], head_fn, base[:n], scale[:1], weight, 1e-6, 1e-6,
+                       1e-6)  # fmt: skip
+
+    names = ["_hc_mix_partial_kernel", "_hc_finish_kernel", "_hc_post_kernel"]
+    history = variants_over_sweep(v4_mhc, names, run)
+    # the block and the head are two geometries (M, HEAD) of the two pre kernels
+    assert history["_hc_mix_partial_kernel"][-1] == 2, history
+    assert history["_hc_finish_kernel"][-1] == 2, history
+    assert history["_hc_post_kernel"][-1] == 1, history
+
+
+@pytest.mark.gpu
+def test_v4_norm_rope_one_variant():
+    heads, dim, half = 64, 512, 32
+    x = torch.randn(max(SWEEP), heads, dim, device=DEVICE, dtype=BF16)
+    cos, sin = torch.randn(2, 70000, half, device=DEVICE).unbind(0)
+    positions = torch.randint(0, 70000, (max(SWEEP),), device=DEVICE, generator=_generator())
+
+    def run(n):
+        v4_rope.norm_rope(x[:n], positions[:n], cos, sin, None, 1e-6)
+
+    assert_one_variant(v4_rope, ["_norm_rope_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -131,6 +131,18 @@ def test_greedy_matches_hf(v4_dirs, kind):
     assert _tokens(llm) == _hf(v4_dirs[kind])
 
 
+@pytest.mark.parametrize("kind", ["a", "c"])
+def test_cuda_path_under_the_interpreter_matches_hf(v4_dirs, kind, monkeypatch):
+    """The CUDA path (fused mHC, norm + rope, routing and clamped SwiGLU kernels, Triton
+    decode attention, compressor, indexer and MoE) under Triton's interpreter on the CPU:
+    fp32 greedy tokens equal HF's."""
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    prompts, params = PROMPTS[1:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = build_llm(v4_dirs[kind], num_kvcache_blocks=64, max_model_len=256)
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == hf_greedy_no_eos(v4_dirs[kind], prompts, params.max_tokens)
+
+
 def test_chunked_prefill_and_preemption(v4_dirs):
     path = v4_dirs["a"]
     expected = _hf(path)

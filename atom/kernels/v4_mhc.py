@@ -1,0 +1,327 @@
+"""DeepSeek-V4 mHC hyper-connections: the pre (mix weights, Sinkhorn, the weighted collapse
+of the streams and the block's input RMSNorm), the post (the block's output expanded back
+into the streams) and the head, each in one or two Triton launches, beside their torch
+references (the math of atom/models/deepseek_v4.py's `HyperConnection`, `expand` and
+`HyperHead` followed by an `FP32RMSNorm`).
+
+Shapes and dtypes (T tokens, N = hc_mult streams, D hidden, K = N * D):
+    streams      [T, N, D] model dtype, each token's N * D values contiguous
+    fn           [M, K] fp32: M = (2 + N) * N for a block (pre | post | comb), N for the head
+    base         [M] fp32
+    scale        [3] fp32 (pre, post, comb scales) for a block, [1] for the head
+    norm_weight  [D] fp32: the RMSNorm after the collapse (input / post-attention / final)
+
+    mixes = (streams / rms(streams)) @ fn.T                      (rms over the K values, fp32)
+    pre   = sigmoid(mixes[:N] * scale[0] + base[:N]) + hc_eps
+    post  = 2 * sigmoid(mixes[N:2N] * scale[1] + base[N:2N])
+    comb  = Sinkhorn(softmax(mixes[2N:] * scale[2] + base[2N:]) + hc_eps)   [N, N], `iters`
+    x     = norm_weight * rmsnorm(sum_n pre[n] * streams[n])       (the sum rounded to dtype)
+    post step: streams'[n] = post[n] * out + sum_j comb[j, n] * streams[j]
+
+Launches: `hc_pre` and `hc_head` two (a split-K GEMV of the mixes with the sum of squares,
+then one program per token for the rest); `hc_post` one. The split-K partial sums are
+added in a fixed order (deterministic). The mixes are scaled by the rms after the GEMV,
+not before (the same value up to fp32 rounding).
+
+Runtime lengths: none inside the kernels (tokens come from the grid). Geometry (constexpr):
+N, D, M, iters, tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom.kernels.platform import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (e.g. macOS): keep the module importable for the reference
+    from types import SimpleNamespace
+
+    triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
+    tl = SimpleNamespace(constexpr=None)
+
+MIX_BLOCK_K = 128  # columns of fn per iteration of the split-K GEMV
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _hc_mix_partial_kernel(
+    streams_ptr,  # [T, K] (the streams of a token, flat)
+    fn_ptr,  # [M, K] fp32
+    partial_ptr,  # out [T, SPLITS, M + 1] fp32: dots, then the sum of squares
+    stride_streams_row,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    M_P2: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,  # columns per program (a multiple of BLOCK_K)
+    BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    rows = tl.arange(0, M_P2)
+    acc = tl.zeros([M_P2], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(split * CHUNK, split * CHUNK + CHUNK, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        in_k = cols < K
+        x = tl.load(streams_ptr + token * stride_streams_row + cols, mask=in_k, other=0.0)
+        x = x.to(tl.float32)
+        squares += x * x
+        w = tl.load(
+            fn_ptr + rows[:, None] * K + cols[None, :],
+            mask=(rows < M)[:, None] & in_k[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(w * x[None, :], axis=1)
+    out = partial_ptr + (token * SPLITS + split) * (M + 1)
+    tl.store(out + rows, acc, mask=rows < M)
+    tl.store(out + M, tl.sum(squares, axis=0))
+
+
+@triton.jit
+def _mix_sum(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexpr):
+    """Sum over the splits (in order) of the partial dots at ``offsets`` (< M)."""
+    total = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(partial_ptr + split * (M + 1) + offsets, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _hc_finish_kernel(
+    partial_ptr,  # [T, SPLITS, M + 1] fp32 from _hc_mix_partial_kernel
+    streams_ptr,  # [T, N, D]
+    base_ptr,  # [M] fp32
+    scale_ptr,  # [3] or [1] fp32
+    norm_weight_ptr,  # [D] fp32
+    post_ptr,  # out [T, N] fp32 (block only)
+    comb_ptr,  # out [T, N, N] fp32 (block only)
+    out_ptr,  # out [T, D] streams' dtype: the normed collapse
+    stride_streams_row,
+    stride_out_row,
+    mix_eps,
+    hc_eps,
+    norm_eps,
+    N: tl.constexpr,
+    N_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    M: tl.constexpr,
+    SPLITS: tl.constexpr,
+    ITERS: tl.constexpr,
+    HEAD: tl.constexpr,  # the head: pre only (M = N, one scale)
+):
+    token = tl.program_id(0).to(tl.int64)
+    partial = partial_ptr + token * SPLITS * (M + 1)
+    squares = tl.load(partial + M)
+    for split in tl.static_range(1, SPLITS):
+        squares += tl.load(partial + split * (M + 1) + M)
+    rms = tl.rsqrt(squares / (N * D) + mix_eps)
+    n = tl.arange(0, N_P2)
+    in_n = n < N
+    pre_scale = tl.load(scale_ptr)
+    pre = _mix_sum(partial, n, in_n, M, SPLITS) * rms
+    pre = 1.0 / (1.0 + tl.exp(-(pre * pre_scale + tl.load(base_ptr + n, mask=in_n))))
+    pre = tl.where(in_n, pre + hc_eps, 0.0)
+    if not HEAD:
+        post = _mix_sum(partial, N + n, in_n, M, SPLITS) * rms
+        post = post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=in_n)
+        post = 2.0 / (1.0 + tl.exp(-post))
+        tl.store(post_ptr + token * N + n, post, mask=in_n)
+        # comb[a, b]: row a, column b (softmax over b, then Sinkhorn: columns, rows, ...)
+        pair = n[:, None] * N + n[None, :]
+        in_pair = in_n[:, None] & in_n[None, :]
+        comb = _mix_sum(partial, 2 * N + pair, in_pair, M, SPLITS) * rms
+        comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + pair, mask=in_pair)
+        comb = tl.where(in_pair, comb, -1e30)  # padding (N not a power of two)
+        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+        comb = comb / tl.sum(comb, axis=1)[:, None]
+        comb = tl.where(in_pair, comb + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        for _ in tl.static_range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + token * N * N + pair, comb, mask=in_pair)
+    # the collapse (sum over the streams in order), rounded, then the RMSNorm
+    dtype = out_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK_D)
+    in_d = d < D
+    row = streams_ptr + token * stride_streams_row
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for stream in tl.static_range(N):
+        weight = tl.sum(tl.where(n == stream, pre, 0.0), axis=0)
+        acc += weight * tl.load(row + stream * D + d, mask=in_d, other=0.0).to(tl.float32)
+    x = acc.to(dtype).to(tl.float32)
+    x = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
+    x = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0) * x
+    tl.store(out_ptr + token * stride_out_row + d, x.to(dtype), mask=in_d)
+
+
+@triton.jit
+def _hc_post_kernel(
+    out_ptr,  # [T, D] the block's output
+    streams_ptr,  # [T, N, D]
+    post_ptr,  # [T, N] fp32
+    comb_ptr,  # [T, N, N] fp32
+    new_ptr,  # out [T, N, D] contiguous
+    stride_out_row,
+    stride_streams_row,
+    N: tl.constexpr,
+    N_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Rounded as the torch reference: post (in dtype) * out, comb (in dtype) @ streams
+    # summed in fp32, each rounded to dtype, then added.
+    token = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = d < D
+    j = tl.arange(0, N_P2)
+    in_j = j < N
+    dtype = new_ptr.dtype.element_ty
+    streams = tl.load(
+        streams_ptr + token * stride_streams_row + j[:, None] * D + d[None, :],
+        mask=in_j[:, None] & in_d[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    out = tl.load(out_ptr + token * stride_out_row + d, mask=in_d, other=0.0).to(tl.float32)
+    for stream in tl.static_range(N):
+        post = tl.load(post_ptr + token * N + stream).to(dtype).to(tl.float32)
+        comb = tl.load(comb_ptr + token * N * N + j * N + stream, mask=in_j, other=0.0)
+        comb = comb.to(dtype).to(tl.float32)
+        mixed = tl.sum(comb[:, None] * streams, axis=0).to(dtype).to(tl.float32)
+        value = (post * out).to(dtype).to(tl.float32) + mixed
+        tl.store(new_ptr + (token * N + stream) * D + d, value.to(dtype), mask=in_d)
+
+
+def _mix_partials(streams: torch.Tensor, fn: torch.Tensor):
+    tokens, n, d = streams.shape
+    k, m = n * d, fn.shape[0]
+    splits = min(MAX_SPLITS, triton.cdiv(k, MIX_BLOCK_K))
+    chunk = triton.cdiv(triton.cdiv(k, splits), MIX_BLOCK_K) * MIX_BLOCK_K
+    splits = triton.cdiv(k, chunk)
+    partial = torch.empty(tokens, splits, m + 1, dtype=torch.float32, device=streams.device)
+    if tokens:
+        _hc_mix_partial_kernel[(tokens, splits)](
+            streams, fn, partial, streams.stride(0),
+            K=k, M=m, M_P2=triton.next_power_of_2(m), SPLITS=splits, CHUNK=chunk,
+            BLOCK_K=MIX_BLOCK_K, num_warps=4,
+        )  # fmt: skip
+    return partial, splits
+
+
+def _check(streams: torch.Tensor, fn: torch.Tensor) -> None:
+    assert streams.dim() == 3 and streams.stride(2) == 1 and streams.stride(1) == streams.shape[2]
+    assert fn.dtype == torch.float32 and fn.is_contiguous()
+    assert fn.shape[1] == streams.shape[1] * streams.shape[2]
+
+
+def _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps, norm_eps,
+            iters, head):  # fmt: skip
+    tokens, n, d = streams.shape
+    m = base.shape[0]
+    out = torch.empty(tokens, d, dtype=streams.dtype, device=streams.device)
+    post = torch.empty(0 if head else tokens, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(0 if head else tokens, n, n, dtype=torch.float32, device=streams.device)
+    if tokens:
+        block_d = triton.next_power_of_2(d)
+        _hc_finish_kernel[(tokens,)](
+            partial, streams, base, scale, norm_weight, post, comb, out,
+            streams.stride(0), out.stride(0), float(mix_eps), float(hc_eps), float(norm_eps),
+            N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d, M=m, SPLITS=splits,
+            ITERS=iters, HEAD=head, num_warps=min(16, max(4, block_d // 512)),
+        )  # fmt: skip
+    return post, comb, out
+
+
+def hc_pre(streams, fn, base, scale, norm_weight, iters: int, mix_eps: float, hc_eps: float,
+           norm_eps: float):  # fmt: skip
+    """(post [T, N] fp32, comb [T, N, N] fp32, x [T, D] streams' dtype) of one mHC block:
+    x is the block's input, the collapse of the streams RMS-normed by ``norm_weight``.
+    Triton on CUDA (or under the interpreter), the torch reference otherwise."""
+    if not use_triton(streams):
+        return hc_pre_reference(
+            streams, fn, base, scale, norm_weight, iters, mix_eps, hc_eps, norm_eps
+        )
+    _check(streams, fn)
+    partial, splits = _mix_partials(streams, fn)
+    return _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps,
+                   norm_eps, iters, head=False)  # fmt: skip
+
+
+def hc_head(streams, fn, base, scale, norm_weight, mix_eps: float, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:  # fmt: skip
+    """The mHC head collapsing the streams [T, N, D] -> [T, D], then the final RMSNorm."""
+    if not use_triton(streams):
+        return hc_head_reference(streams, fn, base, scale, norm_weight, mix_eps, hc_eps, norm_eps)
+    _check(streams, fn)
+    partial, splits = _mix_partials(streams, fn)
+    return _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps,
+                   norm_eps, 1, head=True)[2]  # fmt: skip
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+    """streams' [T, N, D] = post[:, n] * out + sum_j comb[:, j, n] * streams[:, j]."""
+    if not use_triton(streams):
+        return hc_post_reference(out, streams, post, comb)
+    tokens, n, d = streams.shape
+    assert streams.stride(2) == 1 and streams.stride(1) == d and out.stride(-1) == 1
+    new = torch.empty(tokens, n, d, dtype=streams.dtype, device=streams.device)
+    if tokens:
+        block_d = min(1024, triton.next_power_of_2(d))
+        _hc_post_kernel[(tokens, triton.cdiv(d, block_d))](
+            out, streams, post.contiguous(), comb.contiguous(), new, out.stride(0),
+            streams.stride(0), N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return new
+
+
+# -- torch references (the model's math: HyperConnection, expand, HyperHead, FP32RMSNorm) ----
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * y).to(x.dtype)
+
+
+def _mixes_reference(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    flat = streams.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return torch.nn.functional.linear(flat, fn.float())
+
+
+def hc_pre_reference(streams, fn, base, scale, norm_weight, iters, mix_eps, hc_eps, norm_eps):
+    n = streams.shape[1]
+    mixes = _mixes_reference(streams, fn, mix_eps)
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n)
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, _rms_norm_fp32(collapsed, norm_weight, norm_eps)
+
+
+def hc_head_reference(streams, fn, base, scale, norm_weight, mix_eps, hc_eps, norm_eps):
+    mixes = _mixes_reference(streams, fn, mix_eps)
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return _rms_norm_fp32(collapsed, norm_weight, norm_eps)
+
+
+def hc_post_reference(out, streams, post, comb):
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
