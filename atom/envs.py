@@ -31,6 +31,12 @@ def flag(name: str, default: bool) -> bool:
     return value not in ("0", "false", "off")
 
 
+def interpret_cuda_path() -> bool:
+    """`ATOM_INTERPRET_CUDA_PATH=1` (with TRITON_INTERPRET=1): a CPU model takes its CUDA
+    path's fused Triton kernels, interpreted (tests, benchmarks/deepseek_v4_kernel_map.py)."""
+    return os.environ.get("ATOM_INTERPRET_CUDA_PATH") == "1"
+
+
 def torch_profiler_dir() -> str | None:
     """`ATOM_TORCH_PROFILER_DIR`: where `LLM.start_profile`/`--profile` write traces."""
     return os.environ.get("ATOM_TORCH_PROFILER_DIR") or None

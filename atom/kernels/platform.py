@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from atom import envs
+
 try:
     import triton  # noqa: F401
 
@@ -51,5 +53,5 @@ def use_cuda_path(tensor: torch.Tensor) -> bool:
     return (
         HAS_TRITON
         and os.environ.get("TRITON_INTERPRET") == "1"
-        and os.environ.get("ATOM_INTERPRET_CUDA_PATH") == "1"
+        and envs.interpret_cuda_path()
     )
