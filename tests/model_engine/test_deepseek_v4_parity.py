@@ -135,9 +135,10 @@ def test_greedy_matches_hf(v4_dirs, kind):
 def test_cuda_path_under_the_interpreter_matches_hf(v4_dirs, kind, monkeypatch):
     """The CUDA path (fused mHC, norm + rope, routing and clamped SwiGLU kernels, Triton
     decode attention, compressor, indexer and MoE) under Triton's interpreter on the CPU:
-    fp32 greedy tokens equal HF's."""
+    fp32 greedy tokens equal HF's. One prompt, 8 tokens: each interpreted step is slow
+    (the GPU parity tests run the same kernels over every prompt)."""
     monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
-    prompts, params = PROMPTS[1:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts, params = PROMPTS[1:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm = build_llm(v4_dirs[kind], num_kvcache_blocks=64, max_model_len=256)
     tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens == hf_greedy_no_eos(v4_dirs[kind], prompts, params.max_tokens)
