@@ -119,7 +119,7 @@ def test_one_row_gemv_pdl_paths(emulated, in_features, out_features, config):
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("block_n", [1, 8])
 def test_gemv_rope_kv_pdl_paths(emulated, norm, block_n):
-    test_gemv_rope_kv.test_equals_gemv_then_rotary_kv_write(torch.float32, norm, block_n)
+    test_gemv_rope_kv.test_equals_gemv_then_rotary_kv_write(torch.float32, norm, block_n, True)
 
 
 @pytest.mark.parametrize("early_kv", [False, True])

@@ -133,7 +133,8 @@ def test_fp8_engine_equals_attention_over_dequantized_cache(tiny_model_dirs, mon
     whose store writes quantize-then-dequantize rows, so scales follow their rows through
     prefill, decode and every layer, on the torch references (CPU) and the Triton kernels."""
     quantized, simulated = _engines(tiny_model_dirs["llama3"], device, "float32", "fp8", "auto")
-    name = "store_kvcache" if device == "cuda" else "store_kvcache_reference"
+    # the unquantized engine's store: the kernel on CUDA, the planned index_copy_ on CPU
+    name = "store_kvcache" if device == "cuda" else "store_kvcache_cpu"
     store = getattr(atom.attention.mha, name)
 
     def store_dequantized(key, value, *args, **kwargs):

@@ -93,7 +93,9 @@ def test_rope_kv_epilogue_layer_matches_norm_gemv(monkeypatch, first_layer):
             results[name] = (*layer(positions, hidden, residual), attn.k_cache, attn.v_cache)
     calls = []
     real = llama.gemv_rope_kv
-    monkeypatch.setattr(llama, "gemv_rope_kv", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(
+        llama, "gemv_rope_kv", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     with torch.no_grad(), forward_context(meta, Fusions.only("norm_gemv", "gemv_rope_kv")):
         layer(positions, hidden, residual)
     assert calls, "the epilogue path did not run"
