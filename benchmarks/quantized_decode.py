@@ -462,6 +462,42 @@ def layer_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
 
 
+def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush) -> dict[str, float]:
+    """Every candidate the one-row tuner measures for this layer, timed alone (us)."""
+    from atom.kernels import fp8_linear, int4_linear
+    from atom.kernels.gemv_tiles import quant_gemv_candidates, quant_gemv_config
+
+    rows, cols = layer.weight.shape[0], x.shape[1]
+    if fmt == "int4":
+        group = layer.weight_group
+        tile_group = 0 if group >= cols else group
+        heuristic = quant_gemv_config(cols, rows, "int4", tile_group, True, x.device)
+        candidates = int4_linear.int4_gemv_candidates(heuristic, tile_group)
+
+        def launch(c):
+            return int4_linear.int4_gemv(x, layer.weight, layer.weight_scale,
+                                         layer.weight_zero_point, group, config=c[0],
+                                         variant=c[1])  # fmt: skip
+    else:
+        per_row = layer.weight_block[1] >= cols
+        tile_group = 0 if per_row else layer.weight_block[1]
+        heuristic = quant_gemv_config(cols, rows, "fp8", tile_group, True, x.device)
+        candidates = quant_gemv_candidates(heuristic, tile_group)
+
+        def launch(c):
+            return fp8_linear.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
+                                       config=c[0], x_once=c[1])  # fmt: skip
+    timed = {}
+    for config, variant in candidates:
+        label = (f"n{config.block_n} k{config.block_k} w{config.num_warps} "
+                 f"s{config.num_stages} {variant}")  # fmt: skip
+        try:
+            timed[label] = round(time_us(lambda: launch((config, variant)), device, flush), 2)
+        except Exception as e:  # noqa: BLE001
+            timed[label] = f"{type(e).__name__}"
+    return timed
+
+
 def run_kernels(args) -> list[dict]:
     """Each layer shape at each row count: bf16 cuBLAS against the quantized kernels."""
     config = hf_config(args.shape)
@@ -502,12 +538,21 @@ def run_kernels(args) -> list[dict]:
                                   over_bf16=round(bf16_us / us, 3),
                                   max_rel_err=round(float(error), 5),
                                   quantization_err=round(float(quant_error), 4))  # fmt: skip
+                    if args.sweep and batch == 1:
+                        record["candidates_us"] = sweep_candidates(fmt, layer, x, device, flush)
                     del layer
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc(file=sys.stderr)
                     record["error"] = f"{type(e).__name__}: {e}"
                 records.append(record)
                 emit(record)
+    from atom.kernels.gemv_tiles import quant_gemv_choices
+
+    for key, choice in quant_gemv_choices().items():
+        print(f"tuner: {key}: {choice}", file=sys.stderr)
+    for r in records:
+        for label, us in r.get("candidates_us", {}).items():
+            print(f"candidate {r['format']} {r['layer']}: {label}: {us} us", file=sys.stderr)
     print(f"\nGEMV per layer, {args.shape} (us; x: bf16 time / this time)", file=sys.stderr)
     for r in records:
         if r["format"] == "bf16":
@@ -531,6 +576,8 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-formats", nargs="+", default=["fp8", "fp8_block", "int4"],
                         choices=["fp8", "fp8_block", "int4"])  # fmt: skip
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--sweep", action="store_true",
+                        help="with --kernels: time every one-row tuner candidate")  # fmt: skip
     parser.add_argument("--throughput", action="store_true", help="256-prompt throughput")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)

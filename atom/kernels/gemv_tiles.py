@@ -149,12 +149,19 @@ def quant_gemv_candidates(config: GemvConfig, group: int) -> list[tuple[GemvConf
 _QUANT_CHOICES: dict = {}
 
 
+def _variant_label(variant) -> str:
+    """" x_once" for fp8's x-broadcast flag, " <kernel>" for int4's kernel name."""
+    if isinstance(variant, str):
+        return f" {variant}"
+    return " x_once" * bool(variant)
+
+
 def quant_gemv_choices() -> dict[str, str]:
     """The tiles the tuner chose in this process, readable: {"fp8 4096x4096": "..."}."""
     return {
         f"{key[0]} {key[1]}x{key[2]}": f"block_n {config.block_n} block_k {config.block_k} "
-        f"warps {config.num_warps} stages {config.num_stages}" + " x_once" * x_once
-        for key, (config, x_once) in _QUANT_CHOICES.items()
+        f"warps {config.num_warps} stages {config.num_stages}" + _variant_label(variant)
+        for key, (config, variant) in _QUANT_CHOICES.items()
     }
 
 

@@ -128,6 +128,79 @@ def _int4_gemv_kernel(
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _int4_gemv_words_kernel(
+    x_ptr,  # [K], unit-stride
+    weight_ptr,  # int32 words [N, K/8]
+    scale_ptr,  # float32 [N, G]
+    zero_ptr,  # uint8 [N, G]
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [N]
+    in_words,  # K / 8
+    out_features,
+    stride_weight,  # in words
+    stride_scale,  # of scale and zero
+    HAS_BIAS: tl.constexpr,
+    PER_ROW: tl.constexpr,  # one (scale, zero) per output row
+    GROUP_WORDS: tl.constexpr,  # words per group (PER_ROW: unused)
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # words per K chunk
+    NUM_STAGES: tl.constexpr,
+):
+    """One row, on a 2-D [BLOCK_N, BLOCK_W] word tile (no 4-D tile, no layout conversion):
+    out[n] = sum_g scale[n, g] * (sum_{k in g} q[n, k] x[k] - zero[n, g] sum_{k in g} x[k]).
+
+    Nibble j of a word (j < 4: of the word, else of the word >> 16) is masked in place, not
+    shifted down: (bits & 0xF << 4j) | 0x4B000000 is the float 2^23 + q * 16^j, so one
+    subtraction gives q * 16^j exactly, and x[8w + j] is scaled by 16^-j once per program
+    (a power of two: exact). A weight costs an AND, an OR, a subtraction and an FMA; the
+    zero point and the scale are applied once per word, x's 8 loads per word are shared by
+    the rows a thread holds."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < out_features
+    rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight
+    scale_row = scale_ptr + offs_n.to(tl.int64)[:, None] * stride_scale
+    zero_row = zero_ptr + offs_n.to(tl.int64)[:, None] * stride_scale
+    offs_w = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    x_sums = tl.zeros([BLOCK_W], dtype=tl.float32)  # PER_ROW: sum of x over the row's chunk
+    for w_start in tl.range(0, in_words, BLOCK_W, num_stages=NUM_STAGES):
+        cols = w_start + offs_w
+        w_mask = cols < in_words
+        packed = tl.load(rows + cols[None, :], mask=n_mask[:, None] & w_mask[None, :], other=0,
+                         eviction_policy="evict_first")  # fmt: skip
+        high = packed >> 16
+        x_word = x_ptr + cols.to(tl.int64) * 8
+        dot = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(4):
+            x_lo = tl.load(x_word + j, mask=w_mask, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_word + 4 + j, mask=w_mask, other=0.0).to(tl.float32)
+            x_sum += x_lo + x_hi
+            w_lo = ((packed & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+            w_hi = ((high & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+            dot += (w_lo - 8388608.0) * (x_lo * (1.0 / (1 << (4 * j))))[None, :]
+            dot += (w_hi - 8388608.0) * (x_hi * (1.0 / (1 << (4 * j))))[None, :]
+        if PER_ROW:
+            acc += dot
+            x_sums += x_sum
+        else:
+            group_ids = cols // GROUP_WORDS
+            g_mask = n_mask[:, None] & w_mask[None, :]
+            zero = tl.load(zero_row + group_ids[None, :], mask=g_mask, other=0).to(tl.float32)
+            scale = tl.load(scale_row + group_ids[None, :], mask=g_mask, other=0.0)
+            acc += (dot - zero * x_sum[None, :]) * scale
+    out = tl.sum(acc, axis=1)
+    if PER_ROW:
+        zero = tl.load(zero_ptr + offs_n.to(tl.int64) * stride_scale, mask=n_mask, other=0)
+        out = (out - zero.to(tl.float32) * tl.sum(x_sums, axis=0)) * tl.load(
+            scale_ptr + offs_n.to(tl.int64) * stride_scale, mask=n_mask, other=0.0
+        )
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _int4_dot_kernel(
     x_ptr,  # [M, K]
@@ -235,32 +308,58 @@ def _words(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
+def int4_gemv_candidates(config: GemvConfig, group: int) -> list[tuple[GemvConfig, str]]:
+    """The (tile, kernel) pairs the CUDA tuner measures, the heuristic's first: the 2-D word
+    kernel ("words") at a few row counts and chunk widths, then the 4-D tile kernel's
+    candidates ("tile", "x_once": x in the tile's shape or broadcast once)."""
+    words = [
+        (GemvConfig(block_n, block_w * 8, warps, 2), "words")
+        for block_n, block_w, warps in ((8, 128, 4), (16, 128, 4), (32, 128, 4), (16, 256, 8),
+                                        (4, 256, 4))  # fmt: skip
+    ]
+    tile = [(c, "x_once" if x_once else "tile") for c, x_once in quant_gemv_candidates(config, group)]
+    return list(dict.fromkeys(words + tile))
+
+
 def int4_gemv(x, packed, scale, zero, group: int, bias=None, config: GemvConfig | None = None,
-              x_once: bool = False):  # fmt: skip
-    """One row of ``int4_linear`` through ``_int4_gemv_kernel``; ``config`` (and
-    ``x_once``) override the tile (block_k counts inputs): else ``quant_gemv_config``'s, or
-    on CUDA the fastest of its candidates measured at the shape's first call."""
+              variant: str = "words"):  # fmt: skip
+    """One row of ``int4_linear``. ``config`` and ``variant`` ("words": the 2-D word kernel;
+    "tile" / "x_once": the 4-D tile kernel, x in the tile's shape or broadcast) override the
+    launch (block_k counts inputs); else on CUDA the fastest of ``int4_gemv_candidates``
+    measured at the shape's first call, elsewhere (and under capture) the word kernel's
+    first tile."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     per_row = group >= cols
     if config is None:
         tile_group = 0 if per_row else group
-        config = quant_gemv_config(cols, rows, "int4", tile_group, x.is_cuda, x.device)
+        heuristic = quant_gemv_config(cols, rows, "int4", tile_group, x.is_cuda, x.device)
+        candidates = int4_gemv_candidates(heuristic, tile_group)
+        config, variant = candidates[0] if x.is_cuda else (heuristic, "words")
         if x.is_cuda:
             key = ("int4", rows, cols, group, x.dtype, bias is not None)
-            config, x_once = tuned_quant_gemv(
-                key, quant_gemv_candidates(config, tile_group), x.device,
+            config, variant = tuned_quant_gemv(
+                key, candidates, x.device,
                 lambda c: int4_gemv(x, packed, scale, zero, group, bias, *c),
             )  # fmt: skip
-    block_w = config.block_k // 8
-    group_words = block_w if per_row else group // 8
     words = _words(packed)
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
+    block_w = config.block_k // 8
+    if variant == "words":
+        _int4_gemv_words_kernel[(triton.cdiv(rows, config.block_n),)](
+            x, words, scale, zero, bias if bias is not None else out, out,
+            cols // 8, rows, words.stride(0), scale.stride(0),
+            HAS_BIAS=bias is not None, PER_ROW=per_row, GROUP_WORDS=max(group // 8, 1),
+            BLOCK_N=config.block_n, BLOCK_W=block_w, NUM_STAGES=config.num_stages,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        return out
+    group_words = block_w if per_row else group // 8
     _int4_gemv_kernel[(triton.cdiv(rows, config.block_n),)](
         x, words, scale, zero, bias if bias is not None else out, out,
         cols // 8, rows, words.stride(0), scale.stride(0),
         HAS_BIAS=bias is not None, PER_ROW=per_row, GROUPS=block_w // group_words,
         GROUP_WORDS=group_words, BLOCK_N=config.block_n, NUM_STAGES=config.num_stages,
-        X_ONCE=x_once, num_warps=config.num_warps, num_stages=config.num_stages,
+        X_ONCE=variant == "x_once", num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 

@@ -283,7 +283,9 @@ def test_quantize_rows_kernel_matches_its_reference(rows, cols, device):
                                  "ct_int4:sym_channel"])  # fmt: skip
 def test_every_gemv_tile_candidate_computes_the_same_product(fmt):
     """The tiles the CUDA tuner measures (quant_gemv_candidates around the GPU heuristic's,
-    x in the tile's shape or broadcast once) all give the reference's product."""
+    x in the tile's shape or broadcast once; for int4 also the 2-D word kernel's tiles, wider
+    than the 64 words of K and taller than some of the 48 rows) all give the reference's
+    product."""
     layer, method, dequantized = quantized_layer(fmt, random_parts([48], 512, seed=9))
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
     fp8 = isinstance(method, Fp8LinearMethod)
@@ -296,13 +298,17 @@ def test_every_gemv_tile_candidate_computes_the_same_product(fmt):
                                   device=torch.device("cpu"))  # fmt: skip
     candidates = quant_gemv_candidates(heuristic, group)
     assert candidates[0] == (heuristic, False) and len(candidates) >= 4
-    for config, x_once in candidates:
-        assert not group or config.block_k % group == 0
+    if not fp8:  # the 2-D word kernel's tiles, then the 4-D tile kernel's
+        candidates = int4_kernels.int4_gemv_candidates(heuristic, group)
+        assert {variant for _, variant in candidates} == {"words", "tile", "x_once"}
+    for config, variant in candidates:
+        if variant != "words":  # the tile kernel's chunks hold whole groups
+            assert not group or config.block_k % group == 0
         if fp8:
             out = fp8_kernels.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
-                                       config=config, x_once=x_once)  # fmt: skip
+                                       config=config, x_once=variant)  # fmt: skip
         else:
             out = int4_kernels.int4_gemv(x, layer.weight, layer.weight_scale,
                                          layer.weight_zero_point, layer.weight_group,
-                                         config=config, x_once=x_once)  # fmt: skip
+                                         config=config, variant=variant)  # fmt: skip
         check(out, x, dequantized)

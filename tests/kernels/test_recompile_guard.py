@@ -280,6 +280,10 @@ KERNELS = {
         [],
         ["in_words", "out_features", "stride_weight", "stride_scale"],
     ),
+    (int4_linear, "_int4_gemv_words_kernel"): (
+        [],
+        ["in_words", "out_features", "stride_weight", "stride_scale"],
+    ),
     (int4_linear, "_int4_dot_kernel"): (
         ["num_rows"],
         [
@@ -1153,4 +1157,4 @@ def test_int4_linear_one_variant_per_geometry(group, monkeypatch):
 
     assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [2, 3, 7, 16])
     assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [17, 64, 257, 4097])
-    assert_one_variant(int4_linear, ["_int4_gemv_kernel"], run, [1, 1])
+    assert_one_variant(int4_linear, ["_int4_gemv_words_kernel"], run, [1, 1])
