@@ -13,9 +13,10 @@ at ``(position + 1) // ratio``, never at `max_entries`, which only sizes the sco
 maps each entry to its pool row through the page-table row, scores it against every
 indexer head (`tl.dot`, fp32 accumulation) and applies ReLU, the scale and the head
 weights; the top-k is then `indexer_topk_select` (atom/kernels/v4_topk.py, a select over
-the same visible entries). Cost follows the sequence, not `max_model_len`; no host sync,
-CUDA-graph capturable. Runtime lengths: `max_entries` and the page-table row stride
-(do_not_specialize). The ids come in ascending order, -1 after them.
+the same visible entries; the scoring launch also writes each row's visible count). Cost
+follows the sequence, not `max_model_len`; no host sync, CUDA-graph capturable. Runtime
+lengths: `max_entries` and the page-table row stride (do_not_specialize). The ids come in
+ascending order, -1 after them.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ def _index_scores_kernel(
     positions_ptr,
     context_lens_ptr,
     scores_ptr,
+    counts_ptr,  # out [B] int64: the entries each row sees (`visible_counts`)
     max_entries,
     stride_tables_row,
     num_blocks,
@@ -138,6 +140,8 @@ def _index_scores_kernel(
     # the row's own entries only: the loop stops at its visible count, not at max_entries
     num_visible = tl.minimum((position + 1) // RATIO, max_entries)
     num_visible = tl.where(live > 0, num_visible, 0)
+    if split == 0:  # the select's counts, here rather than in 6 torch ops
+        tl.store(counts_ptr + row, num_visible)
     q = tl.load(q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
     weights = tl.load(weights_ptr + row * stride_weights_row + heads, mask=head_mask, other=0.0)
@@ -161,19 +165,26 @@ SPLITS = 256  # programs per row of the scores kernel at most (each strides over
 
 def index_scores_decode(
     q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
-    block_size: int, max_entries: int, fill_invisible: bool = True,
+    block_size: int, max_entries: int, fill_invisible: bool = True, counts=None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton scores ``[B, max_entries]`` fp32 of every entry slot (-inf where the row may
     not see it): the scoring half of `indexer_topk_decode` (DeepSeek-V4.1 reads its KV
     source's keys with it and chooses with atom/kernels/v41_topk.py). The kernel reads and
     writes only each row's visible entries; ``fill_invisible=False`` leaves the rest
-    unwritten (`indexer_topk_select` never reads them) instead of -inf (a fill of the row)."""
+    unwritten (`indexer_topk_select` never reads them) instead of -inf (a fill of the row).
+    ``counts`` ``[B]`` int64, if given, receives `visible_counts` (written by the same
+    launch)."""
     if not use_triton(q):
+        if counts is not None:
+            counts.copy_(visible_counts(positions, context_lens, ratio, max_entries))
         return index_scores_decode_reference(
             q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
             max_entries,
         )  # fmt: skip
     num_rows, num_heads, dim = q.shape
+    if counts is None:  # written all the same (one store a row)
+        counts = torch.empty(num_rows, dtype=torch.int64, device=q.device)
+    assert counts.shape == (num_rows,) and counts.dtype == torch.int64
     scores = torch.empty(num_rows, max_entries, device=q.device, dtype=torch.float32)
     if fill_invisible:
         scores.fill_(float("-inf"))
@@ -182,7 +193,7 @@ def index_scores_decode(
         block_n = 32
         splits = min(SPLITS, triton.cdiv(max_entries, block_n))  # a launch size, no variant
         _index_scores_kernel[(num_rows, splits)](
-            q, weights, index_pool, block_tables, positions, context_lens, scores,
+            q, weights, index_pool, block_tables, positions, context_lens, scores, counts,
             max_entries, block_tables.stride(0), index_pool.shape[0] - 1, dim**-0.5,
             q.stride(0), q.stride(1), weights.stride(0),
             NUM_HEADS=num_heads, DIM=dim, RATIO=ratio, BLOCK_SIZE=block_size,
@@ -205,9 +216,9 @@ def indexer_topk_decode(
             q, weights, index_pool, block_tables, positions, context_lens, ratio,
             block_size, topk, max_entries,
         )  # fmt: skip
+    counts = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)
     scores = index_scores_decode(
         q, weights, index_pool, block_tables, positions, context_lens, ratio, block_size,
-        max_entries, fill_invisible=False,
+        max_entries, fill_invisible=False, counts=counts,
     )  # fmt: skip
-    counts = visible_counts(positions, context_lens, ratio, max_entries)
     return indexer_topk_select(scores, counts, min(topk, max_entries))

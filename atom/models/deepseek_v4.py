@@ -29,6 +29,7 @@ from atom.kernels.activation import clamped_silu_and_mul, clamped_silu_and_mul_r
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
+from atom.kernels.v4_routing import v4_route
 from atom.models.deepseek_v2 import _yarn_inv_freq
 from atom.models.moe import routed_experts
 
@@ -309,7 +310,26 @@ class DeepseekV4MoE(nn.Module):
         self.shared_experts = SwiGLUMLP(hidden, inter, self.limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        scores = F.softplus(F.linear(x, self.gate.weight)).sqrt()
+        weights, ids = self.route(x, input_ids)
+        routed = routed_experts(
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit
+        )
+        return routed + self.shared_experts(x)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor):
+        """(weights [T, k], expert ids [T, k]). The CUDA path in one launch after the gate's
+        GEMM (atom/kernels/v4_routing.py: ties to the lower expert); the CPU path HF's ops
+        (its `topk` orders ties as the implementation does)."""
+        logits = F.linear(x, self.gate.weight)
+        if use_cuda_path(x):
+            if self.is_hash:
+                return v4_route(
+                    logits, self.top_k, self.routed_scaling_factor,
+                    input_ids=input_ids, tid2eid=self.gate.tid2eid,
+                )  # fmt: skip
+            bias = self.gate.e_score_correction_bias
+            return v4_route(logits, self.top_k, self.routed_scaling_factor, bias=bias)
+        scores = F.softplus(logits).sqrt()
         if self.is_hash:
             ids = self.gate.tid2eid[input_ids]
         else:
@@ -317,11 +337,7 @@ class DeepseekV4MoE(nn.Module):
             ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * self.routed_scaling_factor
-        routed = routed_experts(
-            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit
-        )
-        return routed + self.shared_experts(x)
+        return weights * self.routed_scaling_factor, ids
 
 
 class DeepseekV4DecoderLayer(nn.Module):

@@ -174,6 +174,28 @@ def test_indexer_topk_decode_matches_reference(device, positions, max_entries, t
     assert (got[-1] == -1).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_scores_decode_writes_the_visible_counts(device):
+    """The scoring launch writes each row's visible count (`visible_counts`, the select's
+    input): capped at max_entries, 0 for a padded row; the scores equal the reference's."""
+    from atom.kernels.v4_indexer import index_scores_decode, index_scores_decode_reference
+    from atom.kernels.v4_topk import visible_counts
+
+    torch.manual_seed(0)
+    heads, dim, ratio, block_size, max_entries = 4, 16, 4, 16, 8
+    positions = torch.tensor([100, 7, 3, 30], device=device)
+    context_lens = torch.tensor([101, 8, 0, 31], device=device, dtype=torch.int32)
+    tables = torch.arange(4 * 3, device=device, dtype=torch.int32).view(4, 3)
+    pool = torch.randn(13, block_size // ratio, dim, device=device)
+    q, weights = torch.randn(4, heads, dim, device=device), torch.randn(4, heads, device=device)
+    args = (q, weights, pool, tables, positions, context_lens, ratio, block_size, max_entries)
+    counts = torch.full((4,), -7, dtype=torch.int64, device=device)
+    scores = index_scores_decode(*args, counts=counts)
+    assert counts.tolist() == [8, 2, 0, 7]
+    assert torch.equal(counts, visible_counts(positions, context_lens, ratio, max_entries))
+    torch.testing.assert_close(scores, index_scores_decode_reference(*args))
+
+
 def _rule_topk(scores: torch.Tensor, topk: int) -> list[list[int]]:
     """The tie rule by hand: visible (finite) scores, best first, the lower id among equals;
     the chosen ids in ascending order (the order the decode top-k writes)."""

@@ -134,6 +134,28 @@ def test_v4_hca_pool_sized_to_the_compress_ratio():
         family.kv_block_bytes(_v4_model(hca_ratio=64 * 64), BLOCK, BF16)
 
 
+def test_v4_pool_bytes_per_sequence_at_the_real_ratios():
+    """DeepSeek-V4's own ratios at block 16 (issue 32, item 5): HCA 128 (8 blocks an entry),
+    CSA 4, head_dim 512, index_head_dim 128. The blocks of an 8,192-token sequence (512)
+    hold exactly its entries' bytes, by hand: HCA 8192 / 128 = 64 entries x 512 x 2 bytes
+    (a whole 512-wide row a block would be 8x that), CSA 2048 x 512 x 2, its indexer keys
+    2048 x 128 x 2. The benchmark's `kv_bytes` reads the same `pool_shapes`."""
+    config = SimpleNamespace(
+        num_attention_heads=4, head_dim=512, sliding_window=8,
+        compress_rates={CSA: 4, HCA: 128}, index_head_dim=128, index_topk=3,
+    )  # fmt: skip
+    rope = (torch.zeros(64, 4), torch.zeros(64, 4))
+    csa, hca = (V4Attention(config, kind, rope, 8192) for kind in (CSA, HCA))
+    blocks = 8192 // BLOCK
+    assert hca.pool_shapes(BLOCK) == {"pool": (1, 64)}
+    assert hca.block_bytes(BLOCK, 2) * blocks == 64 * 512 * 2
+    assert csa.pool_shapes(BLOCK) == {"pool": (4, 512), "index_pool": (4, 128)}
+    assert csa.block_bytes(BLOCK, 2) * blocks == 2048 * (512 + 128) * 2
+    model = SimpleNamespace(attention_layers=[csa, hca])
+    per_block = V4Family().kv_block_bytes(model, BLOCK, BF16)
+    assert per_block * blocks == (2048 * (512 + 128) + 64 * 512) * 2
+
+
 def test_v4_allocation_shapes_as_before():
     family, model = V4Family(), _v4_model()
     cache = family.allocate_kv_cache(model, 5, BLOCK, BF16, "cpu")

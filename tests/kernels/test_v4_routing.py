@@ -1,0 +1,96 @@
+"""DeepSeek-V4's fused MoE routing (atom/kernels/v4_routing.py `v4_route`) against its torch
+reference, the tie rule (lower expert index first) on exact ties, and the reference against
+the model's own ops: CPU interpreter, `gpu` variants on CUDA."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from atom.kernels.v4_routing import v4_route, v4_route_reference
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SCALE = 2.5
+
+
+def _logits(tokens, experts, top_k, generator, dtype, device):
+    """Strided rows whose top k + 1 logits, at random experts, are 0.5 apart (1, 1.5, ...) and
+    the rest below -2: the choice does not hang on a last bit (the interpreter truncates to
+    bf16 where torch rounds)."""
+    rows = torch.rand(tokens, experts + 3, generator=generator) * -6 - 2
+    for row in rows:
+        best = torch.randperm(experts, generator=generator)[: top_k + 1]
+        row[best] = 1 + 0.5 * torch.randperm(top_k + 1, generator=generator).float()
+    return rows.to(device=device, dtype=dtype)[:, :experts]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,top_k", [(16, 6), (12, 3), (256, 8)])
+def test_score_routing_matches_reference(device, dtype, experts, top_k):
+    g = torch.Generator().manual_seed(experts + top_k)
+    logits = _logits(5, experts, top_k, g, dtype, device)
+    bias = (torch.rand(experts, generator=g) * 0.01).to(device)  # reorders nothing
+    weights, ids = v4_route(logits, top_k, SCALE, bias=bias)
+    ref_weights, ref_ids = v4_route_reference(logits, top_k, SCALE, bias=bias)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids, ref_ids)
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(weights, ref_weights, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_lower_expert_first(device, dtype):
+    """Exact ties (equal logits, zero bias; and a bias that makes two choices equal): the
+    lower expert index wins and comes first, in the kernel and the reference alike."""
+    logits = torch.tensor(
+        [
+            [1.0, 2.0, 2.0, 0.5, 2.0, 2.0, -1.0, 0.0],  # four-way tie at the top, k = 3
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # all equal
+            [3.0, -2.0, 1.0, 1.0, 1.0, -5.0, 30.0, 25.0],  # tie at the cut, softplus > 20
+        ]
+    ).to(device=device, dtype=dtype)
+    bias = torch.zeros(8, device=device)
+    weights, ids = v4_route(logits, 3, SCALE, bias=bias)
+    ref_weights, ref_ids = v4_route_reference(logits, 3, SCALE, bias=bias)
+    expected = torch.tensor([[1, 2, 4], [0, 1, 2], [6, 7, 0]], device=device)
+    assert torch.equal(ref_ids, expected) and torch.equal(ids, expected)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hash_routing_matches_reference(device, dtype):
+    g = torch.Generator().manual_seed(3)
+    experts, top_k, vocab = 16, 6, 50
+    logits = (torch.randn(4, experts, generator=g) * 4).to(device=device, dtype=dtype)
+    tid2eid = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(vocab)])
+    tid2eid, input_ids = tid2eid.to(device), torch.tensor([0, 49, 7, 7], device=device)
+    weights, ids = v4_route(logits, top_k, SCALE, input_ids=input_ids, tid2eid=tid2eid)
+    ref_weights, ref_ids = v4_route_reference(logits, top_k, SCALE, None, input_ids, tid2eid)
+    assert torch.equal(ids, ref_ids) and torch.equal(ids, tid2eid[input_ids])
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(weights, ref_weights, **tolerance)
+
+
+def test_no_tokens():
+    weights, ids = v4_route(torch.zeros(0, 16), 6, SCALE, bias=torch.zeros(16))
+    assert weights.shape == ids.shape == (0, 6)
+
+
+def test_reference_is_the_models_math():
+    """The reference against `DeepseekV4MoE.forward`'s ops (HF's), with no ties: the same
+    experts (as sets: HF's topk is unsorted) and the same weights (the weights' sum runs in
+    another order: fp32 may differ in the last bit)."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(6, 16, generator=g) * 3).to(dtype)
+        bias = torch.randn(16, generator=g) * 0.1
+        scores = F.softplus(logits).sqrt()
+        ids = torch.topk(scores + bias, 6, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * SCALE
+        ref_weights, ref_ids = v4_route_reference(logits, 6, SCALE, bias=bias)
+        order, ref_order = ids.argsort(dim=-1), ref_ids.argsort(dim=-1)
+        assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+        torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
