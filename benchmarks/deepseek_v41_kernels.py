@@ -72,7 +72,7 @@ def bench_decode_select(rows: int, entries: int, topk: int, block_size: int, top
 
     (got_blocks, got), (want_blocks, want) = select_path(), reference_path()
     same = torch.equal(got_blocks, want_blocks) and all(
-        set(a[a >= 0].tolist()) == set(b[b >= 0].tolist()) for a, b in zip(got, want)
+        set(a[a >= 0].tolist()) == set(b[b >= 0].tolist()) for a, b in zip(got, want, strict=True)
     )
     emit(
         case="decode_select", rows=rows, entries=entries, visible=entries // 8, topk=topk,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tempfile
 import time
 
@@ -206,7 +207,20 @@ def kernels_per_step(engine, steps: int) -> float:
         e for e in prof.events()
         if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
     ]  # fmt: skip
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+    total = sum(sum(v) for v in by_name.values()) / steps
+    print(f"device us a step: {total:.1f}; the {len(top)} costliest kernels (us a step, "
+          "launches a step):", file=sys.stderr)
+    for name, times in top:
+        print(f"  {sum(times) / steps:8.1f} {len(times) / steps:6.1f}  {name[:110]}",
+              file=sys.stderr)  # fmt: skip
     return round(len(kernels) / steps, 1)
+
+
+TOP_KERNELS = 20
 
 
 def repeat_cache(cache, batch: int):

@@ -492,7 +492,8 @@ def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush) -> di
         label = (f"n{config.block_n} k{config.block_k} w{config.num_warps} "
                  f"s{config.num_stages} {variant}")  # fmt: skip
         try:
-            timed[label] = round(time_us(lambda: launch((config, variant)), device, flush), 2)
+            call = functools.partial(launch, (config, variant))
+            timed[label] = round(time_us(call, device, flush), 2)
         except Exception as e:  # noqa: BLE001
             timed[label] = f"{type(e).__name__}"
     return timed
