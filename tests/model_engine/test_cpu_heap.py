@@ -9,7 +9,7 @@ import pytest
 
 from atom import envs
 
-# In a process of its own (malloc settings are per process): page faults of the third
+# In a process of its own (malloc settings are per process): page faults of the sixth
 # round of filling 12, 20 and 28 MB tensors, each freed at once, with the setting.
 FAULTS = textwrap.dedent(
     """
@@ -18,17 +18,17 @@ FAULTS = textwrap.dedent(
 
     applied = keep_freed_memory_in_heap() if sys.argv[1] == "heap" else False
     faults = []
-    for _ in range(3):  # two rounds to warm up
+    for _ in range(6):  # five rounds to warm up
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for size in (3 << 20, 5 << 20, 7 << 20):
             torch.empty(size).fill_(1.0)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(applied, faults[2])
+    print(applied, faults[-1])
     """
 )
 
 
-def _third_round_faults(mode: str) -> tuple[bool, int]:
+def _last_round_faults(mode: str) -> tuple[bool, int]:
     out = subprocess.run(
         [sys.executable, "-c", FAULTS, mode], check=True, capture_output=True, text=True
     ).stdout.split()
@@ -38,7 +38,7 @@ def _third_round_faults(mode: str) -> tuple[bool, int]:
 def test_freed_blocks_are_not_faulted_in_again():
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc's malloc: Linux only")
-    applied, heap = _third_round_faults("heap")
+    applied, heap = _last_round_faults("heap")
     if not applied:
         pytest.skip("not glibc: malloc keeps its own policy")
     pages = (15 << 22) // 4096  # 60 MB filled per round
