@@ -81,6 +81,14 @@ def cpu_threads() -> int | None:
 
 
 CPU_LINEAR_MODES = ("packed", "dense")
+CPU_MALLOC_MODES = ("heap", "system")
+
+
+def cpu_malloc() -> str:
+    """`ATOM_CPU_MALLOC`: where a CPU engine's freed activations go
+    (atom/model_engine/cpu_heap.py): heap (the default: glibc keeps them for the next step)
+    | system (glibc's default: large blocks go back to the kernel)."""
+    return _choice("ATOM_CPU_MALLOC", CPU_MALLOC_MODES)
 
 
 def cpu_linear() -> str:

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from atom import profiling
+from atom import envs, profiling
 from atom.attention.family import kv_cache_torch_dtype
 from atom.config import Config
 from atom.distributed import PipelineGroup, TensorParallelGroup
@@ -33,6 +33,7 @@ from atom.fusions import Fusions
 from atom.kernels import gemv_policy
 from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
+from atom.model_engine.cpu_heap import keep_freed_memory_in_heap
 from atom.model_engine.cpu_threads import set_cpu_threads
 from atom.model_engine.cuda_graphs import DecodeGraphs, default_batch_sizes
 from atom.model_engine.runner_slot import RunnerSlot
@@ -86,6 +87,8 @@ class ModelRunner:
         self.model = self._build_model(weights)
         if self.device.type == "cpu" and config.cpu_linear == "packed":
             pack_cpu_weights(self.model)  # oneDNN's layout, once (atom/kernels/cpu_linear.py)
+        if self.device.type == "cpu" and envs.cpu_malloc() == "heap":
+            keep_freed_memory_in_heap()  # no page faults per step (atom/model_engine/cpu_heap.py)
         # Per-sequence state rows (the family's state contract: V4's window rings and
         # compressor rows, GDN's conv and delta-rule states...), one per running sequence;
         # the BlockManager hands them out (atom/model_engine/state_slots.py).

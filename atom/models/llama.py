@@ -131,6 +131,21 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn.forward_cached(q))
 
 
+# A CPU forward of more rows than this runs the MLP in blocks of at most this many rows: a block's
+# [rows, 2 x intermediate] activations stay in the caches between its GEMMs and SiLU x up,
+# where a whole 8192-token prefill's (100 MB for SmolLM2) go to memory and back
+# (docs/benchmarks.md, CPU section).
+CPU_MLP_BLOCK_ROWS = 512
+
+
+def silu_and_mul_in_place(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [rows, 2 * I] (gate | up) projection that nobody reads after:
+    the SiLU overwrites the gate half, so only the product is a new tensor. The same values
+    as `silu_and_mul_reference`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate, inplace=True).mul(up)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config, tp: TensorParallelGroup, prefix: str = ""):
         super().__init__()
@@ -153,7 +168,18 @@ class LlamaMLP(nn.Module):
             and use_gemv(x, weight, True)
         ):
             return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        if x.is_cuda:
+            return self.down_proj(self.act(self.gate_up_proj(x)))
+        rows = x.shape[0]
+        if rows <= CPU_MLP_BLOCK_ROWS:
+            return self.down_proj(silu_and_mul_in_place(self.gate_up_proj(x)))
+        # blocks of equal size: no short last block (a 1-row one would take another kernel)
+        size = -(-rows // -(-rows // CPU_MLP_BLOCK_ROWS))
+        out = x.new_empty(rows, self.down_proj.output_size)
+        for start in range(0, rows, size):
+            block = slice(start, start + size)
+            out[block] = self.down_proj(silu_and_mul_in_place(self.gate_up_proj(x[block])))
+        return out
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
