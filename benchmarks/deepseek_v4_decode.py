@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks.harness import emit
+from benchmarks.harness import emit, kernel_profile
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -193,34 +192,15 @@ PROFILED_STEPS = 4
 
 
 def kernels_per_step(engine, steps: int) -> float:
-    """CUDA kernels of one decode step, from torch.profiler's kernel list over `steps` steps
-    (graph replays included; copies and memsets not counted). Per layer: over the layers,
-    the LM head, sampler and embedding included."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """CUDA kernels of one decode step over `steps` steps (benchmarks.harness.kernel_profile,
+    which also prints the costliest). Per layer: over the layers, the LM head, sampler and
+    embedding included."""
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def run_steps():
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
-    kernels = [
-        e for e in prof.events()
-        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-    ]  # fmt: skip
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
-    total = sum(sum(v) for v in by_name.values()) / steps
-    print(f"device us a step: {total:.1f}; the {len(top)} costliest kernels (us a step, "
-          "launches a step):", file=sys.stderr)
-    for name, times in top:
-        print(f"  {sum(times) / steps:8.1f} {len(times) / steps:6.1f}  {name[:110]}",
-              file=sys.stderr)  # fmt: skip
-    return round(len(kernels) / steps, 1)
 
-
-TOP_KERNELS = 20
+    return kernel_profile(run_steps, steps)
 
 
 def repeat_cache(cache, batch: int):

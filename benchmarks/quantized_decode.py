@@ -264,7 +264,7 @@ def batch1_decode(llm, args) -> dict:
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # fmt: skip
     windows, window = 3, args.window_steps
-    total = 8 + windows * window + 4
+    total = 8 + windows * window + 4 + 4
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))
     while engine.scheduler.waiting or any(
         s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
@@ -280,6 +280,14 @@ def batch1_decode(llm, args) -> dict:
             engine.step()
         sync(args.device)
         seconds.append((time.perf_counter() - start) / window)
+    if args.profile and args.device.startswith("cuda"):
+        from benchmarks.harness import kernel_profile
+
+        def run_steps():
+            for _ in range(4):
+                engine.step()
+
+        kernel_profile(run_steps, 4)
     while engine.has_unfinished():
         engine.step()
     step_s = statistics.median(seconds)
@@ -577,6 +585,8 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-formats", nargs="+", default=["fp8", "fp8_block", "int4"],
                         choices=["fp8", "fp8_block", "int4"])  # fmt: skip
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--profile", action="store_true",
+                        help="batch-1 decode: print the costliest kernels of a step")  # fmt: skip
     parser.add_argument("--sweep", action="store_true",
                         help="with --kernels: time every one-row tuner candidate")  # fmt: skip
     parser.add_argument("--throughput", action="store_true", help="256-prompt throughput")

@@ -297,7 +297,7 @@ def test_every_gemv_tile_candidate_computes_the_same_product(fmt):
     heuristic = quant_gemv_config(512, 48, "fp8" if fp8 else "int4", group, on_gpu=True,
                                   device=torch.device("cpu"))  # fmt: skip
     candidates = quant_gemv_candidates(heuristic, group)
-    assert candidates[0] == (heuristic, False) and len(candidates) >= 4
+    assert candidates[0] == (heuristic, True) and len(candidates) >= 4
     if not fp8:  # the 2-D word kernel's tiles, then the 4-D tile kernel's
         candidates = int4_kernels.int4_gemv_candidates(heuristic, group)
         assert {variant for _, variant in candidates} == {"words", "tile", "x_once"}

@@ -56,7 +56,7 @@ class Int4Weight:
 
 def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 words -> their eight 4-bit values (low bits first), spread along `dim`."""
-    nibbles = (words.unsqueeze(-1) >> SHIFTS) & 0xF  # [..., 8]
+    nibbles = (words.unsqueeze(-1) >> SHIFTS.to(words.device)) & 0xF  # [..., 8]
     nibbles = nibbles.movedim(-1, dim + 1) if dim != words.dim() - 1 else nibbles
     shape = list(words.shape)
     shape[dim] *= 8
@@ -140,7 +140,7 @@ def read_int4_weight(prefix: str, parts: dict, scheme: QuantizationScheme) -> In
 
 def _awq_unpack(words: torch.Tensor) -> torch.Tensor:
     """AWQ words [R, C/8] -> values [R, C] in output order."""
-    nibbles = (words.unsqueeze(-1) >> SHIFTS) & 0xF  # [R, C/8, 8] in pack order
+    nibbles = (words.unsqueeze(-1) >> SHIFTS.to(words.device)) & 0xF  # [R, C/8, 8] in pack order
     inverse = [AWQ_ORDER.index(i) for i in range(8)]
     return nibbles[..., inverse].reshape(words.shape[0], -1).to(torch.uint8)
 
