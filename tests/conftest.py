@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
 # Engine fixtures (tiny random models, the block-leak check) live in tests/engine_support.py.
 from tests.engine_support import (  # noqa: E402,F401
     no_leaked_blocks,
+    one_cpu_thread,
     smollm2_llm,
     smollm2_tokenizer_dir,
     tiny_model_dirs,

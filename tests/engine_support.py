@@ -86,6 +86,22 @@ def _save_tiny(kind: str, root, tokenizer) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """One torch thread for a module of tiny-model tests, engines included (ATOM_CPU_THREADS=1
+    for the engines built there); restored after the module. Their ops take microseconds, so
+    a second OpenMP thread only adds a barrier per op, and on the loaded 2-core CI host a
+    barrier waits for a descheduled thread (docs/benchmarks.md, "CPU beside vLLM")."""
+    previous = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ATOM_CPU_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory, smollm2_tokenizer_dir):
     _, tokenizer = smollm2_tokenizer_dir

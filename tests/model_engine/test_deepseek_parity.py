@@ -13,6 +13,9 @@ from atom.attention.backend import MLABackend
 from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm, hf_greedy_no_eos, vocab_prompts
 
+# Tiny ops, atom and HF alike: one torch thread (tests/engine_support.py, one_cpu_thread).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 VOCAB = 320
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 COMMON = dict(

@@ -22,6 +22,9 @@ from atom.attention.v4 import V4Backend  # noqa: E402
 from atom.sampling_params import SamplingParams  # noqa: E402
 from tests.engine_support import build_llm, hf_greedy_no_eos, vocab_prompts  # noqa: E402
 
+# Tiny ops, atom and HF alike: one torch thread (tests/engine_support.py, one_cpu_thread).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 VOCAB = 320
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 COMMON = dict(
