@@ -187,7 +187,7 @@ def tuned_quant_gemv(key, candidates: list, device: torch.device, launch: Callab
             continue
         ms = sorted(times)[len(times) // 2]
         # another tile must beat the first (the heuristic's) by a margin, not by noise
-        if ms < best_ms * (1.0 if best_ms == float("inf") else 0.97):
+        if ms < best_ms * 0.97:
             best, best_ms = candidate, ms
     _QUANT_CHOICES[key] = best
     return best

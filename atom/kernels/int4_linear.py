@@ -22,6 +22,10 @@ Kernels:
   x is loaded in the same [BLOCK_N, GROUPS, GROUP_WORDS, 8] shape (contiguous, broadcast
   over rows). Group scales multiply each chunk's groups; per-row scales (PER_ROW) the sum
   once at the end. A small BLOCK_N gives several programs per SM: no split-K pass.
+- ``_int4_gemv_words_kernel`` (one row): a 2-D [BLOCK_N, BLOCK_W] word tile, nibbles masked
+  in place against x pre-scaled by 16^-j, the zero point and the scale once per word. The
+  CUDA tuner measures its tiles beside the 4-D kernel's (``int4_gemv_candidates``); on the
+  H200 it won only the Llama-8B o projection (docs/benchmarks.md).
 - ``_int4_dot_kernel`` (2 rows and more): the [BLOCK_N, BLOCK_K] weight tile dequantized to
   x's dtype (as the reference's dequantized weight), tl.dot with fp32 accumulation;
   BLOCK_K divides the group.
