@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from benchmarks.harness import emit, kernel_profile
+from benchmarks.harness import emit
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -191,16 +191,18 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
 PROFILED_STEPS = 4
 
 
+TOP_KERNELS = 20
+
+
 def kernels_per_step(engine, steps: int) -> float:
-    """CUDA kernels of one decode step over `steps` steps (benchmarks.harness.kernel_profile,
-    which also prints the costliest). Per layer: over the layers, the LM head, sampler and
-    embedding included."""
+    """CUDA kernels of one decode step over `steps` steps (decode_profile.kernel_profile,
+    copies and memsets not counted; its costliest kernels printed). Per layer: over the
+    layers, the LM head, sampler and embedding included."""
+    from benchmarks.decode_profile import kernel_profile, print_top_kernels
 
-    def run_steps():
-        for _ in range(steps):
-            engine.step()
-
-    return kernel_profile(run_steps, steps)
+    record = kernel_profile(engine, steps, TOP_KERNELS)
+    print_top_kernels(f"batch {len(engine.scheduler.running)}", dict(record, model="deepseek-v4"))
+    return record["kernels_per_step"]
 
 
 def repeat_cache(cache, batch: int):

@@ -99,32 +99,3 @@ def streaming_bandwidth(gib: int = 4) -> dict[str, float]:
     read = nbytes / best_seconds(src.sum)
     copy = 2 * nbytes / best_seconds(lambda: dst.copy_(src))
     return dict(stream_read=read, stream_copy=copy)  # the buffers go with this frame
-
-
-def kernel_profile(run_steps: Callable[[], object], steps: int, top: int = 20) -> float:
-    """CUDA kernels a step over ``run_steps`` (which runs ``steps`` steps), from torch.profiler's
-    kernel list (graph replays included; copies, memsets and ATOM:: ranges not counted); prints
-    the device time a step and the ``top`` costliest kernels to stderr."""
-    import sys
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_steps()
-        torch.cuda.synchronize()
-    kernels = [
-        e for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-        and not e.name.startswith(("Memcpy", "Memset", "ATOM::"))
-    ]  # fmt: skip
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    total = sum(sum(v) for v in by_name.values()) / steps
-    print(f"device us a step: {total:.1f}; the costliest kernels (us a step, launches a step):",
-          file=sys.stderr)  # fmt: skip
-    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"  {sum(times) / steps:8.1f} {len(times) / steps:6.1f}  {name[:110]}",
-              file=sys.stderr)  # fmt: skip
-    return round(len(kernels) / steps, 1)

@@ -281,13 +281,10 @@ def batch1_decode(llm, args) -> dict:
         sync(args.device)
         seconds.append((time.perf_counter() - start) / window)
     if args.profile and args.device.startswith("cuda"):
-        from benchmarks.harness import kernel_profile
+        from benchmarks.decode_profile import kernel_profile, print_top_kernels
 
-        def run_steps():
-            for _ in range(4):
-                engine.step()
-
-        kernel_profile(run_steps, 4)
+        # one table per format, in the order of --formats
+        print_top_kernels("batch-1 decode", dict(kernel_profile(engine, 4, 20), model=args.shape))
     while engine.has_unfinished():
         engine.step()
     step_s = statistics.median(seconds)
@@ -495,6 +492,7 @@ def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush) -> di
         def launch(c):
             return fp8_linear.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
                                        config=c[0], x_once=c[1])  # fmt: skip
+
     timed = {}
     for config, variant in candidates:
         label = (f"n{config.block_n} k{config.block_k} w{config.num_warps} "

@@ -173,7 +173,8 @@ class LlamaMLP(nn.Module):
         rows = x.shape[0]
         if rows <= CPU_MLP_BLOCK_ROWS:
             return self.down_proj(silu_and_mul_in_place(self.gate_up_proj(x)))
-        # blocks of equal size: no short last block (a 1-row one would take another kernel)
+        # blocks of near-equal size (they differ by < one row per block): never a short last
+        # block, which would take another kernel (a 1-row one the GEMV's)
         size = -(-rows // -(-rows // CPU_MLP_BLOCK_ROWS))
         out = x.new_empty(rows, self.down_proj.output_size)
         for start in range(0, rows, size):
