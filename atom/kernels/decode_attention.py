@@ -267,7 +267,7 @@ def _pick_num_splits(
     if not q.is_cuda:
         return 1  # the interpreter pays per program
     programs = q.shape[0] * num_kv_heads
-    wanted = triton.cdiv(2 * _multi_processors(q.device), programs)
+    wanted = triton.cdiv(2 * multi_processors(q.device), programs)
     useful = triton.cdiv(max_context, split_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
@@ -275,7 +275,7 @@ def _pick_num_splits(
 _SM_COUNTS: dict[torch.device, int] = {}
 
 
-def _multi_processors(device: torch.device) -> int:
+def multi_processors(device: torch.device) -> int:
     if device not in _SM_COUNTS:
         _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNTS[device]

@@ -13,9 +13,13 @@ Triton kernels (each beside its torch reference below):
   `num_entries` chosen ids (CSA's top-k, -1 = none) or, with no id list (HCA), every entry
   the row may see, ``(position + 1) // ratio`` of them (a loop bound read on the device:
   the cost follows the sequence, not `max_model_len`); an online softmax in fp32, the sink
-  folded in at the end: one pass over window + entries + sink. Runtime lengths:
-  `num_entries` and the page-table row stride (do_not_specialize); geometry constexpr
-  (head dim, window, ratio, block size).
+  folded in at the end: one pass over window + entries + sink. At small batches the keys
+  are split (flash-decoding): program (row, head block, split) takes an equal run of the
+  row's key tiles (window first, then entries; the bounds read on the device), writes its
+  running max, sum and unnormalised output, and `_v4_merge_kernel` folds the splits and
+  the sink into one softmax. Runtime lengths: `num_entries`, the number of splits and the
+  page-table row stride (do_not_specialize, the grid); geometry constexpr (head dim,
+  window, ratio, block size).
   Offsets int64. Static shapes, no host sync: CUDA-graph capturable.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from atom.kernels.decode_attention import multi_processors, placeholder
 from atom.kernels.platform import use_triton
 from atom.kernels.v4_compressor import (
     entry_parts,
@@ -161,7 +166,9 @@ def _online_update(q, keys, valid, m, denom, acc, scale):
     return m_new, denom, acc
 
 
-@triton.jit(do_not_specialize=["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"])
+@triton.jit(
+    do_not_specialize=["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"]
+)
 def _v4_decode_kernel(
     q_ptr,
     ring_ptr,
@@ -173,6 +180,8 @@ def _v4_decode_kernel(
     tables_ptr,
     sinks_ptr,
     out_ptr,
+    partial_acc_ptr,  # [rows, NUM_HEADS, splits, DIM] fp32, used when split
+    partial_stats_ptr,  # [rows, NUM_HEADS, splits, 2] fp32 (running max, sum), when split
     num_entries,
     stride_tables_row,
     num_blocks,
@@ -199,6 +208,8 @@ def _v4_decode_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     offs_d = tl.arange(0, BLOCK_D)
     head_mask, dim_mask = heads < NUM_HEADS, offs_d < DIM
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -213,20 +224,30 @@ def _v4_decode_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(0, WINDOW, BLOCK_N):  # the window ring: row j holds position p % W == j
-        j = start + tl.arange(0, BLOCK_N)
+    # The row's keys as tiles of BLOCK_N: the window's, then its entries'; split `split`
+    # of `num_splits` takes an equal run of them (runtime bounds: one variant).
+    window_tiles: tl.constexpr = (WINDOW + BLOCK_N - 1) // BLOCK_N
+    count = 0
+    if HAS_ENTRIES:
+        if ALL_VISIBLE:  # every entry the row may see: a loop bound from its own position
+            count = tl.where(live > 0, (position + 1) // RATIO, 0)
+        else:  # the row's chosen ids (a list of num_entries, -1 = none)
+            count = num_entries
+    tiles = window_tiles + tl.cdiv(count, BLOCK_N)
+    per_split = tl.cdiv(tiles, num_splits)
+    first, last = split * per_split, tl.minimum((split + 1) * per_split, tiles)
+    for tile in range(tl.minimum(first, window_tiles), tl.minimum(last, window_tiles)):
+        # the window ring: row j holds position p % W == j
+        j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         key_pos = position - ((position - j) % WINDOW + WINDOW) % WINDOW
         valid = (j < WINDOW) & (key_pos >= 0) & ((live + tl.zeros([BLOCK_N], tl.int64)) > 0)
         k_rows = ring_ptr + (slot * WINDOW + j)[:, None] * DIM + offs_d[None, :]
         keys = tl.load(k_rows, mask=valid[:, None] & dim_mask[None, :], other=0.0)
         m, denom, acc = _online_update(q, keys.to(q.dtype), valid, m, denom, acc, scale)
     if HAS_ENTRIES:
-        if ALL_VISIBLE:  # every entry the row may see: a loop bound from its own position
-            count = tl.where(live > 0, (position + 1) // RATIO, 0)
-        else:  # the row's chosen ids (a list of num_entries, -1 = none)
-            count = num_entries
-        for start in range(0, count, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
+        entry_first = tl.maximum(first - window_tiles, 0)
+        for tile in range(entry_first, tl.maximum(last - window_tiles, entry_first)):
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             if ALL_VISIBLE:
                 ids = tl.where(n < count, n, -1)
             else:
@@ -240,22 +261,82 @@ def _v4_decode_kernel(
             )  # fmt: skip
             keys = tl.load(k_rows, mask=valid[:, None] & dim_mask[None, :], other=0.0)
             m, denom, acc = _online_update(q, keys.to(q.dtype), valid, m, denom, acc, scale)
-    sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
-    m_new = tl.maximum(m, sink)
-    alpha = tl.exp(m - m_new)
-    denom = denom * alpha + tl.exp(sink - m_new)
-    acc = acc * alpha[:, None] / denom[:, None]
-    out_rows = out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
-    tl.store(
-        out_rows, acc.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :]
+    out_mask = head_mask[:, None] & dim_mask[None, :]
+    if num_splits > 1:  # a runtime branch: partial results for _v4_merge_kernel
+        part = (row * NUM_HEADS + heads) * num_splits + split
+        tl.store(partial_stats_ptr + part * 2, m, mask=head_mask)
+        tl.store(partial_stats_ptr + part * 2 + 1, denom, mask=head_mask)
+        tl.store(partial_acc_ptr + part[:, None] * DIM + offs_d[None, :], acc, mask=out_mask)
+    else:
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None] / denom[:, None]
+        out_rows = (
+            out_ptr + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
+        )
+        tl.store(out_rows, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _v4_merge_kernel(
+    partial_acc_ptr,
+    partial_stats_ptr,
+    sinks_ptr,
+    out_ptr,
+    num_splits,
+    stride_out_row,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MAX_SPLITS: fixed, never a runtime length
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (row, head): the splits' partial softmaxes and the sink as one."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask, d_mask = offs_s < num_splits, offs_d < DIM
+    part = (row * NUM_HEADS + head) * num_splits + offs_s
+    m = tl.load(partial_stats_ptr + part * 2, mask=s_mask, other=float("-inf"))
+    denom = tl.load(partial_stats_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    sink = tl.load(sinks_ptr + head).to(tl.float32)
+    m_all = tl.maximum(tl.max(m, 0), sink)  # finite: the sink is
+    weight = tl.exp(m - m_all)  # 0 for an empty split (m = -inf)
+    total = tl.sum(denom * weight, 0) + tl.exp(sink - m_all)
+    acc = tl.load(
+        partial_acc_ptr + part[:, None] * DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
+    merged = tl.sum(tl.where(weight[:, None] > 0, acc * weight[:, None], 0.0), 0) / total
+    out_rows = out_ptr + row * stride_out_row + head * stride_out_head + offs_d
+    tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
+
+
+def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
+    """Splits of each row's keys: enough programs for twice the SMs at this batch, from the
+    shapes only (CUDA-graph replays agree); 1 in the interpreter (it pays per program)."""
+    if not q.is_cuda:
+        return 1
+    wanted = triton.cdiv(2 * multi_processors(q.device), q.shape[0] * head_blocks)
+    return max(1, min(wanted, MAX_SPLITS))
 
 
 def v4_decode_attention(
     q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables,
-    ratio: int, block_size: int, sinks, scale: float,
+    ratio: int, block_size: int, sinks, scale: float, *, num_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Triton `v4_decode_attention_reference` (same arguments, same result)."""
+    """Triton `v4_decode_attention_reference` (same arguments, same result).
+
+    ``num_splits``: programs sharing each (row, head block)'s keys, their partial softmaxes
+    merged by a second launch with the sink (None: `decode_splits`; at batch 1 the 4 head
+    blocks of a 64-head layer alone would leave most of the SMs idle)."""
     if not use_triton(q):
         return v4_decode_attention_reference(
             q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables,
@@ -274,15 +355,31 @@ def v4_decode_attention(
         entry_ids = torch.full((num_rows, 1), -1, device=q.device)
     assert pool.is_contiguous()
     block_h = 16
-    _v4_decode_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
+    head_blocks = triton.cdiv(num_heads, block_h)
+    splits = decode_splits(q, head_blocks) if num_splits is None else num_splits
+    assert 1 <= splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
+    if splits > 1:
+        partial_stats = q.new_empty((num_rows, num_heads, splits, 2), dtype=torch.float32)
+        partial_acc = q.new_empty((num_rows, num_heads, splits, dim), dtype=torch.float32)
+    else:
+        partial_acc = partial_stats = placeholder(q.device)
+    block_d = max(16, triton.next_power_of_2(dim))
+    _v4_decode_kernel[(num_rows, head_blocks, splits)](
         q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables, sinks,
-        out, entry_ids.shape[1], block_tables.stride(0), max(1, pool.shape[0] - 1), scale,
+        out, partial_acc, partial_stats, entry_ids.shape[1], block_tables.stride(0),
+        max(1, pool.shape[0] - 1), scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), entry_ids.stride(0),
         NUM_HEADS=num_heads, DIM=dim, WINDOW=ring.shape[1], SCRATCH=ring.shape[0] - 1,
         RATIO=ratio, BLOCK_SIZE=block_size,
         ROWS_PER_BLOCK=rows_per_block(block_size, ratio) if has_entries else 1,
         PART_WIDTH=pool.shape[-1], PARTS=entry_parts(block_size, ratio) if has_entries else 1,
         HAS_ENTRIES=has_entries, ALL_VISIBLE=all_visible, BLOCK_H=block_h, BLOCK_N=16,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_D=block_d,
     )  # fmt: skip
+    if splits > 1:
+        _v4_merge_kernel[(num_rows, num_heads)](
+            partial_acc, partial_stats, sinks, out, splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, DIM=dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
+        )  # fmt: skip
     return out
+

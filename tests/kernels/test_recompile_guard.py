@@ -895,7 +895,9 @@ def test_v4_window_write_and_decode_one_variant():
             4, 16, sinks, dim**-0.5,
         )  # fmt: skip
 
-    assert_one_variant(v4_attention, ["_write_window_kernel", "_v4_decode_kernel"], run)
+    assert_one_variant(
+        v4_attention, ["_write_window_kernel", "_v4_decode_kernel", "_v4_merge_kernel"], run
+    )
 
 
 @pytest.mark.gpu

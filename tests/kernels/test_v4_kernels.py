@@ -83,24 +83,27 @@ def _case(device, dtype, window, positions, ratio, num_ids, heads=4, dim=32, blo
 @pytest.mark.parametrize("entries", ["chosen", "every_visible", "none"])
 def test_decode_attention_matches_reference(device, window, positions, ratio, num_ids, entries):
     """Chosen ids (CSA), every visible entry (HCA: no id list, the count from the
-    position) and window only."""
+    position) and window only; unsplit, and split in 3 (some splits empty for the short
+    rows) and in 7 (more splits than most rows have tiles), merged with the sink."""
     args = list(_case(device, torch.float32, window, positions, ratio, num_ids))
     if entries != "chosen":
         args[6] = None
     if entries == "none":
         args[5] = None
     expected = v4_decode_attention_reference(*args, scale=32**-0.5)
-    got = v4_decode_attention(*args, scale=32**-0.5)
-    torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
-    assert got[-1].abs().max() == 0  # the padded row attends to nothing
+    for splits in (1, 3, 7):
+        got = v4_decode_attention(*args, scale=32**-0.5, num_splits=splits)
+        torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
+        assert got[-1].abs().max() == 0  # the padded row attends to nothing
 
 
 @pytest.mark.gpu
 def test_decode_attention_bf16_matches_reference():
     args = _case("cuda", torch.bfloat16, 128, [8191, 300, 64, 7], 4, 512, heads=64, dim=512)
     expected = v4_decode_attention_reference(*args, scale=512**-0.5)
-    got = v4_decode_attention(*args, scale=512**-0.5)
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    for splits in (None, 1):  # as the engine picks (split at this batch), and unsplit
+        got = v4_decode_attention(*args, scale=512**-0.5, num_splits=splits)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
