@@ -2,6 +2,7 @@
 
     python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf] [--max-model-lens 8320 65536 1048576]
+        [--decode-splits auto 1]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
 window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
@@ -24,6 +25,10 @@ decode steps at the same `--context`, one `decode` line each (with its `max_mode
 a `max_model_len_summary` line (each step time over the first's). Decode work follows the
 sequence, not `max_model_len` (docs/architecture.md, "DeepSeek-V4"), so the step times
 should agree: issue 32's "a 64K and a 1M max_model_len give the same step time".
+
+`--decode-splits auto 1 ...` (atom only): one engine per value of the decode attention's
+key splits (`v4_attention.SPLITS_OVERRIDE`; `auto`: the engine's own choice), each timed at
+every batch, in one run: the A/B of the split decode kernel.
 """
 
 from __future__ import annotations
@@ -267,6 +272,31 @@ def logits_gap(llm, path: str, vocab: int, prompt_len: int = 600, new_tokens: in
                 relative_gap=round(gap / scale, 5))  # fmt: skip
 
 
+def decode_by_splits(path: str, args, batches: list[int], vocab: int, max_len: int) -> None:
+    """One engine per `--decode-splits` value (captured with it), decode steps each."""
+    from atom.kernels import v4_attention
+
+    times = {}
+    try:
+        for value in args.decode_splits:
+            v4_attention.SPLITS_OVERRIDE = None if value == "auto" else int(value)
+            llm = build_engine(path, max_len, batches, args.context, args.gpu_memory_utilization)
+            for batch in batches:
+                record = atom_decode(llm, batch, args.context, args.steps, vocab)
+                times[(batch, value)] = record["ms_per_step"]
+                emit(dict(record, decode_splits=value))
+            llm.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        v4_attention.SPLITS_OVERRIDE = None
+    first = args.decode_splits[0]
+    emit(dict(case="decode_splits_summary", context=args.context,
+              ms_per_step_over_first={str(b): {v: round(times[(b, v)] / times[(b, first)], 3)
+                                               for v in args.decode_splits} for b in batches}))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -279,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-model-lens", type=int, nargs="+", default=None,
         help="atom only: decode at --context once per max_model_len (e.g. 8320 65536 1048576)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-splits", nargs="+", default=None,
+        help="atom only: one engine per decode-attention split count (auto or an integer)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -296,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
             decode_by_max_model_len(path, args, batches, vocab)
+            return 0
+        if args.decode_splits:
+            del hf_model
+            gc.collect()
+            torch.cuda.empty_cache()
+            decode_by_splits(path, args, batches, vocab, max_len)
             return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:

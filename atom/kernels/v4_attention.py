@@ -317,6 +317,7 @@ def _v4_merge_kernel(
 
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
+SPLITS_OVERRIDE: int | None = None  # a fixed split count (benchmarks' A/B), else decode_splits
 
 
 def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
@@ -324,6 +325,8 @@ def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
     shapes only (CUDA-graph replays agree); 1 in the interpreter (it pays per program)."""
     if not q.is_cuda:
         return 1
+    if SPLITS_OVERRIDE is not None:
+        return SPLITS_OVERRIDE
     wanted = triton.cdiv(2 * multi_processors(q.device), q.shape[0] * head_blocks)
     return max(1, min(wanted, MAX_SPLITS))
 
