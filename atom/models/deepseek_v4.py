@@ -32,6 +32,7 @@ from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
 from atom.kernels.v4_routing import v4_route
 from atom.models.deepseek_v2 import _yarn_inv_freq
 from atom.models.moe import routed_experts
+from atom.models.parallel_layers import linear
 
 
 class FP32RMSNorm(nn.Module):
@@ -81,8 +82,8 @@ class Compressor(nn.Module):
 
     def inputs(self, hidden: torch.Tensor) -> CompressorInputs:
         return CompressorInputs(
-            self.kv_proj(hidden),
-            self.gate_proj(hidden),
+            linear(hidden, self.kv_proj.weight),
+            linear(hidden, self.gate_proj.weight),
             self.position_bias,
             self.kv_norm.weight,
             self.eps,
@@ -98,8 +99,8 @@ class Indexer(Compressor):
         self.scorer.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
     def indexer_inputs(self, hidden, q_residual, positions, tables, fused) -> IndexerInputs:
-        q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
-        weights = self.scorer.weights_proj(hidden).float() * self.num_heads**-0.5
+        q = linear(q_residual, self.q_b_proj.weight).view(-1, self.num_heads, self.head_dim)
+        weights = linear(hidden, self.scorer.weights_proj.weight).float() * self.num_heads**-0.5
         return IndexerInputs(
             self.inputs(hidden), norm_then_rope(q, positions, tables, fused), weights
         )
@@ -136,11 +137,11 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
         q_residual = norm_then_rope(
-            self.q_a_proj(hidden)[:, None], positions, None, fused, self.q_a_norm
+            linear(hidden, self.q_a_proj.weight)[:, None], positions, None, fused, self.q_a_norm
         )[:, 0]
-        q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)
+        q = linear(q_residual, self.q_b_proj.weight).view(-1, self.num_heads, self.head_dim)
         q = norm_then_rope(q, positions, tables, fused, eps=self.eps)
-        kv = self.kv_proj(hidden)[:, None, :]
+        kv = linear(hidden, self.kv_proj.weight)[:, None, :]
         kv = norm_then_rope(kv, positions, tables, fused, self.kv_norm)[:, 0]
         compressor = indexer = None
         if self.compressor is not None:
@@ -170,7 +171,7 @@ def grouped_output(out: torch.Tensor, groups: int, a_weight: torch.Tensor, b_pro
     grouped = out.reshape(-1, groups, a_weight.shape[-1])  # a_weight: [groups * rank, width]
     weight = a_weight.view(groups, -1, grouped.shape[-1])
     grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
-    return b_proj(grouped.flatten(1))
+    return linear(grouped.flatten(1), b_proj.weight)
 
 
 class HyperConnection(nn.Module):
@@ -276,9 +277,9 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
         act = clamped_silu_and_mul if use_cuda_path(x) else clamped_silu_and_mul_reference
-        return self.down_proj(act(gate, up, self.limit))
+        return linear(act(gate, up, self.limit), self.down_proj.weight)
 
 
 class DeepseekV4MoE(nn.Module):
@@ -405,7 +406,7 @@ class DeepseekCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return linear(hidden, self.lm_head.weight)
 
 
 class DeepseekV4ForCausalLM(DeepseekCausalLM):
