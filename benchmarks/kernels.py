@@ -3,6 +3,7 @@
     python -m benchmarks.kernels            # about 2-4 minutes on an H200
     python -m benchmarks.kernels --no-tune  # without the store-kernel tile sweep
     python -m benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
+    python -m benchmarks.kernels --only-v4-topk      # the V4 indexer's top-k select geometry
 
 One JSON line per measurement, on stdout:
 
@@ -22,6 +23,9 @@ One JSON line per measurement, on stdout:
 - ``dynamic_vs_specialized``: device time of the dynamic kernel against the default copy,
   specialized for a length that is a multiple of 16 (4096 and 65536).
 
+- ``v4_topk``: `v4_topk.indexer_topk_select` (top-512 of each row's visible scores) at 1
+  and 64 rows, 2,048 and 16,384 visible entries (8K and 64K tokens at ratio 4), per
+  (chunk, num_warps), each checked equal to the reference.
 - ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
   the sequential kernel vs the torch reference (benchmarks/gdn_prefill.py).
 
@@ -276,10 +280,32 @@ def bench_dynamic_vs_specialized(cases) -> None:
             )
 
 
+def bench_v4_topk() -> None:
+    from atom.kernels import v4_topk
+
+    for rows, visible in ((1, 2048), (1, 16384), (64, 2048), (64, 16384)):
+        generator = torch.Generator("cuda").manual_seed(rows + visible)
+        scores = torch.randn(rows, 4 * visible, device="cuda", generator=generator)
+        scores = scores.relu()  # the indexer's ReLU: many exact ties at 0
+        counts = torch.full((rows,), visible, device="cuda", dtype=torch.int64)
+        expected = v4_topk.indexer_topk_select_reference(scores, counts, 512)
+        for chunk in (1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                def run(chunk=chunk, warps=warps):
+                    return v4_topk.indexer_topk_select(
+                        scores, counts, 512, chunk=chunk, num_warps=warps
+                    )
+
+                equal = bool(torch.equal(run(), expected))
+                emit(bench="v4_topk", rows=rows, visible=visible, chunk=chunk,
+                     num_warps=warps, us=round(device_us(run), 2), equal=equal)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
     parser.add_argument("--only-gdn-prefill", action="store_true", help="the GDN prefill only")
+    parser.add_argument("--only-v4-topk", action="store_true", help="the V4 top-k select only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -294,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         cuda=torch.version.cuda,
     )
     fresh_triton_cache()
+    if args.only_v4_topk:
+        bench_v4_topk()
+        return 0
     if args.only_gdn_prefill:
         bench_gdn_prefill(sweep=not args.no_tune)
         return 0

@@ -33,6 +33,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     tl = SimpleNamespace(constexpr=None)
 
 CHUNK = 1024  # scores per step of a pass
+NUM_WARPS = 4
 
 
 def visible_counts(positions, context_lens, ratio: int, width: int) -> torch.Tensor:
@@ -134,9 +135,13 @@ def _indexer_topk_kernel(
                  mask=(slot >= wanted) & (slot < k))  # fmt: skip
 
 
-def indexer_topk_select(scores, counts, k: int, allowed=None) -> torch.Tensor:
+def indexer_topk_select(
+    scores, counts, k: int, allowed=None, *, chunk: int = CHUNK, num_warps: int = NUM_WARPS
+) -> torch.Tensor:
     """Triton `indexer_topk_select_reference` (same arguments, same result); needs Triton
-    (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's count are never read."""
+    (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's count are never read. ``chunk``
+    and ``num_warps``: the launch's geometry (`benchmarks.kernels --only-v4-topk` sweeps
+    them)."""
     assert scores.is_contiguous() and scores.dtype == torch.float32
     num_rows, width = scores.shape
     out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
@@ -145,6 +150,6 @@ def indexer_topk_select(scores, counts, k: int, allowed=None) -> torch.Tensor:
     if num_rows and k:
         _indexer_topk_kernel[(num_rows,)](
             scores, counts, scores if allowed is None else allowed, out, width, k,
-            HAS_ALLOWED=allowed is not None, CHUNK=CHUNK,
+            HAS_ALLOWED=allowed is not None, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip
     return out
