@@ -32,8 +32,11 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
     tl = SimpleNamespace(constexpr=None)
 
-CHUNK = 1024  # scores per step of a pass
-NUM_WARPS = 4
+# scores per step of a pass, and warps: H200 (`benchmarks.kernels --only-v4-topk`, top-512
+# at 1 and 64 rows): 12.7 us at 2,048 visible entries and 77.8 at 16,384, against 16.1 and
+# 106.5 with 1,024 / 4 warps (4,096 / 8: 19.3 and 67.9)
+CHUNK = 2048
+NUM_WARPS = 8
 
 
 def visible_counts(positions, context_lens, ratio: int, width: int) -> torch.Tensor:
