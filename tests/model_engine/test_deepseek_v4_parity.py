@@ -198,9 +198,16 @@ def test_fp8_kv_cache_and_tensor_parallel_are_refused(v4_dirs):
 # positions where bf16 chose HF's best token) and the worst regret ((best logit - logit of
 # the chosen token) / max|logit| there). The bounds are the H200 figures
 # (docs/benchmarks.md) with margin; the test prints them. Config a's CSA top-3 of a few
-# entries makes indexer near-ties flip the selection in bf16.
-# H200 2026-12-01: a 0.812 / 0.103, c 0.969 / 0.0005 (eager and graphs alike).
-BF16_BOUNDS = {"a": (0.75, 0.15), "c": (0.90, 0.05)}  # (min agreement, max regret)
+# entries makes indexer near-ties flip the selection in bf16, so a's worst regret is one
+# position's flip and moves with any reordering of fp32 sums: H200, agreement / worst regret,
+# eager and graphs alike:
+#   2026-12-01 (cuBLAS projections, unsplit decode):     a 0.812 / 0.103,  c 0.969 / 0.0005
+#   2026-12-03 (Triton GEMV projections, unsplit):       a 0.938 / 0.0139, c 0.906 / 0.0236
+#   2026-12-03 (Triton GEMV projections, split decode):  a 0.906 / 0.229,  c 0.969 / 0.0005
+# The split and unsplit kernels give HF's exact tokens in fp32 on config a
+# (test_cuda_fp32_greedy_matches_hf), so a's regret bound covers that spread (0.15 was one
+# sample) and its agreement bound is raised to what every run gave with margin.
+BF16_BOUNDS = {"a": (0.80, 0.25), "c": (0.90, 0.05)}  # (min agreement, max regret)
 
 
 @pytest.mark.gpu
