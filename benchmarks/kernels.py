@@ -4,6 +4,7 @@
     python -m benchmarks.kernels --no-tune  # without the store-kernel tile sweep
     python -m benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
     python -m benchmarks.kernels --only-v4-topk      # the V4 indexer's top-k select geometry
+    python -m benchmarks.kernels --only-v4-mhc       # the V4 mHC pre's two launches
 
 One JSON line per measurement, on stdout:
 
@@ -26,6 +27,9 @@ One JSON line per measurement, on stdout:
 - ``v4_topk``: `v4_topk.indexer_topk_select` (top-512 of each row's visible scores) at 1
   and 64 rows, 2,048 and 16,384 visible entries (8K and 64K tokens at ratio 4), per
   (chunk, num_warps), each checked equal to the reference.
+- ``v4_mhc``: `v4_mhc.hc_pre` at V4's shape (4 streams of 4,096, 20 Sinkhorn iterations)
+  for 1 and 64 tokens: the mix GEMV per split count and the finish per warp count (and with
+  one Sinkhorn iteration, to show its share).
 - ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
   the sequential kernel vs the torch reference (benchmarks/gdn_prefill.py).
 
@@ -301,11 +305,51 @@ def bench_v4_topk() -> None:
                      num_warps=warps, us=round(device_us(run), 2), equal=equal)  # fmt: skip
 
 
+def bench_v4_mhc() -> None:
+    from atom.kernels import v4_mhc
+
+    n, d, iters = 4, 4096, 20
+    m = (2 + n) * n
+    generator = torch.Generator("cuda").manual_seed(0)
+    fn = torch.randn(m, n * d, device="cuda", generator=generator) * 0.01
+    base = torch.randn(m, device="cuda", generator=generator)
+    scale = torch.rand(3, device="cuda", generator=generator)
+    norm_weight = torch.rand(d, device="cuda", generator=generator) + 0.5
+    defaults = (v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS)
+    try:
+        for tokens in (1, 64):
+            streams = torch.randn(tokens, n, d, device="cuda", dtype=torch.bfloat16)
+            expected = v4_mhc.hc_pre_reference(
+                streams, fn, base, scale, norm_weight, iters, 1e-6, 1e-6, 1e-6
+            )
+            for splits in (16, 32, 64, 128):
+                v4_mhc.MAX_SPLITS = splits
+                us = device_us(lambda: v4_mhc._mix_partials(streams, fn))
+                emit(bench="v4_mhc_mix", tokens=tokens, max_splits=splits, us=round(us, 2))
+            v4_mhc.MAX_SPLITS = defaults[0]
+            partial, used = v4_mhc._mix_partials(streams, fn)
+            for warps in (1, 2, 4, 8, 16):
+                v4_mhc.FINISH_WARPS = warps
+                for loops in (iters, 1):
+                    def finish(loops=loops):
+                        return v4_mhc._finish(streams, partial, used, base, scale, norm_weight,
+                                              1e-6, 1e-6, 1e-6, loops, head=False)  # fmt: skip
+
+                    gap = max((a.float() - b.float()).abs().max().item()
+                              for a, b in zip(finish(), expected, strict=True))  # fmt: skip
+                    emit(bench="v4_mhc_finish", tokens=tokens, num_warps=warps, iters=loops,
+                         us=round(device_us(finish), 2),
+                         max_gap=round(gap, 5) if loops == iters else None)  # fmt: skip
+    finally:
+        v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS = defaults
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
     parser.add_argument("--only-gdn-prefill", action="store_true", help="the GDN prefill only")
     parser.add_argument("--only-v4-topk", action="store_true", help="the V4 top-k select only")
+    parser.add_argument("--only-v4-mhc", action="store_true", help="the V4 mHC pre only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -320,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         cuda=torch.version.cuda,
     )
     fresh_triton_cache()
+    if args.only_v4_mhc:
+        bench_v4_mhc()
+        return 0
     if args.only_v4_topk:
         bench_v4_topk()
         return 0

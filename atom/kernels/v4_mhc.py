@@ -44,6 +44,7 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 MIX_BLOCK_K = 128  # columns of fn per iteration of the split-K GEMV
 MAX_SPLITS = 64
+FINISH_WARPS: int | None = None  # the finish launch's warps (None: from D; benchmarks sweep)
 
 
 @triton.jit
@@ -232,7 +233,8 @@ def _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps,
             partial, streams, base, scale, norm_weight, post, comb, out,
             streams.stride(0), out.stride(0), float(mix_eps), float(hc_eps), float(norm_eps),
             N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d, M=m, SPLITS=splits,
-            ITERS=iters, HEAD=head, num_warps=min(16, max(4, block_d // 512)),
+            ITERS=iters, HEAD=head,
+            num_warps=FINISH_WARPS or min(16, max(4, block_d // 512)),
         )  # fmt: skip
     return post, comb, out
 
