@@ -120,8 +120,9 @@ KERNELS = {
     ),
     (decode_attention, "_paged_decode_kernel"): (
         # batch, context lengths and splits come from the grid and device memory; the
-        # block-table row stride is the page-table width (max context).
-        ["stride_block_tables_row"],
+        # block-table row stride is the page-table width (max context); a split's least
+        # share of the context is a launch option, never a specialization.
+        ["stride_block_tables_row", "min_split_tokens"],
         [
             "sm_scale",
             "stride_q_batch",
@@ -136,7 +137,7 @@ KERNELS = {
         ],
     ),
     (decode_attention, "_merge_splits_kernel"): (
-        ["num_splits"],
+        ["num_splits", "min_split_tokens"],
         ["stride_out_batch", "stride_out_head"],
     ),
     (prefill_attention, "_paged_prefill_kernel"): (
@@ -311,6 +312,7 @@ DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
     (rotary_kv, "_write_halves"),
     (decode_attention, "_decode_split"),
+    (decode_attention, "_split_tokens"),
     (rope_kv_epilogue, "_rope_kv_epilogue"),
     (gemv, "_x_chunk"),
     (gemv, "_weight_chunk"),
