@@ -23,7 +23,7 @@ error; a mismatch is reported and never wins) before it is timed; a config that 
 compile or launch is reported as an error and skipped.
 
 Timing: ``--calls`` calls of decode(+merge) captured back to back in one CUDA graph (PDL
-as the engine's defaults have it), replayed ``--replays`` times; the per-call time is the
+as the engine's defaults have it; ``--no-pdl``: off), replayed ``--replays`` times; the per-call time is the
 median replay over the calls (the in-graph launch gaps included, as in the decode graph).
 The calls rotate over block tables of disjoint, shuffled blocks whose KV totals >=
 ``--rotation-bytes`` (150 MB, three times the H200's L2), so no call finds its KV in L2,
@@ -370,7 +370,9 @@ def parse_args(argv=None):
     parser.add_argument("--replays", type=int, default=15)
     parser.add_argument("--rotation-bytes", type=int, default=3 * L2_BYTES,
                         help="KV the calls of one graph rotate over (0: one block table)")  # fmt: skip
-    parser.add_argument("--max-rotations", type=int, default=256)
+    parser.add_argument("--max-rotations", type=int, default=1024)
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch without programmatic dependent launch (on by default)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="past this many seconds stages 2 and 3 are skipped")  # fmt: skip
     args = parser.parse_args(argv)
@@ -384,14 +386,18 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("decode_attention_sweep needs a CUDA GPU", file=sys.stderr)
         return 1
+    from atom.forward_context import forward_context
+    from atom.fusions import Fusions
     from atom.kernels.pdl import pdl_launch
 
+    fusions = dataclasses.replace(Fusions(), pdl=not args.no_pdl)
     probe = torch.empty(1, device="cuda")
-    emit(dict(case="setup", gpu=torch.cuda.get_device_name(), pdl=pdl_launch(probe)[0],
-              multi_processors=decode_attention._multi_processors(probe.device),
-              quick=args.quick, max_model_len=args.max_model_len))  # fmt: skip
     start = time.perf_counter()
-    with torch.inference_mode():
+    # a forward context holds the fusions only: paged_decode_attention reads no metadata
+    with torch.inference_mode(), forward_context(None, fusions):
+        emit(dict(case="setup", gpu=torch.cuda.get_device_name(), pdl=pdl_launch(probe)[0],
+                  multi_processors=decode_attention._multi_processors(probe.device),
+                  quick=args.quick, max_model_len=args.max_model_len))  # fmt: skip
         run_sweep(args, "cuda")
     print(f"# decode_attention_sweep took {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return 0
