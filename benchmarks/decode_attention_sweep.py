@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from atom.kernels.decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from benchmarks.harness import emit
+from benchmarks.harness import emit, graph_us
 
 CONTEXTS = (128, 2048, 8192, 16384)
 BATCHES = (1, 8)
@@ -169,28 +168,7 @@ def seconds_per_call(case: Case, config: Config, calls: int, replays: int) -> fl
         start = time.perf_counter()
         body()
         return (time.perf_counter() - start) / calls
-    body()  # allocate outside the capture (compiled already)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / calls)
-    del graph
-    return statistics.median(samples)
+    return graph_us(body, replays) / calls / 1e6
 
 
 class Sweep:
