@@ -130,8 +130,8 @@ class Case:
         cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         self.k_cache = torch.randn(cache_shape, device=device, dtype=dtype, generator=generator)
         self.v_cache = torch.randn(cache_shape, device=device, dtype=dtype, generator=generator)
-        ids = torch.randperm(num_blocks, device=device, generator=generator).to(torch.int32)
-        ids = ids.view(rotations, batch, context_blocks)
+        ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+        ids = ids.to(device, torch.int32).view(rotations, batch, context_blocks)
         self.tables = []
         for rotation in range(rotations):
             table = torch.zeros(batch, width, device=device, dtype=torch.int32)
@@ -152,6 +152,14 @@ class Case:
 
     def where(self) -> dict:
         return dict(shape=self.name, batch=self.batch, context=self.context)
+
+    def num_splits(self, config: Config) -> int:
+        """The split count the wrapper picks for ``config`` (from the table's width)."""
+        block_n = config.block_n or (64 if self.q.is_cuda else 256)
+        width = self.tables[0].shape[1] * self.k_cache.shape[1]
+        return decode_attention._pick_num_splits(
+            self.q, self.shape.num_kv_heads, width, block_n, config.max_splits
+        )
 
 
 def seconds_per_call(case: Case, config: Config, calls: int, replays: int) -> float:
@@ -201,17 +209,23 @@ class Sweep:
                 record[config] = math.inf
                 continue
             diff = (case.out.float() - case.expected).abs()
-            error = diff.max().item()
+            max_error = diff.max().item()
             matches = bool((diff <= TOLERANCE * (1 + case.expected.abs())).all())
             if not matches:  # NaN included: a config that computes something else never wins
-                emit(dict(where, max_abs_err=error, matches=False))
+                emit(dict(where, max_abs_err=max_error, matches=False))
                 record[config] = math.inf
                 continue
-            seconds = seconds_per_call(case, config, self.args.calls, self.args.replays)
+            try:
+                seconds = seconds_per_call(case, config, self.args.calls, self.args.replays)
+            except Exception as error:  # the capture failed: record it, go on
+                emit(dict(where, error="timing: " + repr(error)[:300]))
+                record[config] = math.inf
+                continue
             record[config] = seconds * 1e6
             emit(dict(where, us=round(seconds * 1e6, 3),
                       tb_s=round(case.kv_bytes / seconds / 1e12, 3),
-                      max_abs_err=round(error, 5), rotations=len(case.tables)))  # fmt: skip
+                      max_abs_err=round(max_error, 5), num_splits=case.num_splits(config),
+                      rotations=len(case.tables)))  # fmt: skip
         del case
         if self.device == "cuda":
             torch.cuda.empty_cache()
