@@ -51,11 +51,13 @@ def _apply(name: str, pick) -> None:
     if name in ("gemv_fused", "gemv_unfused"):
         gemv_policy.set_policy(gemv_policy.GemvPolicy(name.removeprefix("gemv_")))
     elif name == "split_4_tiles":
-        decode_attention._pick_num_splits = lambda q, kv, ctx, _: pick(q, kv, ctx, 4 * 64)
+        decode_attention._pick_num_splits = lambda q, kv, ctx, _, *cap: pick(
+            q, kv, ctx, 4 * 64, *cap
+        )
     elif name.startswith("splits"):
         n = int(name.removeprefix("splits"))
-        decode_attention._pick_num_splits = lambda q, kv, ctx, tokens: (
-            n if q.shape[0] == 1 else pick(q, kv, ctx, tokens)
+        decode_attention._pick_num_splits = lambda q, kv, ctx, tokens, *cap: (
+            n if q.shape[0] == 1 else pick(q, kv, ctx, tokens, *cap)
         )
     elif name == "no_early_kv":
         decode_attention.PDL_EARLY_KV = False

@@ -55,12 +55,12 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     triton = SimpleNamespace(jit=lambda fn=None, **_: fn or (lambda f: f))
     tl = SimpleNamespace(constexpr=None)
 
-MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
+MAX_SPLITS = 32  # the default split cap, the merge kernel's tile: one variant for every count
 # False: no cached K / V before the PDL wait, whatever early_kv says (the A/B's no_early_kv)
 PDL_EARLY_KV = True
 
 
-@triton.jit(do_not_specialize=["stride_block_tables_row"])
+@triton.jit(do_not_specialize=["stride_block_tables_row", "min_split_tokens"])
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -83,6 +83,7 @@ def _paged_decode_kernel(
     stride_block_tables_row,
     stride_out_batch,
     stride_out_head,
+    min_split_tokens,  # a split's least share of the context (0: an even share)
     GROUP_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP_SIZE padded to a power of 2 >= 16 for tl.dot
     HEAD_DIM: tl.constexpr,
@@ -93,6 +94,8 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else a GPU rounds them to TF32
     PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
     EARLY_KV: tl.constexpr = True,  # PDL: the first tile's cached K / V before the wait
+    SKIP_EMPTY: tl.constexpr = False,  # splits without tokens store nothing (merge reads lens)
+    DIRECT: tl.constexpr = False,  # split 0 alone has tokens: it writes out, the merge skips
 ):
     batch_idx = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -107,8 +110,8 @@ def _paged_decode_kernel(
         stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
         stride_cache_head, stride_scale_block, stride_scale_offset,
         stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
-        split, num_splits, context_len, GROUP_SIZE, BLOCK_G, HEAD_DIM,
-        BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, PDL, EARLY_KV,
+        split, num_splits, context_len, min_split_tokens, GROUP_SIZE, BLOCK_G, HEAD_DIM,
+        BLOCK_D, BLOCK_SIZE, BLOCK_N, KV_FP8, DOT_PRECISION, PDL, EARLY_KV, SKIP_EMPTY, DIRECT,
     )  # fmt: skip
 
 
@@ -119,15 +122,15 @@ def _decode_split(
     stride_q_batch, stride_q_head, stride_cache_block, stride_cache_offset,
     stride_cache_head, stride_scale_block, stride_scale_offset,
     stride_block_tables_row, stride_out_batch, stride_out_head, batch_idx, kv_head,
-    split, num_splits, context_len,
+    split, num_splits, context_len, min_split_tokens,
     GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, EARLY_KV: tl.constexpr,
+    PDL: tl.constexpr, EARLY_KV: tl.constexpr, SKIP_EMPTY: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     # Split `split` of `num_splits`: its share of the context, in whole tiles; empty when
-    # context_len == 0.
-    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    # context_len == 0 (or, with min_split_tokens, past the splits the context fills).
+    tokens_per_split = _split_tokens(context_len, num_splits, min_split_tokens, BLOCK_N)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
 
@@ -214,27 +217,50 @@ def _decode_split(
     out_ptrs = (
         out_ptr + batch_idx * stride_out_batch + q_head[:, None] * stride_out_head + offs_d[None, :]
     )
-    if num_splits > 1:  # a runtime branch: the same compiled kernel serves both cases
+    # Runtime branches: the same compiled kernel serves every split count and length.
+    store_out = num_splits == 1
+    store_partial = num_splits > 1
+    if DIRECT:  # only split 0 has tokens (zeros for a padding row): it writes out, the merge
+        # skips the row, the other (empty) splits store nothing
+        alone = context_len <= tokens_per_split
+        store_out = store_out | (alone & (split == 0))
+        store_partial = store_partial & (context_len > tokens_per_split)
+    if SKIP_EMPTY:  # the merge reads only the splits the context reaches
+        store_partial = store_partial & (start < context_len)
+    if store_out:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if store_partial:
         row = (batch_idx * GROUP_SIZE * tl.num_programs(1) + q_head) * num_splits + split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
         tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-    else:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def _split_tokens(context_len, num_splits, min_split_tokens, BLOCK_N: tl.constexpr):
+    """Tokens of each split: an even share of the context in whole tiles, at least
+    min_split_tokens (rounded up to whole tiles; 0 for a padding row without a minimum)."""
+    even = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(even, tl.cdiv(min_split_tokens, BLOCK_N) * BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["num_splits", "min_split_tokens"])
 def _merge_splits_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    context_lens_ptr,  # read with SKIP_EMPTY or DIRECT
     num_splits,
+    min_split_tokens,
     stride_out_batch,
     stride_out_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # MAX_SPLITS >= num_splits, fixed: never depends on the length
+    BLOCK_S: tl.constexpr,  # the split cap >= num_splits, fixed: never depends on the length
+    BLOCK_N: tl.constexpr,  # the decode kernel's tile (its split shares are whole tiles)
     PDL: tl.constexpr = 0,
+    SKIP_EMPTY: tl.constexpr = False,  # merge only the splits the context reaches
+    DIRECT: tl.constexpr = False,  # skip a row whose split 0 alone has tokens (written)
 ):
     # One program per (sequence, query head): weight each split by exp2(lse - max lse).
     pdl_wait_and_release(PDL)
@@ -243,6 +269,16 @@ def _merge_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
+    store_mask = offs_d < HEAD_DIM
+    if SKIP_EMPTY or DIRECT:  # the decode kernel's split shares, from the same length
+        context_len = tl.load(context_lens_ptr + batch_idx)
+        tokens_per_split = _split_tokens(context_len, num_splits, min_split_tokens, BLOCK_N)
+        used = tl.cdiv(context_len, tl.maximum(tokens_per_split, 1))
+        if DIRECT:  # split 0 wrote the row: nothing to merge
+            merged_here = context_len > tokens_per_split
+            used = tl.where(merged_here, used, 0)
+            store_mask = offs_d < tl.where(merged_here, HEAD_DIM, 0)
+        s_mask = s_mask & (offs_s < used)
     row = (batch_idx * tl.num_programs(1) + head) * num_splits + offs_s
 
     lse = tl.load(partial_lse_ptr + row, mask=s_mask, other=float("-inf"))
@@ -257,11 +293,15 @@ def _merge_splits_kernel(
     total = tl.sum(weight, 0)
     merged = tl.sum(weight[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
     out_ptrs = out_ptr + batch_idx * stride_out_batch + head * stride_out_head + offs_d
-    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 def _pick_num_splits(
-    q: torch.Tensor, num_kv_heads: int, max_context: int, split_tokens: int
+    q: torch.Tensor,
+    num_kv_heads: int,
+    max_context: int,
+    split_tokens: int,
+    max_splits: int = MAX_SPLITS,
 ) -> int:
     """Enough programs to fill the GPU; depends on shapes only, so graph replays agree."""
     if not q.is_cuda:
@@ -269,7 +309,7 @@ def _pick_num_splits(
     programs = q.shape[0] * num_kv_heads
     wanted = triton.cdiv(2 * multi_processors(q.device), programs)
     useful = triton.cdiv(max_context, split_tokens)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    return max(1, min(wanted, useful, max_splits))
 
 
 _SM_COUNTS: dict[torch.device, int] = {}
@@ -294,10 +334,17 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     early_kv: bool = False,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    max_splits: int = MAX_SPLITS,
+    min_split_tokens: int = 0,
+    skip_empty_splits: bool = False,
+    single_split_direct: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; returns ``out``.
 
-    ``num_splits`` (context splits per sequence, at most MAX_SPLITS) is picked from the
+    ``num_splits`` (context splits per sequence, at most ``max_splits``) is picked from the
     shapes when None: enough programs for twice the SM count, no more than the widest
     context (the block table's width) has tiles for (at batch 1 each program then loads
     one tile of its share, the least latency; docs/benchmarks.md). An fp8 cache needs
@@ -308,6 +355,16 @@ def paged_decode_attention(
     previous kernel. It pays behind a kernel that lets this one start early (a latency-bound
     qkv GEMV at batch 1, ``pdl.latency_bound``), and cost the 1B shape 1% behind one that
     does not; a constant of the layer, never of the step (a constexpr: one variant).
+
+    Launch knobs (benchmarks/decode_attention_sweep.py; the defaults are the engine's):
+    ``block_n`` tokens per tile (None: 64 on a GPU, 256 in the interpreter), ``num_warps`` /
+    ``num_stages`` (None: Triton's defaults), ``max_splits`` the split cap (a power of 2 >=
+    num_splits: the merge kernel's tile, so a constant per cap, never per length).
+    ``min_split_tokens``: a split's least share of the context (a runtime value: at a short
+    context fewer splits have tokens, the rest only wait and exit). ``skip_empty_splits``:
+    splits without tokens store nothing and the merge reads context_lens to merge only the
+    splits the context reaches. ``single_split_direct``: when split 0 alone has tokens it
+    writes ``out`` and the merge skips the row. All three off: today's kernel.
     """
     if not use_triton(q):
         return paged_decode_attention_reference(
@@ -332,12 +389,14 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group_size = num_q_heads // num_kv_heads
-    # Big tiles in the interpreter (cost per program), 64 tokens on a GPU.
-    block_n = 64 if q.is_cuda else 256
+    if block_n is None:  # big tiles in the interpreter (cost per program), 64 tokens on a GPU
+        block_n = 64 if q.is_cuda else 256
+    assert max_splits >= 1 and max_splits & (max_splits - 1) == 0, "max_splits: a power of 2"
     if num_splits is None:  # one tile per split, room allowing
         max_context = block_tables.shape[1] * block_size
-        num_splits = _pick_num_splits(q, num_kv_heads, max_context, block_n)
-    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
+        num_splits = _pick_num_splits(q, num_kv_heads, max_context, block_n, max_splits)
+    assert 1 <= num_splits <= max_splits, f"num_splits must be in 1..{max_splits}"
+    assert min_split_tokens >= 0
     split = num_splits > 1
     # Placeholders of the split buffers' dtype when not split: the pointer dtypes are part
     # of the compiled signature, so both cases share one variant.
@@ -347,6 +406,11 @@ def paged_decode_attention(
         partial_out = q.new_empty((*partial_lse.shape, head_dim), dtype=torch.float32)
     block_d = max(16, triton.next_power_of_2(head_dim))
     pdl, launch = pdl_launch(q)
+    decode_launch = dict(launch)
+    if num_warps is not None:
+        decode_launch["num_warps"] = num_warps
+    if num_stages is not None:
+        decode_launch["num_stages"] = num_stages
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -369,6 +433,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        min_split_tokens,
         GROUP_SIZE=group_size,
         BLOCK_G=max(16, triton.next_power_of_2(group_size)),
         HEAD_DIM=head_dim,
@@ -379,20 +444,27 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         PDL=pdl,
         EARLY_KV=PDL_EARLY_KV and early_kv,
-        **launch,
+        SKIP_EMPTY=skip_empty_splits,
+        DIRECT=single_split_direct,
+        **decode_launch,
     )
     if split:
         _merge_splits_kernel[(batch, num_q_heads)](
             partial_out,
             partial_lse,
             out,
+            context_lens,
             num_splits,
+            min_split_tokens,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=MAX_SPLITS,
+            BLOCK_S=max_splits,
+            BLOCK_N=block_n,
             PDL=pdl,
+            SKIP_EMPTY=skip_empty_splits,
+            DIRECT=single_split_direct,
             **launch,
         )
     return out

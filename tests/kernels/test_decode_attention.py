@@ -150,3 +150,61 @@ def test_decode_reference_reads_fp8_cache_as_dequantized_rows():
     # and quantization moved the result a little, not a lot
     exact = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, lens, 0.125)
     assert 0 < (out - exact).abs().max() < 0.05
+
+
+# The launch knobs and split options (benchmarks/decode_attention_sweep.py): each gives the
+# reference's output. Contexts: a padding row (0), rows whose only non-empty split is split
+# 0 (1, 17, 64: one tile of 64 per split), rows over several splits (129, 300).
+OPTION_LENS = [17, 0, 300, 1, 129, 64]
+OPTIONS = {
+    "tile32_cap64": dict(block_n=32, max_splits=64),
+    "tile128_cap16_warps2_stages1": dict(block_n=128, max_splits=16, num_warps=2, num_stages=1),
+    "tile64_warps8_stages4_cap128": dict(block_n=64, num_warps=8, num_stages=4, max_splits=128),
+    "min100": dict(min_split_tokens=100),
+    "skip": dict(skip_empty_splits=True),
+    "min200_skip": dict(min_split_tokens=200, skip_empty_splits=True),
+    "direct": dict(single_split_direct=True),
+    "tile64_min256_skip_direct": dict(
+        block_n=64, min_split_tokens=256, skip_empty_splits=True, single_split_direct=True
+    ),
+}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.parametrize("dtype, device", DTYPES)
+@pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
+def test_decode_options_match_reference(options, dtype, device, num_splits, kv_cache_dtype):
+    """Every knob and split option, split (5: most rows leave splits empty) and not (1, and
+    the interpreter's pick), bf16 / fp16 (GPU) and fp32, bf16 or fp8 cache: the reference's
+    output, zeros for the padding row, every element written."""
+    check_decode(OPTION_LENS, 8, 2, 64, 16, dtype, device, num_splits, kv_cache_dtype, **options)
+
+
+@pytest.mark.parametrize("dtype, device", DTYPES)
+@pytest.mark.parametrize("min_split_tokens", [0, 64, 1000])
+def test_decode_only_split_zero_has_tokens(dtype, device, min_split_tokens):
+    """Contexts whose only non-empty split is split 0 (with 8 splits and 64-token tiles:
+    up to 64 tokens, or up to min_split_tokens): with ``single_split_direct`` that program
+    writes ``out`` and the merge skips the row; beside a row over several splits and
+    padding rows, with and without skipping empty splits."""
+    lens = [64, 1, 0, 700, 63, 0, 2]
+    for skip in (False, True):
+        check_decode(
+            lens, 4, 2, 64, 16, dtype, device, 8, "auto", block_n=64,
+            min_split_tokens=min_split_tokens, skip_empty_splits=skip, single_split_direct=True,
+        )  # fmt: skip
+
+
+def test_decode_split_cap_is_checked():
+    """The split cap is the merge kernel's tile: a power of 2 no smaller than the split count."""
+    k_cache, v_cache, block_tables, _, _ = make_paged_kv(
+        [5], 1, 64, 16, torch.float32, DEVICE, capacity=1
+    )
+    q = torch.randn(1, 1, 64, device=DEVICE)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    args = (q, k_cache, v_cache, block_tables, lens, 0.125)
+    with pytest.raises(AssertionError, match="power of 2"):
+        paged_decode_attention(*args, max_splits=48)
+    with pytest.raises(AssertionError, match="num_splits"):
+        paged_decode_attention(*args, num_splits=32, max_splits=16)

@@ -120,8 +120,9 @@ KERNELS = {
     ),
     (decode_attention, "_paged_decode_kernel"): (
         # batch, context lengths and splits come from the grid and device memory; the
-        # block-table row stride is the page-table width (max context).
-        ["stride_block_tables_row"],
+        # block-table row stride is the page-table width (max context); a split's least
+        # share of the context is a launch option, never a specialization.
+        ["stride_block_tables_row", "min_split_tokens"],
         [
             "sm_scale",
             "stride_q_batch",
@@ -136,7 +137,7 @@ KERNELS = {
         ],
     ),
     (decode_attention, "_merge_splits_kernel"): (
-        ["num_splits"],
+        ["num_splits", "min_split_tokens"],
         ["stride_out_batch", "stride_out_head"],
     ),
     (prefill_attention, "_paged_prefill_kernel"): (
@@ -311,6 +312,7 @@ DEVICE_FUNCTIONS = {
     (rotary, "_rotate_heads"),
     (rotary_kv, "_write_halves"),
     (decode_attention, "_decode_split"),
+    (decode_attention, "_split_tokens"),
     (rope_kv_epilogue, "_rope_kv_epilogue"),
     (gemv, "_x_chunk"),
     (gemv, "_weight_chunk"),
@@ -483,13 +485,26 @@ def _block_tables(rows, context, num_blocks, block_size=16):
     )
 
 
+# paged_decode_attention's launch knobs and split options (a launch's constants: one variant
+# each); "sweep" marks min_split_tokens swept with the lengths (a runtime value).
+DECODE_OPTIONS = {
+    "default": {},
+    "knobs": dict(block_n=32, num_warps=2, num_stages=2, max_splits=128),
+    "skip_direct": dict(skip_empty_splits=True, single_split_direct=True),
+    "min_tokens_swept": dict(min_split_tokens="sweep", skip_empty_splits=True),
+    "min_tokens_direct": dict(min_split_tokens="sweep", single_split_direct=True, block_n=128),
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("options", list(DECODE_OPTIONS.values()), ids=list(DECODE_OPTIONS))
 @pytest.mark.parametrize("early_kv", [False, True])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_paged_decode_one_variant(kv_cache_dtype, early_kv):
+def test_paged_decode_one_variant(kv_cache_dtype, early_kv, options):
     """Batch sizes (short contexts, no split) and context lengths (batch 3, split) swept:
     the split count, the grid and the block-table width all change. ``early_kv`` (a
-    layer's constant: cached K / V before the PDL wait, PDL on by default) as well."""
+    layer's constant: cached K / V before the PDL wait, PDL on by default) as well, and
+    each option of the launch (min_split_tokens, a runtime value, swept with the lengths)."""
     num_q_heads, head_dim, num_blocks = 32, 128, 4096  # 8 kv heads (_paged_cache)
     k_cache, v_cache, scales = _paged_cache(kv_cache_dtype, num_blocks)
     scales = dict(scales, early_kv=early_kv)
@@ -497,17 +512,18 @@ def test_paged_decode_one_variant(kv_cache_dtype, early_kv):
     generator = _generator()
 
     def run(n):
+        knobs = {k: (n if v == "sweep" else v) for k, v in options.items()}
         # n sequences of 1..64 tokens
         lens = torch.randint(1, 65, (n,), device=DEVICE, dtype=torch.int32, generator=generator)
         tables = _block_tables(n, 64, num_blocks)
         decode_attention.paged_decode_attention(
-            q[:n], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales
+            q[:n], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales, **knobs
         )
         # 3 sequences, the longest n tokens
         lens = torch.tensor([n, n // 2 + 1, 1], device=DEVICE, dtype=torch.int32)
         tables = _block_tables(3, n, num_blocks)
         decode_attention.paged_decode_attention(
-            q[:3], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales
+            q[:3], k_cache, v_cache, tables, lens, head_dim**-0.5, **scales, **knobs
         )
 
     assert_one_variant(decode_attention, ["_paged_decode_kernel", "_merge_splits_kernel"], run)
