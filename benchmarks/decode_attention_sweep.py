@@ -388,7 +388,7 @@ def main(argv=None) -> int:
     # a forward context holds the fusions only: paged_decode_attention reads no metadata
     with torch.inference_mode(), forward_context(None, fusions):
         emit(dict(case="setup", gpu=torch.cuda.get_device_name(), pdl=pdl_launch(probe)[0],
-                  multi_processors=decode_attention._multi_processors(probe.device),
+                  multi_processors=decode_attention.multi_processors(probe.device),
                   quick=args.quick, max_model_len=args.max_model_len))  # fmt: skip
         run_sweep(args, "cuda")
     print(f"# decode_attention_sweep took {time.perf_counter() - start:.0f} s", file=sys.stderr)
