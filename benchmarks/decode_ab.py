@@ -20,6 +20,9 @@ Variants:
                           heuristic tile: ATOM_GEMV_POLICY=fused); gemv_unfused: none does
     split_4_tiles         decode attention splits of >= 4 tiles (the earlier policy)
     splits<N>             N context splits at batch 1 (N in 1, 2, 4, 8, 13, 16, 32)
+    dec_w<W>s<S>          paged decode with W warps and S pipeline stages
+                          (decode_attention.NUM_WARPS / NUM_STAGES; e.g. dec_w2s3)
+    dec_cap<N>            paged decode split cap N (decode_attention.MAX_SPLITS; a power of 2)
     a+b                   both (e.g. pdl_late+splits8)
     pdl                   Fusions.pdl on (the default): the small kernels and the
                           latency-bound GEMVs (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
@@ -59,6 +62,11 @@ def _apply(name: str, pick) -> None:
         decode_attention._pick_num_splits = lambda q, kv, ctx, tokens, *cap: (
             n if q.shape[0] == 1 else pick(q, kv, ctx, tokens, *cap)
         )
+    elif name.startswith("dec_cap"):
+        decode_attention.MAX_SPLITS = int(name.removeprefix("dec_cap"))
+    elif name.startswith("dec_w"):
+        warps, stages = name.removeprefix("dec_w").split("s")
+        decode_attention.NUM_WARPS, decode_attention.NUM_STAGES = int(warps), int(stages)
     elif name == "no_early_kv":
         decode_attention.PDL_EARLY_KV = False
     elif name.startswith("pdl_mb"):
@@ -75,6 +83,7 @@ def variant(name: str):
     pick = decode_attention._pick_num_splits
     early_kv = decode_attention.PDL_EARLY_KV
     gemv_bytes = pdl.PDL_GEMV_BYTES
+    launch = (decode_attention.MAX_SPLITS, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)
     try:
         for part in name.split("+"):
             _apply(part, pick)
@@ -84,6 +93,8 @@ def variant(name: str):
         decode_attention._pick_num_splits = pick
         decode_attention.PDL_EARLY_KV = early_kv
         pdl.PDL_GEMV_BYTES = gemv_bytes
+        (decode_attention.MAX_SPLITS, decode_attention.NUM_WARPS,
+         decode_attention.NUM_STAGES) = launch  # fmt: skip
 
 
 def fusions_of(name: str) -> Fusions:

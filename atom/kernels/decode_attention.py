@@ -56,6 +56,10 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
     tl = SimpleNamespace(constexpr=None)
 
 MAX_SPLITS = 32  # the default split cap, the merge kernel's tile: one variant for every count
+# The engine's launch knobs when a call leaves them None (benchmarks.decode_ab's dec_*
+# variants set them; None: Triton's defaults)
+NUM_WARPS: int | None = None
+NUM_STAGES: int | None = None
 # False: no cached K / V before the PDL wait, whatever early_kv says (the A/B's no_early_kv)
 PDL_EARLY_KV = True
 
@@ -301,7 +305,7 @@ def _pick_num_splits(
     num_kv_heads: int,
     max_context: int,
     split_tokens: int,
-    max_splits: int = MAX_SPLITS,
+    max_splits: int | None = None,
 ) -> int:
     """Enough programs to fill the GPU; depends on shapes only, so graph replays agree."""
     if not q.is_cuda:
@@ -309,7 +313,7 @@ def _pick_num_splits(
     programs = q.shape[0] * num_kv_heads
     wanted = triton.cdiv(2 * multi_processors(q.device), programs)
     useful = triton.cdiv(max_context, split_tokens)
-    return max(1, min(wanted, useful, max_splits))
+    return max(1, min(wanted, useful, MAX_SPLITS if max_splits is None else max_splits))
 
 
 _SM_COUNTS: dict[torch.device, int] = {}
@@ -337,7 +341,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    max_splits: int = MAX_SPLITS,
+    max_splits: int | None = None,
     min_split_tokens: int = 0,
     skip_empty_splits: bool = False,
     single_split_direct: bool = False,
@@ -358,7 +362,8 @@ def paged_decode_attention(
 
     Launch knobs (benchmarks/decode_attention_sweep.py; the defaults are the engine's):
     ``block_n`` tokens per tile (None: 64 on a GPU, 256 in the interpreter), ``num_warps`` /
-    ``num_stages`` (None: Triton's defaults), ``max_splits`` the split cap (a power of 2 >=
+    ``num_stages`` (None: the module's NUM_WARPS / NUM_STAGES), ``max_splits`` the split
+    cap (None: MAX_SPLITS; a power of 2 >=
     num_splits: the merge kernel's tile, so a constant per cap, never per length).
     ``min_split_tokens``: a split's least share of the context (a runtime value: at a short
     context fewer splits have tokens, the rest only wait and exit). ``skip_empty_splits``:
@@ -391,6 +396,9 @@ def paged_decode_attention(
     group_size = num_q_heads // num_kv_heads
     if block_n is None:  # big tiles in the interpreter (cost per program), 64 tokens on a GPU
         block_n = 64 if q.is_cuda else 256
+    max_splits = MAX_SPLITS if max_splits is None else max_splits
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    num_stages = NUM_STAGES if num_stages is None else num_stages
     assert max_splits >= 1 and max_splits & (max_splits - 1) == 0, "max_splits: a power of 2"
     if num_splits is None:  # one tile per split, room allowing
         max_context = block_tables.shape[1] * block_size
