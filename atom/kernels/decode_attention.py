@@ -60,6 +60,7 @@ MAX_SPLITS = 32  # the default split cap, the merge kernel's tile: one variant f
 # variants set them; None: Triton's defaults)
 NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
+PROGRAMS_PER_SM = 2  # the split count aims at this many programs per SM (then the cap)
 # False: no cached K / V before the PDL wait, whatever early_kv says (the A/B's no_early_kv)
 PDL_EARLY_KV = True
 
@@ -311,7 +312,7 @@ def _pick_num_splits(
     if not q.is_cuda:
         return 1  # the interpreter pays per program
     programs = q.shape[0] * num_kv_heads
-    wanted = triton.cdiv(2 * multi_processors(q.device), programs)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * multi_processors(q.device), programs)
     useful = triton.cdiv(max_context, split_tokens)
     return max(1, min(wanted, useful, MAX_SPLITS if max_splits is None else max_splits))
 
