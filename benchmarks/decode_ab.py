@@ -24,6 +24,7 @@ Variants:
                           (decode_attention.NUM_WARPS / NUM_STAGES; e.g. dec_w2s3)
     dec_cap<N>            paged decode split cap N (decode_attention.MAX_SPLITS; a power of 2)
     dec_occ<N>            paged decode splits aiming at N programs per SM (PROGRAMS_PER_SM)
+    dec_skip              empty splits store nothing, the merge reads only the filled ones
     a+b                   both (e.g. pdl_late+splits8)
     pdl                   Fusions.pdl on (the default): the small kernels and the
                           latency-bound GEMVs (atom/kernels/pdl.py); pdl_all: every GEMV too; pdl_small: no
@@ -65,6 +66,8 @@ def _apply(name: str, pick) -> None:
         )
     elif name.startswith("dec_cap"):
         decode_attention.MAX_SPLITS = int(name.removeprefix("dec_cap"))
+    elif name == "dec_skip":
+        decode_attention.SKIP_EMPTY_SPLITS = True
     elif name.startswith("dec_occ"):
         decode_attention.PROGRAMS_PER_SM = int(name.removeprefix("dec_occ"))
     elif name.startswith("dec_w"):
@@ -87,7 +90,8 @@ def variant(name: str):
     early_kv = decode_attention.PDL_EARLY_KV
     gemv_bytes = pdl.PDL_GEMV_BYTES
     launch = (decode_attention.MAX_SPLITS, decode_attention.NUM_WARPS,
-              decode_attention.NUM_STAGES, decode_attention.PROGRAMS_PER_SM)  # fmt: skip
+              decode_attention.NUM_STAGES, decode_attention.PROGRAMS_PER_SM,
+              decode_attention.SKIP_EMPTY_SPLITS)  # fmt: skip
     try:
         for part in name.split("+"):
             _apply(part, pick)
@@ -98,7 +102,8 @@ def variant(name: str):
         decode_attention.PDL_EARLY_KV = early_kv
         pdl.PDL_GEMV_BYTES = gemv_bytes
         (decode_attention.MAX_SPLITS, decode_attention.NUM_WARPS,
-         decode_attention.NUM_STAGES, decode_attention.PROGRAMS_PER_SM) = launch  # fmt: skip
+         decode_attention.NUM_STAGES, decode_attention.PROGRAMS_PER_SM,
+         decode_attention.SKIP_EMPTY_SPLITS) = launch  # fmt: skip
 
 
 def fusions_of(name: str) -> Fusions:

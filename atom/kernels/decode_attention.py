@@ -61,6 +61,7 @@ MAX_SPLITS = 32  # the default split cap, the merge kernel's tile: one variant f
 NUM_WARPS: int | None = None
 NUM_STAGES: int | None = None
 PROGRAMS_PER_SM = 2  # the split count aims at this many programs per SM (then the cap)
+SKIP_EMPTY_SPLITS = False  # the default of paged_decode_attention's skip_empty_splits
 # False: no cached K / V before the PDL wait, whatever early_kv says (the A/B's no_early_kv)
 PDL_EARLY_KV = True
 
@@ -344,7 +345,7 @@ def paged_decode_attention(
     num_stages: int | None = None,
     max_splits: int | None = None,
     min_split_tokens: int = 0,
-    skip_empty_splits: bool = False,
+    skip_empty_splits: bool | None = None,
     single_split_direct: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged KV; returns ``out``.
@@ -400,6 +401,7 @@ def paged_decode_attention(
     max_splits = MAX_SPLITS if max_splits is None else max_splits
     num_warps = NUM_WARPS if num_warps is None else num_warps
     num_stages = NUM_STAGES if num_stages is None else num_stages
+    skip_empty_splits = SKIP_EMPTY_SPLITS if skip_empty_splits is None else skip_empty_splits
     assert max_splits >= 1 and max_splits & (max_splits - 1) == 0, "max_splits: a power of 2"
     if num_splits is None:  # one tile per split, room allowing
         max_context = block_tables.shape[1] * block_size
