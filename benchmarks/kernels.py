@@ -295,7 +295,8 @@ def bench_v4_topk() -> None:
         expected = v4_topk.indexer_topk_select_reference(scores, counts, 512)
         for chunk in (1024, 2048, 4096):
             for warps in (4, 8, 16):
-                def run(chunk=chunk, warps=warps):
+
+                def run(chunk=chunk, warps=warps, scores=scores, counts=counts):
                     return v4_topk.indexer_topk_select(
                         scores, counts, 512, chunk=chunk, num_warps=warps
                     )
@@ -324,14 +325,15 @@ def bench_v4_mhc() -> None:
             )
             for splits in (16, 32, 64, 128):
                 v4_mhc.MAX_SPLITS = splits
-                us = device_us(lambda: v4_mhc._mix_partials(streams, fn))
+                us = device_us(lambda streams=streams: v4_mhc._mix_partials(streams, fn))
                 emit(bench="v4_mhc_mix", tokens=tokens, max_splits=splits, us=round(us, 2))
             v4_mhc.MAX_SPLITS = defaults[0]
             partial, used = v4_mhc._mix_partials(streams, fn)
             for warps in (1, 2, 4, 8, 16):
                 v4_mhc.FINISH_WARPS = warps
                 for loops in (iters, 1):
-                    def finish(loops=loops):
+
+                    def finish(loops=loops, streams=streams, partial=partial, used=used):
                         return v4_mhc._finish(streams, partial, used, base, scale, norm_weight,
                                               1e-6, 1e-6, 1e-6, loops, head=False)  # fmt: skip
 

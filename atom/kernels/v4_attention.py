@@ -166,9 +166,7 @@ def _online_update(q, keys, valid, m, denom, acc, scale):
     return m_new, denom, acc
 
 
-@triton.jit(
-    do_not_specialize=["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"]
-)
+@triton.jit(do_not_specialize=["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"])
 def _v4_decode_kernel(
     q_ptr,
     ring_ptr,
@@ -388,4 +386,3 @@ def v4_decode_attention(
             NUM_HEADS=num_heads, DIM=dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
         )  # fmt: skip
     return out
-
