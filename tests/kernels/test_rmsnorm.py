@@ -31,7 +31,8 @@ def _make_inputs(num_tokens, hidden, dtype, device, strided):
 @pytest.mark.parametrize("dtype, device", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [64, 576, 2048])
-@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+# 67 rows: several programs at every width (16, 4 and 2 rows each), the last one part-masked
+@pytest.mark.parametrize("num_tokens", [1, 7, 67])
 def test_rms_norm_matches_reference(num_tokens, hidden, with_residual, dtype, device):
     x, residual, weight = _make_inputs(num_tokens, hidden, dtype, device, strided=hidden == 576)
     x_before, residual_before = x.clone(), residual.clone()
