@@ -31,6 +31,9 @@ from atom.forward_context import AttentionMetadata, forward_context
 from atom.sampling_params import SamplingParams
 from tests.engine_support import build_llm
 
+# Tiny ops, one torch thread, engines too (tests/engine_support.py, one_cpu_thread).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 REFERENCE = Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "deepseek_v41"
 if not (REFERENCE / "tiny-minimal" / "golden.json").is_file():
     pytest.skip(f"no DeepSeek-V4.1 reference data at {REFERENCE}", allow_module_level=True)
