@@ -64,9 +64,7 @@ def test_fp8_one_row_gemv_matches_the_dequantized_weight(
     )
     tol = TOLERANCE[dtype]
     linear = torch.nn.functional.linear(x.double(), dequantized.double()).to(dtype)
-    torch.testing.assert_close(
-        gemv(x, fp8, config, weight_scale=scale), linear, atol=tol, rtol=tol
-    )
+    torch.testing.assert_close(gemv(x, fp8, config, weight_scale=scale), linear, atol=tol, rtol=tol)
     gate, up = linear.double().chunk(2, dim=-1)
     silu = (torch.nn.functional.silu(gate) * up).to(dtype)
     got = gemv_silu_and_mul(x, fp8, config, weight_scale=scale)
@@ -74,9 +72,7 @@ def test_fp8_one_row_gemv_matches_the_dequantized_weight(
     for silu_mul in (False, True):
         for res in (None, residual):
             args = (x, res, norm_weight, 1e-5)
-            out, new_residual = gemv_rms_norm(
-                *args, fp8, silu_mul, config, weight_scale=scale
-            )
+            out, new_residual = gemv_rms_norm(*args, fp8, silu_mul, config, weight_scale=scale)
             expected = exact_norm_linear(*args, dequantized.to(torch.float64), silu_mul)
             torch.testing.assert_close(out, expected.to(dtype), atol=tol, rtol=tol)
             expected_residual = gemv_rms_norm_reference(*args, dequantized, silu_mul)[1]
@@ -103,7 +99,9 @@ def test_fp8_one_row_gemv_equals_the_unfused_fp8_path(config, dtype, device):
     torch.testing.assert_close(out, fp8_linear(h, fp8, scale, block, bias), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+)
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("block_n", [1, 8])
 def test_fp8_gemv_rope_kv_matches_the_dequantized_weight(dtype, norm, block_n, monkeypatch):

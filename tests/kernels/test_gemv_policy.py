@@ -419,7 +419,9 @@ def test_an_fp8_site_is_its_own_key_against_the_fp8_linear(tmp_path, monkeypatch
     unfused_calls = []
     real_fp8_linear = gemv_trial.fp8_linear
     monkeypatch.setattr(
-        gemv_trial, "fp8_linear", lambda *a, **k: unfused_calls.append(a) or real_fp8_linear(*a, **k)
+        gemv_trial,
+        "fp8_linear",
+        lambda *a, **k: unfused_calls.append(a) or real_fp8_linear(*a, **k),
     )
     site = GemvSite(IN, ROWS, silu_mul, norm, "float32", weight_dtype="float8_e4m3fn")
     tiles = candidates(site)
