@@ -15,7 +15,12 @@ from atom.kernels.activation import silu_and_mul
 from atom.kernels.fp8_linear import fp8_linear
 from atom.kernels.gemv import gemv, gemv_rms_norm, gemv_silu_and_mul
 from atom.kernels.gemv_rope_kv import RopeKV, gemv_rope_kv
-from atom.kernels.gemv_tiles import GemvConfig, GemvSite, heuristic_config
+from atom.kernels.gemv_tiles import (
+    GemvConfig,
+    GemvSite,
+    heuristic_config,
+    quant_gemv_candidates,
+)
 from atom.kernels.rmsnorm import rms_norm
 from atom.kernels.rotary_kv import rotary_kv_write
 
@@ -31,8 +36,11 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     the wider sweep (benchmarks/gemv_sweep.py) are of this family, and these narrow tiles
     stream large matrices near a streaming read's rate, where the heuristic's wider tiles
     fall well short (docs/benchmarks.md). An FP8 weight (1 byte an element) gets chunks
-    twice as wide (the same bytes per tile: 16-byte loads), its heuristic the FP8 GEMV's."""
-    wide = 2 if site.weight_dtype == "float8_e4m3fn" else 1
+    twice as wide (the same bytes per tile: 16-byte loads), and the tiles the FP8 GEMV's
+    tuner tries (atom/kernels/gemv_tiles.py quant_gemv_candidates, x loaded once as this
+    kernel loads it for FP8): the fused kernel has every tile the unfused one may take."""
+    fp8 = site.weight_dtype == "float8_e4m3fn"
+    wide = 2 if fp8 else 1
     widest = 1 << math.ceil(math.log2(max(site.in_features, 1)))
     block_k = max(64, min(1024 * wide, widest))
     rows = site.rows // 2 if site.silu_mul else site.rows
@@ -45,6 +53,9 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     if site.norm:  # each program re-reads x (+ residual, norm weight): fewer, wider ones
         out += [GemvConfig(min(2, rows), min(512 * wide, block_k), 2, 1),
                 GemvConfig(min(4, rows), min(256 * wide, block_k), 4, 1)]  # fmt: skip
+    if fp8:
+        tuned = quant_gemv_candidates(out[3], 0)  # around the FP8 heuristic (out[3])
+        out += [config for config, x_once in tuned if x_once]
     return list(dict.fromkeys(out))
 
 

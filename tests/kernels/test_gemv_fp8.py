@@ -136,3 +136,32 @@ def test_fits_gemv_takes_fp8_only_with_one_scale_per_row():
     assert not fits_gemv(x, weight, torch.ones(32, 1, dtype=torch.float16))
     assert not fits_gemv(x, torch.zeros(32, 256), torch.ones(32, 1))  # not fp8
     assert not fits_gemv(torch.zeros(2, 256), weight, torch.ones(32, 1))  # one row only
+
+
+@pytest.mark.gpu
+def test_fp8_policy_candidates_compute_their_shape_on_gpu():
+    """Every tile the GEMV policy may choose for an FP8 site computes the 8B (and a 1B)
+    qkv and gate_up shapes right (bf16 x, e4m3 weight, a scale per row)."""
+    from atom.kernels.gemv_policy import GemvSite, candidates
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    for k, n in [(4096, 6144), (4096, 28672), (2048, 3072), (2048, 16384)]:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+        weight = torch.randn(n, k, device="cuda", generator=generator) / k**0.5
+        fp8, scale, dequantized = fp8_per_row(weight)
+        norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn_like(x)
+        for silu_mul, norm in ((False, True), (True, True), (True, False)):
+            site = GemvSite(k, n, silu_mul, norm, "bfloat16", weight_dtype="float8_e4m3fn")
+            dense = dequantized.to(torch.bfloat16)
+            expected = gemv_rms_norm_reference(x, residual, norm_weight, 1e-5, dense, silu_mul)[0]
+            if not norm:
+                expected = gemv_module.gemv_silu_and_mul_reference(x, dense)
+            for config in candidates(site):
+                if norm:
+                    args = (x, residual, norm_weight, 1e-5, fp8, silu_mul, config)
+                    got = gemv_rms_norm(*args, weight_scale=scale)[0]
+                else:
+                    got = gemv_silu_and_mul(x, fp8, config, weight_scale=scale)
+                msg = f"{site.label()} {config}"
+                torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=msg)
