@@ -17,7 +17,10 @@ Shapes and dtypes:
              takes num_rows == 1.
     weight   [out_features, in_features] (nn.Linear's layout), x's dtype, unit-stride
              columns. For ``gemv_silu_and_mul`` out_features = 2 * intermediate: gate rows
-             then up rows (ColumnParallelLinear's [gate | up]).
+             then up rows (ColumnParallelLinear's [gate | up]). Or float8_e4m3fn with
+    weight_scale  (FP8 only) float32 [out_features, 1] contiguous: one scale per weight row
+             (FP8 per channel / per tensor, atom/models/quantization/fp8.py); block-scaled
+             FP8 keeps atom/kernels/fp8_linear.py's GEMV and the separate kernels.
     out      [num_rows, out_features] (``gemv``) or [num_rows, intermediate], x's dtype.
     bias     optional [out_features] (``gemv``, ``gemv_rms_norm``, gemv_rope_kv.py), x's
              dtype: added to the fp32 sum before the rounding (F.linear's one rounding)
@@ -26,7 +29,9 @@ Shapes and dtypes:
 Numerics: fp32 accumulation (fp32 products summed along K per lane, then across lanes),
 rounded to x's dtype as F.linear's output; with SiLU the gate and up are rounded first, then
 silu in fp32 rounded, then the product rounded (atom/kernels/activation.py's order). The
-summation order differs from cuBLAS, so a last bit may differ.
+summation order differs from cuBLAS, so a last bit may differ. An FP8 weight is widened to
+fp32 and each row's sum multiplied by its scale (weight-only, w8a16: x is not quantized, as
+fp8_linear.py's GEMV); the references dequantize the weight to x's dtype, then F.linear.
 
 Kernel design (``_gemv_row_kernel``): no tl.dot (whose 16 padded rows would waste 15/16 of
 the math and force BLOCK_N >= 16). Each program owns BLOCK_N (1..16) output rows and walks
@@ -40,6 +45,11 @@ loads than a dot's by itself, so num_stages alone changes nothing). Tiles, warps
 come from ``gemv_config``: the tile the GEMV policy measured for the shape at engine start
 (atom/kernels/gemv_policy.py, which also decides whether a layer runs this kernel at
 all), else a heuristic. ``python -m benchmarks.gemv_sweep`` searches a wider grid.
+
+With an FP8 weight (``ROW_SCALED``) the tile is the same [BLOCK_N, BLOCK_K], of 1-byte
+elements (the policy's FP8 candidates take twice the chunk: 16-byte loads), and x is loaded
+once per chunk as [1, BLOCK_K] and broadcast by the product (``X_ONCE``: the layout the FP8
+GEMV's tuner measured about 2x faster on every 8B layer, docs/benchmarks.md).
 
 With the norm: x (+ residual) rounded to x's dtype as rms_norm does (program 0 writes
 x + residual, the next layer's residual stream); no prologue pass: the K loop that reads x
@@ -57,8 +67,8 @@ overlaps the previous kernel's tail (figures in docs/benchmarks.md).
 Runtime lengths: none (one row). Geometry: in/out features (plain arguments: Triton
 specializes them by divisibility by 16 only, which keeps the masked loads vectorised, so
 one compiled variant per configuration serves every layer shape), and as constexprs the
-tiles and whether the SiLU epilogue, the norm and the RoPE + KV epilogue run. Offsets are
-int64 (a 128K x 8K weight passes 2^31 elements).
+tiles and whether the SiLU epilogue, the norm, the RoPE + KV epilogue and the FP8 row
+scales run. Offsets are int64 (a 128K x 8K weight passes 2^31 elements).
 
 No residual epilogue (out = residual + W x): every residual add of a Llama layer already
 lives in the next RMSNorm kernel (rmsnorm.py) or, with ``norm_gemv``, in the next GEMV,
