@@ -38,14 +38,14 @@ def gemv_rope_kv(x: torch.Tensor, weight: torch.Tensor, rope: RopeKV, norm: tupl
         return gemv_rope_kv_reference(x, weight, rope, norm, bias, weight_scale)
     assert rope.fits(x, weight), "one token, fused q | k | v rows, caches of x's dtype"
     q = torch.empty(1, rope.num_q_heads * rope.head_dim, dtype=x.dtype, device=x.device)
-    scaled = dict(rope=rope, bias=bias, weight_scale=weight_scale)
+    layer_args = dict(rope=rope, bias=bias, weight_scale=weight_scale)
     if norm is None:
-        gemv._launch(x, weight, q, silu_mul=False, config=config, **scaled)
+        gemv._launch(x, weight, q, silu_mul=False, config=config, **layer_args)
         return q
     residual, norm_weight, eps = norm
     residual_out = None if residual is None else torch.empty_like(x)
     norm_args = (residual, norm_weight, eps, residual_out)
-    gemv._launch(x, weight, q, False, norm_args, config, **scaled)
+    gemv._launch(x, weight, q, False, norm_args, config, **layer_args)
     return q, x if residual is None else residual_out
 
 

@@ -229,22 +229,22 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         ):
             return super().forward(positions, hidden, residual)
         qkv_weight, qkv_scale = qkv_weights
-        scaled = dict(bias=qkv_bias, weight_scale=qkv_scale)
+        qkv_args = dict(bias=qkv_bias, weight_scale=qkv_scale)  # the qkv layer's
         # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it,
         # where the GEMV policy measured that GEMV faster (use_gemv: with the RoPE + KV
         # epilogue where that runs); else the norm kernels and the MLP as without it.
         rope = attention.attn.rope_kv(positions, attention.rotary, attention.num_heads)
         if rope is not None and not rope.fits(hidden, qkv_weight):
             rope = None
-        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope, **scaled):
+        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope, **qkv_args):
             return super().forward(positions, hidden, residual)
         if rope is not None:  # Fusions.gemv_rope_kv
             norm_args = (residual, norm.weight, norm.eps)
-            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args, **scaled)
+            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args, **qkv_args)
             hidden = attention.attend_cached(q)
         else:
             qkv, residual = gemv_rms_norm(
-                hidden, residual, norm.weight, norm.eps, qkv_weight, **scaled
+                hidden, residual, norm.weight, norm.eps, qkv_weight, **qkv_args
             )
             hidden = attention.attend(positions, qkv)
         norm = self.post_attention_layernorm
