@@ -47,7 +47,7 @@ def _random_layer(seed: int, fp8: bool = False) -> llama.LlamaDecoderLayer:
     torch.manual_seed(seed)
     layer = llama.LlamaDecoderLayer(config, 64, TensorParallelGroup.single(), "model.layers.0")
     with torch.no_grad():
-        for name, param in layer.named_parameters():
+        for param in layer.parameters():
             if param.dtype == torch.float8_e4m3fn:  # ~N(0, 0.2) after the scale
                 param.copy_((torch.randn(param.shape) * 40).clamp(-448, 448).to(param.dtype))
             else:
