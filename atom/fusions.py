@@ -50,7 +50,11 @@ measured per layer shape, GPU, dtype and Triton version when the engine first ru
 (atom/kernels/gemv_policy.py: a short timed trial against the unfused cuBLAS path under
 CUDA graphs, cached on disk). Where cuBLAS streams the weight faster (the 7-8B shapes'
 large matrices) the layer keeps the unfused path with the switch on, and so do the PDL
-chains (only a Triton GEMV joins one); more rows keep cuBLAS.
+chains (only a Triton GEMV joins one); more rows keep cuBLAS. gemv_silu, norm_gemv and
+gemv_rope_kv also serve FP8 layers with one scale per output row (FP8_DYNAMIC's weights;
+the weight dtype is in the policy's key, the unfused path there the FP8 GEMV of
+atom/kernels/fp8_linear.py); block-scaled FP8 and int4 layers stay unfused
+(docs/quantization.md).
 
 The residual add was already fused into RMSNorm (atom/kernels/rmsnorm.py, used by
 PreNormDecoderLayer); `norm_gemv` goes one step further and folds the norm into the next

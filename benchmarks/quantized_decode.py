@@ -324,6 +324,7 @@ def run_format(config, fmt: str, args, batch: int, measure) -> dict:
 
         if fmt != "bf16" and quant_gemv_choices():
             record["gemv_tiles"] = quant_gemv_choices()  # the tuner's, per layer shape
+        record["gemv_policy"] = gemv_policy_sites(fmt)
     except Exception as e:  # noqa: BLE001 (a benchmark reports and goes on)
         traceback.print_exc(file=sys.stderr)
         record["error"] = f"{type(e).__name__}: {e}"
@@ -335,6 +336,21 @@ def run_format(config, fmt: str, args, batch: int, measure) -> dict:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return record
+
+
+def gemv_policy_sites(fmt: str) -> dict[str, str]:
+    """The GEMV policy's batch-1 choices for this format's layers (the fused GEMV's tile or
+    "unfused", and why), by site label: an FP8 run's sites are those of FP8 weights."""
+    from atom.kernels.gemv_policy import current_policy
+
+    fp8 = fmt.startswith("fp8")
+    sites = {}
+    for record in current_policy().report():
+        if ("float8_e4m3fn weight" in record["site"]) == fp8:
+            sites[record["site"]] = f"{record['choice']} ({record['reason']})"
+    for site, choice in sites.items():
+        print(f"  {fmt} GEMV policy: {site} -> {choice}", file=sys.stderr)
+    return sites
 
 
 def stream_read(args) -> float | None:

@@ -241,12 +241,12 @@ def fits_fp8_kernels(x: torch.Tensor, weight, scale, block: tuple[int, int]) -> 
         and scale.dtype == torch.float32
         and scale.stride(-1) == 1
         and (_per_row(weight, block) or (cols >= 16 and cols & (cols - 1) == 0))
-        and (not x.is_cuda or _fp8_capable(x.device))
+        and (not x.is_cuda or fp8_capable(x.device))
     )
 
 
 @functools.cache
-def _fp8_capable(device: torch.device) -> bool:
+def fp8_capable(device: torch.device) -> bool:
     """Triton converts e4m3 on compute capability >= 8.9 (Ada, Hopper and later)."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -309,7 +309,7 @@ def fp8_dot(x, weight, scale, block, bias=None):
 def _scaled_mm_supported(device: torch.device) -> bool:
     """torch._scaled_mm with row-wise scales needs FP8 tensor cores (compute capability
     >= 8.9) and a torch that has it."""
-    return hasattr(torch, "_scaled_mm") and device.type == "cuda" and _fp8_capable(device)
+    return hasattr(torch, "_scaled_mm") and device.type == "cuda" and fp8_capable(device)
 
 
 _SCALED_MM_FAILED: set = set()

@@ -5,7 +5,8 @@ weights: no split-K reduce kernel, the norm or SiLU folded in, PDL) and loses wh
 large matrix must stream at full bandwidth (cuBLAS reads the 8B MLP's 4096 x 14336 at
 about twice its rate; issue 30). No table of measured shapes decides that: for each
 GEMV site a forward meets at one row, keyed by (GPU name, in_features, weight rows,
-SiLU epilogue, norm prologue, dtype, PDL, Triton and torch versions), ``GemvPolicy``
+SiLU epilogue, norm prologue, RoPE epilogue, bias, dtype, weight dtype, PDL, Triton and
+torch versions), ``GemvPolicy``
 times the unfused path (cuBLAS ``F.linear`` plus atom's separate ``rms_norm`` /
 ``silu_and_mul`` kernels, what the fusion replaces) against a few tile candidates under
 CUDA graphs, once, the first time the site runs outside a graph capture (the warm-up
@@ -16,6 +17,12 @@ RMSNorm prologue (``norm_gemv``) has a third way, which its fallback runs: the n
 kernel, then the plain site (which decides its own Triton GEMV or cuBLAS). Its fused norm
 must beat that too: the prologue re-reads x, the residual and the norm weight in every
 program, which costs the wide MLP projections more than a norm kernel's launch.
+
+An FP8 layer with one scale per row (``weight_scale``; block-scaled FP8 and int4 stay
+unfused) is a site of its own (the weight dtype is in the key: bf16 and FP8 entries never
+mix): its unfused path is what the layer runs without the fusion, atom/kernels/fp8_linear.py's
+FP8 GEMV plus the separate norm / rotary / SiLU kernels, and its candidates read twice as
+many inputs per chunk (the same bytes per tile; gemv_trial.py ``candidates``).
 
 The trials share a budget (``Config.gemv_trial_budget_s``, from ATOM_GEMV_TRIAL_BUDGET_S:
 1 s of timing per process;
@@ -74,8 +81,8 @@ logger = logging.getLogger(__name__)
 MODES = envs.GEMV_POLICY_MODES  # measure | fused | unfused
 MARGIN = 0.03  # the Triton GEMV must beat the unfused path by 3% (a step adds its noise)
 BUDGET_S = 1.0  # seconds of timed trials per process
-CACHE_VERSION = 3  # 2: a norm site also weighed against the norm kernel + the plain GEMV;
-# 3: the key says whether the layer has a bias
+CACHE_VERSION = 4  # 2: a norm site also weighed against the norm kernel + the plain GEMV;
+# 3: the key says whether the layer has a bias; 4: and the weight's dtype (FP8 or x's)
 _BLOCK_NS = (1, 2, 4, 8, 16)
 _BLOCK_KS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -165,26 +172,29 @@ class GemvPolicy:
         norm: bool = False,
         rope: RopeKV | None = None,
         bias: torch.Tensor | None = None,
+        weight_scale: torch.Tensor | None = None,
     ) -> GemvConfig | None:
         """The Triton GEMV's tile for this layer at one row, or None: the unfused path.
         ``rope``: the qkv GEMV with the RoPE + KV-write epilogue (against the GEMV and
         ``rotary_kv_write``; the trial writes no cache slot). ``bias``: the layer's (the
-        trial adds one of its shape to both paths)."""
-        if not fits_gemv(x, weight) or not _bias_fits(bias, x, weight, silu_mul):
+        trial adds one of its shape to both paths). ``weight_scale``: an FP8 weight's
+        float32 scale per row (the unfused path: the FP8 linear and the separate kernels)."""
+        if not fits_gemv(x, weight, weight_scale) or not _bias_fits(bias, x, weight, silu_mul):
             return None
         if self.mode == "unfused":
             return None
         dtype = _dtype_name(x)
+        weight_dtype = None if weight_scale is None else _dtype_name(weight)
         site = GemvSite(
             weight.shape[1], weight.shape[0], silu_mul, norm, dtype, rope is not None,
-            bias is not None,
-        )
+            bias is not None, weight_dtype,
+        )  # fmt: skip
         if self.mode == "fused":
-            return heuristic_config(site.in_features, site.rows, site.silu_mul)
+            return heuristic_config(site.in_features, site.rows, site.silu_mul, weight_dtype)
         key = self._key(site, x.device)
         choice = self.choices.get(key)
         if choice is None:
-            choice = self._decide(site, key, x.device, weight, rope)
+            choice = self._decide(site, key, x.device, weight, rope, weight_scale)
             if choice is None:  # inside a graph capture: nothing may be timed there
                 return None
             self.choices[key] = choice
@@ -198,7 +208,8 @@ class GemvPolicy:
         choice = self.choices.get(self._key(site, device))
         return None if choice is None else choice.config
 
-    def _decide(self, site, key, device, weight, rope=None) -> GemvChoice | None:
+    def _decide(self, site, key, device, weight, rope=None, weight_scale=None):
+        """The site's choice: cached, measured, or a fallback (None inside a capture)."""
         if self.timer is None and device.type != "cuda":
             return GemvChoice(None, "no CUDA device: nothing to measure", "fallback")
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -209,19 +220,19 @@ class GemvPolicy:
         if self.spent_s >= self.budget_s:
             return GemvChoice(None, f"trial budget of {self.budget_s:g} s spent", "fallback")
         try:
-            choice = self._trial(site, weight, rope)
+            choice = self._trial(site, weight, rope, weight_scale)
         except Exception as error:  # e.g. out of memory: the unfused path, measured next start
             logger.warning("GEMV policy: the trial of %s failed: %r", site.label(), error)
             return GemvChoice(None, f"trial failed: {error!r}"[:200], "fallback")
         self._write_cached(key, choice)
         return choice
 
-    def _trial(self, site: GemvSite, weight: torch.Tensor, rope=None) -> GemvChoice:
+    def _trial(self, site: GemvSite, weight: torch.Tensor, rope=None, weight_scale=None):
         """Time the unfused path and each candidate tile on copies of ``weight`` (enough
         of them that the rotation does not fit in L2); keep the fastest candidate whose
         output matches the unfused path's, if it beats it by MARGIN."""
         weights = self._rotation(weight)
-        inputs = TrialInputs(site, weight, rope)
+        inputs = TrialInputs(site, weight, rope, weight_scale)
         timer = self.timer or cuda_seconds_per_call
         unfused = inputs.unfused()
         expected = first_output(unfused(weight)).float()
@@ -257,8 +268,9 @@ class GemvPolicy:
 
     def _apart(self, inputs, site, weights, expected, rope) -> tuple[float, GemvConfig | None]:
         """(us, tile) of a norm site's best 'norm kernel, then the plain Triton GEMV'
-        (inf, None for a site without the norm or with the RoPE epilogue)."""
-        if not site.norm or rope is not None:
+        (inf, None for a site without the norm or with the RoPE epilogue, or an FP8 site
+        without the SiLU: its plain layer is the FP8 linear, the unfused path itself)."""
+        if not site.norm or rope is not None or (site.weight_dtype and not site.silu_mul):
             return math.inf, None
         plain = dataclasses.replace(site, norm=False)
         best_us, best = math.inf, None
@@ -301,7 +313,8 @@ class GemvPolicy:
         name = _device_name(device)
         pdl = bool(current_fusions().pdl)
         return (name, _triton_version(), torch.__version__, site.in_features, site.rows,
-                site.silu_mul, site.norm, site.dtype, pdl, site.rope, site.bias)  # fmt: skip
+                site.silu_mul, site.norm, site.dtype, pdl, site.rope, site.bias,
+                site.weight_dtype)  # fmt: skip
 
     @staticmethod
     def key_string(key: tuple) -> str:
@@ -371,7 +384,7 @@ class GemvPolicy:
         rows = []
         for key, choice in self.choices.items():
             in_features, rows_, silu_mul, norm, dtype = key[3:8]
-            site = GemvSite(in_features, rows_, silu_mul, norm, dtype, key[9], key[10])
+            site = GemvSite(in_features, rows_, silu_mul, norm, dtype, *key[9:12])
             rows.append(dict(
                 site=site.label(), gpu=key[0], pdl=key[8],
                 choice="unfused" if choice.config is None else list(_label(choice.config)),
@@ -489,8 +502,11 @@ def use_gemv(
     norm: bool = False,
     rope: RopeKV | None = None,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> bool:
     """Whether a fusion switch should run this layer as the Triton GEMV (the policy's
     choice for its shape at one row; ``rope``: with the RoPE + KV-write epilogue;
-    ``bias``: the layer's bias, added in the GEMV's epilogue)."""
-    return current_policy().config_for(x, weight, silu_mul, norm, rope, bias) is not None
+    ``bias``: the layer's bias, added in the GEMV's epilogue; ``weight_scale``: an FP8
+    weight's scale per row)."""
+    policy = current_policy()
+    return policy.config_for(x, weight, silu_mul, norm, rope, bias, weight_scale) is not None

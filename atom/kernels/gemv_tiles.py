@@ -39,22 +39,30 @@ class GemvSite:
     dtype: str  # "bfloat16", "float32", ...
     rope: bool = False  # q/k/v rows with RoPE and the KV write in the epilogue (gemv_rope_kv)
     bias: bool = False  # the layer adds a bias (Qwen2's qkv)
+    # None: the weight has x's dtype; "float8_e4m3fn": FP8 with one float32 scale per row
+    weight_dtype: str | None = None
 
     def label(self) -> str:
         parts = [f"{self.in_features}x{self.rows}"]
         parts += ["silu"] * self.silu_mul + ["norm"] * self.norm + ["rope_kv"] * self.rope
         parts += ["bias"] * self.bias
-        return "+".join(parts) + f" {self.dtype}"
+        weight = f" {self.weight_dtype} weight" if self.weight_dtype else ""
+        return "+".join(parts) + f" {self.dtype}{weight}"
 
 
 # the SMs of a Hopper GPU: the heuristic aims at several programs per SM
 _NUM_SMS = 132
 
 
-def heuristic_config(in_features: int, out_features: int, silu_mul: bool) -> GemvConfig:
+def heuristic_config(
+    in_features: int, out_features: int, silu_mul: bool, weight_dtype: str | None = None
+) -> GemvConfig:
     """A launch geometry from the shape alone: the largest BLOCK_N that still gives ~8
-    programs per SM, and ~8 KB of weight per tile (32 elements per thread of 4 warps)."""
+    programs per SM, and ~8 KB of weight per tile (32 elements per thread of 4 warps); an
+    FP8 weight (``weight_dtype``) the FP8 GEMV's heuristic (``quant_heuristic_config``)."""
     rows = out_features // 2 if silu_mul else out_features
+    if weight_dtype == "float8_e4m3fn":
+        return quant_heuristic_config(in_features, rows, "fp8")
     block_n = 16
     while block_n > 1 and -(-rows // block_n) < 8 * _NUM_SMS:
         block_n //= 2
@@ -104,6 +112,13 @@ def quant_gemv_config(
     tile = chosen_tile(site, device or torch.device("cuda"))
     if tile is not None and (not group or tile.block_k % group == 0):
         return tile
+    return quant_heuristic_config(in_features, out_features, fmt, group)
+
+
+def quant_heuristic_config(
+    in_features: int, out_features: int, fmt: str, group: int = 0
+) -> GemvConfig:
+    """``quant_gemv_config``'s heuristic (out_features: the programs' output rows)."""
     block_n = 16
     while block_n > 1 and -(-out_features // block_n) < 8 * _NUM_SMS:
         block_n //= 2

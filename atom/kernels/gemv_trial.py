@@ -12,9 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels.activation import silu_and_mul
+from atom.kernels.fp8_linear import fp8_linear
 from atom.kernels.gemv import gemv, gemv_rms_norm, gemv_silu_and_mul
 from atom.kernels.gemv_rope_kv import RopeKV, gemv_rope_kv
-from atom.kernels.gemv_tiles import GemvConfig, GemvSite, heuristic_config
+from atom.kernels.gemv_tiles import (
+    GemvConfig,
+    GemvSite,
+    heuristic_config,
+    quant_gemv_candidates,
+)
 from atom.kernels.rmsnorm import rms_norm
 from atom.kernels.rotary_kv import rotary_kv_write
 
@@ -29,18 +35,27 @@ def candidates(site: GemvSite) -> list[GemvConfig]:
     chunks (each program reads x, the residual and the norm weight again). The winners of
     the wider sweep (benchmarks/gemv_sweep.py) are of this family, and these narrow tiles
     stream large matrices near a streaming read's rate, where the heuristic's wider tiles
-    fall well short (docs/benchmarks.md)."""
-    block_k = max(64, min(1024, 1 << math.ceil(math.log2(max(site.in_features, 1)))))
+    fall well short (docs/benchmarks.md). An FP8 weight (1 byte an element) gets chunks
+    twice as wide (the same bytes per tile: 16-byte loads), and the tiles the FP8 GEMV's
+    tuner tries (atom/kernels/gemv_tiles.py quant_gemv_candidates, x loaded once as this
+    kernel loads it for FP8): the fused kernel has every tile the unfused one may take."""
+    fp8 = site.weight_dtype == "float8_e4m3fn"
+    wide = 2 if fp8 else 1
+    widest = 1 << math.ceil(math.log2(max(site.in_features, 1)))
+    block_k = max(64, min(1024 * wide, widest))
     rows = site.rows // 2 if site.silu_mul else site.rows
     out = [
         GemvConfig(1, block_k, 1 if site.silu_mul else 2, 1),
         GemvConfig(1, block_k, 4, 1),
         GemvConfig(min(2, rows), block_k, 8, 1),
-        heuristic_config(site.in_features, site.rows, site.silu_mul),
+        heuristic_config(site.in_features, site.rows, site.silu_mul, site.weight_dtype),
     ]
     if site.norm:  # each program re-reads x (+ residual, norm weight): fewer, wider ones
-        out += [GemvConfig(min(2, rows), min(512, block_k), 2, 1),
-                GemvConfig(min(4, rows), min(256, block_k), 4, 1)]  # fmt: skip
+        out += [GemvConfig(min(2, rows), min(512 * wide, block_k), 2, 1),
+                GemvConfig(min(4, rows), min(256 * wide, block_k), 4, 1)]  # fmt: skip
+    if fp8:
+        tuned = quant_gemv_candidates(out[3], 0)  # around the FP8 heuristic (out[3])
+        out += [config for config, x_once in tuned if x_once]
     return list(dict.fromkeys(out))
 
 
@@ -68,12 +83,21 @@ def cuda_seconds_per_call(run: Callable, weights: list, calls: int, replays: int
 
 class TrialInputs:
     """x, a residual and a norm weight for one site, and its two paths as callables of
-    the weight. A rope site's trial uses the step's RopeKV with no cache slot (-1)."""
+    the weight. A rope site's trial uses the step's RopeKV with no cache slot (-1). An FP8
+    site (``weight_scale``: the layer's float32 scale per row, shared by every copy of the
+    weight) runs unfused as the FP8 layer does: atom/kernels/fp8_linear.py's linear."""
 
-    def __init__(self, site: GemvSite, weight: torch.Tensor, rope: RopeKV | None = None):
+    def __init__(
+        self,
+        site: GemvSite,
+        weight: torch.Tensor,
+        rope: RopeKV | None = None,
+        weight_scale: torch.Tensor | None = None,
+    ):
         self.site = site
+        self.weight_scale = weight_scale
         generator = torch.Generator(weight.device).manual_seed(0)
-        k, dtype, device = site.in_features, weight.dtype, weight.device
+        k, dtype, device = site.in_features, getattr(torch, site.dtype), weight.device
         self.x = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         self.residual = torch.randn(1, k, device=device, dtype=dtype, generator=generator)
         self.norm_weight = torch.ones(k, device=device, dtype=dtype)
@@ -89,11 +113,14 @@ class TrialInputs:
 
     def unfused(self):
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
-        rope, bias = self.rope, self.bias
+        rope, bias, scale = self.rope, self.bias, self.weight_scale
 
         def run(weight):
             h = rms_norm(x, norm_weight, EPS, residual)[0] if site.norm else x
-            out = F.linear(h, weight, bias)
+            if scale is None:
+                out = F.linear(h, weight, bias)
+            else:  # what Fp8LinearMethod.apply runs on CUDA
+                out = fp8_linear(h, weight, scale, (1, weight.shape[1]), bias)
             if rope is not None:
                 q_size, kv_size = (
                     rope.num_q_heads * rope.head_dim,
@@ -114,19 +141,19 @@ class TrialInputs:
 
     def fused(self, config: GemvConfig):
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
-        rope, bias = self.rope, self.bias
+        rope, bias, scale = self.rope, self.bias, self.weight_scale
 
         def run(weight):
             if rope is not None:
                 norm = (residual, norm_weight, EPS) if site.norm else None
-                return gemv_rope_kv(x, weight, rope, norm, config, bias)
+                return gemv_rope_kv(x, weight, rope, norm, config, bias, scale)
             if site.norm:
                 return gemv_rms_norm(
-                    x, residual, norm_weight, EPS, weight, site.silu_mul, config, bias
+                    x, residual, norm_weight, EPS, weight, site.silu_mul, config, bias, scale
                 )
             if site.silu_mul:
-                return gemv_silu_and_mul(x, weight, config)
-            return gemv(x, weight, config, bias)
+                return gemv_silu_and_mul(x, weight, config, scale)
+            return gemv(x, weight, config, bias, scale)
 
         run.config = config  # which candidate (a test's timer reads it)
         return run
@@ -138,13 +165,13 @@ class TrialInputs:
         site, x, residual, norm_weight = self.site, self.x, self.residual, self.norm_weight
         assert site.norm and self.rope is None
 
-        bias = self.bias
+        bias, scale = self.bias, self.weight_scale
 
         def run(weight):
             h = rms_norm(x, norm_weight, EPS, residual)[0]
             if site.silu_mul:
-                return gemv_silu_and_mul(h, weight, config)
-            return gemv(h, weight, config, bias)
+                return gemv_silu_and_mul(h, weight, config, scale)
+            return gemv(h, weight, config, bias, scale)
 
         run.config = config
         run.apart = True  # (a test's timer reads it)

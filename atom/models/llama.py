@@ -43,12 +43,26 @@ from atom.models.parallel_layers import (
     load_parameter,
 )
 from atom.models.quantization import read_quantization_scheme
+from atom.models.quantization.fp8 import Fp8LinearMethod
 
 
 def _fused_kernels_on(x: torch.Tensor) -> bool:
     """Whether the fused GEMV paths (atom/fusions.py) may run on x: CUDA only (on CPU the
     engine keeps the torch references; tests point this at the Triton interpreter)."""
     return x.is_cuda
+
+
+def _gemv_weight(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """What the fused batch-1 GEMVs read of a linear layer: (weight, None) for a dense one,
+    (e4m3 weight, its float32 scale per row) for FP8 with one scale per output row; None for
+    any other quantized layer (int4, block-scaled FP8: their own kernels, unfused)."""
+    method = linear.quant_method
+    if method is None:
+        return linear.weight, None
+    if isinstance(method, Fp8LinearMethod):
+        scale = method.row_scale(linear)
+        return None if scale is None else (linear.weight, scale)
+    return None
 
 
 def _num_kv_heads(config) -> int:
@@ -160,14 +174,15 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.gate_up_proj.weight
+        gate_up = _gemv_weight(self.gate_up_proj)  # dense or per-row-scaled FP8
         if (
             _fused_kernels_on(x)
-            and self.gate_up_proj.quant_method is None  # the fused GEMVs read dense weights
+            and gate_up is not None
             and current_fusions().gemv_silu
-            and use_gemv(x, weight, True)
-        ):
-            return self.down_proj(gemv_silu_and_mul(x, weight))  # one kernel, no SiLU pass
+            and use_gemv(x, gate_up[0], True, weight_scale=gate_up[1])
+        ):  # one kernel, no SiLU pass
+            weight, scale = gate_up
+            return self.down_proj(gemv_silu_and_mul(x, weight, weight_scale=scale))
         if x.is_cuda:
             return self.down_proj(self.act(self.gate_up_proj(x)))
         rows = x.shape[0]
@@ -200,42 +215,47 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        attention, mlp = self.self_attn, self.mlp
-        qkv_weight, norm = attention.qkv_proj.weight, self.input_layernorm
+        attention, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         qkv_bias = attention.qkv_proj.bias  # Qwen2's: added in the GEMV's epilogue
+        # the fused GEMVs read dense weights, or FP8 ones with a scale per row
+        qkv_weights = _gemv_weight(attention.qkv_proj)
+        gate_up_weights = _gemv_weight(mlp.gate_up_proj)
         if not (
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
-            and attention.qkv_proj.quant_method is None  # the fused GEMVs read dense weights
-            and mlp.gate_up_proj.quant_method is None
+            and qkv_weights is not None
+            and gate_up_weights is not None
             and norm.weight.dtype == hidden.dtype
         ):
             return super().forward(positions, hidden, residual)
+        qkv_weight, qkv_scale = qkv_weights
+        qkv_args = dict(bias=qkv_bias, weight_scale=qkv_scale)  # the qkv layer's
         # Fusions.norm_gemv: each RMSNorm (and its residual add) inside the GEMV after it,
         # where the GEMV policy measured that GEMV faster (use_gemv: with the RoPE + KV
         # epilogue where that runs); else the norm kernels and the MLP as without it.
         rope = attention.attn.rope_kv(positions, attention.rotary, attention.num_heads)
         if rope is not None and not rope.fits(hidden, qkv_weight):
             rope = None
-        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope, bias=qkv_bias):
+        if not use_gemv(hidden, qkv_weight, norm=True, rope=rope, **qkv_args):
             return super().forward(positions, hidden, residual)
         if rope is not None:  # Fusions.gemv_rope_kv
             norm_args = (residual, norm.weight, norm.eps)
-            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args, bias=qkv_bias)
+            q, residual = gemv_rope_kv(hidden, qkv_weight, rope, norm_args, **qkv_args)
             hidden = attention.attend_cached(q)
         else:
             qkv, residual = gemv_rms_norm(
-                hidden, residual, norm.weight, norm.eps, qkv_weight, bias=qkv_bias
+                hidden, residual, norm.weight, norm.eps, qkv_weight, **qkv_args
             )
             hidden = attention.attend(positions, qkv)
         norm = self.post_attention_layernorm
-        gate_up = mlp.gate_up_proj.weight
-        if not use_gemv(hidden, gate_up, silu_mul=True, norm=True):
+        gate_up, gate_up_scale = gate_up_weights
+        if not use_gemv(hidden, gate_up, silu_mul=True, norm=True, weight_scale=gate_up_scale):
             hidden, residual = norm(hidden, residual)
             return mlp(hidden), residual
         hidden, residual = gemv_rms_norm(
-            hidden, residual, norm.weight, norm.eps, gate_up, silu_mul=True
-        )
+            hidden, residual, norm.weight, norm.eps, gate_up, silu_mul=True,
+            weight_scale=gate_up_scale,
+        )  # fmt: skip
         return mlp.down_proj(hidden), residual
 
 

@@ -396,3 +396,62 @@ def test_a_bias_site_is_its_own_site_and_its_trial_adds_the_bias(tmp_path):
     again = _policy(tmp_path, FakeTimer(fail=True))
     assert again.config_for(x, weight, bias=bias) == fastest
     assert again.report()[0]["source"] == "cached"
+
+
+def _fp8_inputs(rows=ROWS):
+    """x (fp32), an e4m3 weight [rows, IN] with one float32 scale per row, and the same
+    weight dequantized (a dense layer of the same shape)."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(1, IN, generator=generator).to(DEVICE)
+    weight = torch.randn(rows, IN, generator=generator) / 8
+    scale = weight.abs().amax(dim=1, keepdim=True) / 448
+    fp8 = (weight / scale).to(torch.float8_e4m3fn)
+    return x, fp8.to(DEVICE), scale.to(DEVICE), (fp8.float() * scale).to(DEVICE)
+
+
+@pytest.mark.parametrize("silu_mul, norm", [(False, True), (True, True), (True, False)])
+def test_an_fp8_site_is_its_own_key_against_the_fp8_linear(tmp_path, monkeypatch, silu_mul, norm):
+    """An FP8 layer (one scale per row) is decided apart from a dense layer of its shape
+    (the weight dtype in the key and the report); its unfused path is the FP8 linear of
+    atom/kernels/fp8_linear.py (what Fp8LinearMethod runs), its candidates read twice the
+    inputs per chunk, and a norm site of qkv (no SiLU) has no 'norm apart' way: its plain
+    layer is the FP8 linear. The next start reads the FP8 choice from the cache."""
+    unfused_calls = []
+    real_fp8_linear = gemv_trial.fp8_linear
+    monkeypatch.setattr(
+        gemv_trial,
+        "fp8_linear",
+        lambda *a, **k: unfused_calls.append(a) or real_fp8_linear(*a, **k),
+    )
+    site = GemvSite(IN, ROWS, silu_mul, norm, "float32", weight_dtype="float8_e4m3fn")
+    tiles = candidates(site)
+    assert heuristic_config(IN, ROWS, silu_mul, "float8_e4m3fn") in tiles
+    dense_tiles = candidates(_site(silu_mul, norm))
+    assert max(t.block_k for t in tiles) >= max(t.block_k for t in dense_tiles)
+    fastest = tiles[0]
+    timer = FakeTimer(unfused_us=10.0, fused_us={fastest: 6.0})
+    policy = _policy(tmp_path, timer)
+    x, fp8, scale, dequantized = _fp8_inputs()
+    assert policy.config_for(x, fp8, silu_mul, norm, weight_scale=scale) == fastest
+    assert unfused_calls, "the unfused path of an FP8 site is the FP8 linear"
+    assert fastest in timer.calls  # its output matched the FP8 linear's
+    assert bool(timer.apart_calls) == (norm and silu_mul)  # qkv: no norm-apart way
+    assert policy.tile(site, x.device) == fastest
+    assert policy.config_for(x, fp8, silu_mul, norm) is None  # no scale: not a weight of x's dtype
+    assert policy.config_for(x, fp8, silu_mul, norm, weight_scale=scale[:, :0]) is None
+    # the dense layer of the same shape: a trial and an entry of its own
+    policy.timer = FakeTimer(unfused_us=10.0, other_us=12.0)
+    assert policy.config_for(x, dequantized, silu_mul, norm) is None
+    labels = sorted(record["site"] for record in policy.report())
+    assert labels == sorted([site.label(), _site(silu_mul, norm).label()])
+    assert "float8_e4m3fn weight" in site.label()
+    data = json.loads((tmp_path / "gemv_policy.json").read_text())
+    assert sorted(str(entry["key"][-1]) for entry in data["entries"].values()) == [
+        "None", "float8_e4m3fn",
+    ]  # fmt: skip
+    again = _policy(tmp_path, FakeTimer(fail=True))
+    assert again.config_for(x, fp8, silu_mul, norm, weight_scale=scale) == fastest
+    assert again.report()[0]["source"] == "cached"
+    fused = GemvPolicy("fused")
+    expected = heuristic_config(IN, ROWS, silu_mul, "float8_e4m3fn")
+    assert fused.config_for(x, fp8, silu_mul, norm, weight_scale=scale) == expected

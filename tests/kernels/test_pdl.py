@@ -9,7 +9,7 @@ import torch
 
 from atom.fusions import Fusions
 from atom.kernels import pdl
-from tests.kernels import test_decode_attention, test_gemv, test_gemv_rope_kv
+from tests.kernels import test_decode_attention, test_gemv, test_gemv_fp8, test_gemv_rope_kv
 
 ON = (1, {"launch_pdl": True})
 
@@ -120,6 +120,14 @@ def test_one_row_gemv_pdl_paths(emulated, in_features, out_features, config):
 @pytest.mark.parametrize("block_n", [1, 8])
 def test_gemv_rope_kv_pdl_paths(emulated, norm, block_n):
     test_gemv_rope_kv.test_equals_gemv_then_rotary_kv_write(torch.float32, norm, block_n, True)
+
+
+@pytest.mark.parametrize("in_features, out_features, config", test_gemv.ROW_CASES[1:])
+def test_fp8_one_row_gemv_pdl_paths(emulated, in_features, out_features, config):
+    """The FP8 weight's first chunk loaded before the wait, x once after it."""
+    test_gemv_fp8.test_fp8_one_row_gemv_matches_the_dequantized_weight(
+        in_features, out_features, config, torch.float32, test_gemv.DEVICE
+    )
 
 
 @pytest.mark.parametrize("early_kv", [False, True])

@@ -567,22 +567,39 @@ def test_rotary_kv_write_one_variant(kv_cache_dtype):
     assert_one_variant(rotary_kv, ["_rotary_kv_write_kernel"], run)
 
 
+def _row_scaled_fp8(rows, cols):
+    """An e4m3 weight [rows, cols] and its float32 scale per row (the fused GEMVs' FP8)."""
+    weight = torch.randn(rows, cols, device=DEVICE).to(torch.float8_e4m3fn)
+    return weight, torch.rand(rows, 1, device=DEVICE) / 448 + 1e-4
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_one_variant(silu_mul):
-    """One row compiles one variant (with and without the norm); more rows take the torch
-    path and compile nothing."""
+def test_gemv_one_variant(silu_mul, fp8):
+    """One row compiles one variant (with and without the norm; a bf16 or an FP8 weight
+    with its scale per row); more rows take the torch path and compile nothing."""
     x = torch.randn(16, 2048, device=DEVICE, dtype=BF16)
-    weight = torch.randn(16384, 2048, device=DEVICE, dtype=BF16)
-    run = gemv.gemv_silu_and_mul if silu_mul else gemv.gemv
+    weight, scale = torch.randn(16384, 2048, device=DEVICE, dtype=BF16), None
+    if fp8:
+        weight, scale = _row_scaled_fp8(16384, 2048)
     lengths = [1, 2, 3, 7, 16]
     kernels = ["_gemv_row_kernel"]
-    assert_one_variant(gemv, kernels, lambda n: run(x[:n], weight), lengths)
+
+    def plain(n):
+        if silu_mul:
+            gemv.gemv_silu_and_mul(x[:n], weight, weight_scale=scale)
+        else:
+            gemv.gemv(x[:n], weight, weight_scale=scale)
+
+    assert_one_variant(gemv, kernels, plain, lengths)
     residual = torch.randn_like(x)
     norm_weight = torch.ones(2048, device=DEVICE, dtype=BF16)
 
     def with_norm(n):
-        gemv.gemv_rms_norm(x[:n], residual[:n], norm_weight, 1e-5, weight, silu_mul)
+        gemv.gemv_rms_norm(
+            x[:n], residual[:n], norm_weight, 1e-5, weight, silu_mul, weight_scale=scale
+        )
 
     assert_one_variant(gemv, kernels, with_norm, lengths)
 
@@ -610,6 +627,38 @@ def test_gemv_one_row_one_variant_over_shapes(weights):
         gemv.gemv(x, weight, config)
 
     assert_one_variant(gemv, ["_gemv_row_kernel"], run, range(len(shapes)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bandwidth-bound", "latency-bound"])
+def test_gemv_fp8_one_row_one_variant_over_shapes(weights):
+    """The FP8 weight (a scale per row) of the batch-1 kernel: one variant per
+    configuration over the 8B and small layer shapes, with the norm and the SiLU epilogue
+    (the gate_up site) and without (PDL follows the fp8 bytes: one class each)."""
+    config = gemv.GemvConfig(4, 1024, 4, 2)
+    shapes = {
+        "bandwidth-bound": [(4096, 6144), (4096, 4096), (4096, 28672)],  # > 10 MB of fp8
+        "latency-bound": [(576, 960), (576, 576), (576, 3072)],
+    }[weights]
+    for in_features, out_features in shapes:
+        pdl_on = in_features * out_features <= pdl.PDL_GEMV_BYTES
+        assert pdl_on == (weights == "latency-bound")
+
+    def run(i):
+        in_features, out_features = shapes[i % len(shapes)]
+        x = torch.randn(1, in_features, device=DEVICE, dtype=BF16)
+        weight, scale = _row_scaled_fp8(out_features, in_features)
+        if i < len(shapes):
+            gemv.gemv(x, weight, config, weight_scale=scale)
+        else:
+            norm_weight = torch.ones(in_features, device=DEVICE, dtype=BF16)
+            gemv.gemv_rms_norm(
+                x, torch.randn_like(x), norm_weight, 1e-5, weight, True, config,
+                weight_scale=scale,
+            )  # fmt: skip
+
+    assert_one_variant(gemv, ["_gemv_row_kernel"], run, range(len(shapes)))
+    assert_one_variant(gemv, ["_gemv_row_kernel"], run, range(len(shapes), 2 * len(shapes)))
 
 
 @pytest.mark.gpu

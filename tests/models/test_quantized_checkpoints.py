@@ -515,3 +515,57 @@ def test_a_linear_on_the_ignore_list_stays_dense(llama_model, tmp_path):
     assert layers[0].self_attn.o_proj.weight.dtype == torch.float32
     assert layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     assert layers[1].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+
+
+def test_llama_fp8_batch1_fusions_give_the_tokens_of_the_unfused_fp8_path(
+    llama_model, tmp_path, monkeypatch
+):
+    """A per-channel FP8 checkpoint decoding one sequence at a time: with the batch-1
+    fusions (norm + qkv GEMV + RoPE / KV write, norm + gate_up GEMV + SiLU; the GEMV policy
+    'fused') the fused GEMVs read the fp8 weights and their row scales, and the greedy
+    tokens equal those of every fusion off (the FP8 linear and the separate kernels). The
+    fused paths run under the Triton interpreter here, and the FP8 layers take their CUDA
+    path (atom/kernels/fp8_linear.py: weight-only, as the fused GEMVs) on both sides."""
+    from atom.fusions import Fusions
+    from atom.kernels import gemv as gemv_module
+    from atom.kernels import gemv_policy
+    from atom.kernels.fp8_linear import fp8_linear
+    from atom.models import llama
+    from atom.models.quantization.fp8 import Fp8LinearMethod
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(llama, "_fused_kernels_on", lambda x: True)
+
+    def cuda_apply(self, layer, x, bias=None):  # Fp8LinearMethod.apply's CUDA branch
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.weight_block, bias)
+
+    monkeypatch.setattr(Fp8LinearMethod, "apply", cuda_apply)
+    fp8_launches = []
+    real_launch = gemv_module._launch
+
+    def launch(x, weight, out, silu_mul, *args, **kwargs):
+        if weight.dtype == FP8:
+            fp8_launches.append("rope" if kwargs.get("rope") is not None else silu_mul)
+        return real_launch(x, weight, out, silu_mul, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_module, "_launch", launch)
+    quant_dir, _ = write_pair(llama_model, tmp_path, "ct_fp8:channel", _is_llama_linear)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    previous = gemv_policy.set_policy(None)  # the engines' own ('fused'), then set back
+    try:
+        for name, fusions in (("fused", Fusions()), ("unfused", Fusions.none())):
+            llm = build_llm(quant_dir, num_kvcache_blocks=64, max_num_seqs=1, fusions=fusions,
+                            gemv_policy="fused")  # fmt: skip
+            outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+            tokens[name] = [o.token_ids for o in outputs]
+            llm.engine.shutdown()
+            if name == "fused":
+                # per layer and step: qkv with RoPE + KV write, gate_up with SiLU
+                assert set(fp8_launches) == {"rope", True}, fp8_launches
+                fp8_launches.clear()
+    finally:
+        gemv_policy.set_policy(previous)
+    assert not fp8_launches
+    assert tokens["fused"] == tokens["unfused"]

@@ -164,6 +164,15 @@ class Fp8LinearMethod:
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(layer.weight, layer.weight_scale, layer.weight_block).to(dtype)
 
+    def row_scale(self, layer) -> torch.Tensor | None:
+        """The float32 [N, 1] scales of a layer with one scale per output row, which the
+        fused batch-1 GEMVs take with the fp8 weight (atom/kernels/gemv.py); None for block
+        scales (they keep the FP8 GEMV and the separate norm / rotary / SiLU kernels) or
+        with the quantized kernels off (ATOM_QUANT_KERNELS=0: the reference's A/B runs)."""
+        rows_per_scale, cols_per_scale = layer.weight_block
+        per_row = rows_per_scale == 1 and cols_per_scale >= layer.weight.shape[1]
+        return layer.weight_scale if per_row and quant_kernels_enabled() else None
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """On CUDA the FP8 kernels (atom/kernels/fp8_linear.py: the GEMV up to 16 rows,
         weight-only; more rows FP8 tensor cores with per-row dynamic activation scales where
