@@ -232,6 +232,7 @@ KERNELS = {
         ["num_rows", "stride_tables_row", "num_blocks"],
         ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row"],
     ),
+    (v4_attention, "_v4_merge_kernel"): (["num_splits"], ["stride_out_row", "stride_out_head"]),
     (v4_attention, "_v4_decode_kernel"): (
         ["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"],
         [
