@@ -1,0 +1,152 @@
+"""CPU decode attention over K / V rows kept across steps: no gather per layer and step.
+
+`decode_attention_cpu` (atom/kernels/paged_attention_cpu.py) copies every sequence's keys
+and values out of the paged cache at every layer of every step; at batch 64 and ~160 keys
+that copy was ~40% of decode attention (docs/benchmarks.md, CPU section). A decode step
+only adds one token per sequence, so `DecodeKVRows` keeps each layer's copy from the
+previous step, `[2, B, capacity, kv_heads, dim]` (K and V, one padded row per sequence), and
+a step writes its new token into it (one `index_copy_` per layer) before SDPA reads it in
+place. The copy is rebuilt from the cache (one gather, as before) whenever the step is not
+the previous one plus a token per sequence: another batch or row order, another block
+table, a row past `capacity`, a step after any forward that was not a decode step.
+
+The rows hold the cache's own bytes and SDPA sees the keys of the gather path (masked
+positions hold other finite values, weighted by exactly 0), so the output is the same bytes
+as `decode_attention_cpu`'s.
+
+Owner: one `DecodeKVRows` per ModelRunner (CPU), passed to the layers in the forward
+context; it holds one buffer per layer, keyed by the layer's K cache. Memory: at most the
+cache's own size again (`capacity` x batch never above the cache's slots); a step over it
+takes the gather path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from atom.kernels.paged_attention_cpu import GatherPlan, decode_plan
+
+# Rows are rebuilt with room for this many more tokens (rounded up to it): one gather per
+# ROW_HEADROOM decode steps instead of one per step.
+ROW_HEADROOM = 32
+
+
+@dataclass
+class DecodeRowsPlan:
+    """What every layer of one decode step does with its rows.
+
+    gather:        the step's GatherPlan (key mask; the fallback of a layer whose rows are
+                   missing or stale);
+    step:          DecodeKVRows' step count at this step;
+    extend:        the previous step's rows are these rows minus this step's token;
+    capacity:      keys per row of the buffers;
+    write_index:   [B] int64 row b * capacity + context_len - 1 of this step's token;
+    rebuild_slots: [B * capacity] int64 cache slot of each buffer position (padding: the
+                   row's first slot, a finite value), for a rebuild.
+    """
+
+    gather: GatherPlan
+    step: int
+    extend: bool
+    capacity: int
+    write_index: torch.Tensor
+    rebuild_slots: torch.Tensor
+
+
+class DecodeKVRows:
+    """The per-layer K / V rows of the running decode batch, kept across steps."""
+
+    def __init__(self):
+        self.step = 0
+        # The last decode step's rows: block tables [B, blocks] and context lengths [B]
+        # (None: the next decode step rebuilds).
+        self.block_tables: torch.Tensor | None = None
+        self.context_lens: torch.Tensor | None = None
+        self.capacity = 0
+        # K cache data_ptr -> (step of the last write, [2, B, capacity, kv_heads, dim])
+        self.buffers: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def invalidate(self) -> None:
+        """A forward that is not a decode step: the next decode step rebuilds (its cache
+        writes are not in the rows)."""
+        self.block_tables = self.context_lens = None
+
+    def release(self) -> None:
+        self.invalidate()
+        self.buffers.clear()
+
+    def plan(self, block_tables, context_lens, batch: int, block_size: int, num_slots: int):
+        """The DecodeRowsPlan of a decode step, or None where the rows do not apply (a
+        padding row, or rows over the cache's size): the step takes the gather path."""
+        self.step += 1
+        lens = context_lens[:batch].long()
+        num_keys = int(lens.max())
+        capacity = -(-(num_keys + ROW_HEADROOM) // ROW_HEADROOM) * ROW_HEADROOM
+        capacity = min(capacity, num_slots // batch)
+        if bool((lens <= 0).any()) or capacity < num_keys:
+            self.release()
+            return None
+        gather = decode_plan(block_tables, context_lens, batch, block_size, num_slots)
+        num_blocks = -(-num_keys // block_size)
+        tables = block_tables[:batch, :num_blocks]
+        previous = self.context_lens
+        extend = (
+            previous is not None
+            and previous.shape[0] == batch
+            and num_keys <= self.capacity
+            and torch.equal(lens, previous + 1)
+            and torch.equal(tables[:, : self.block_tables.shape[1]], self.block_tables)
+        )
+        if not extend:
+            self.capacity = capacity
+        self.block_tables, self.context_lens = tables.clone(), lens.clone()
+        rows = torch.arange(batch)
+        write_index = rows * self.capacity + lens - 1
+        slots = gather.slots  # [B, num_keys]; padding past num_keys: the row's first slot
+        rebuild_slots = torch.cat(
+            (slots, slots[:, :1].expand(batch, self.capacity - num_keys)), dim=1
+        ).flatten()
+        return DecodeRowsPlan(gather, self.step, extend, self.capacity, write_index, rebuild_slots)
+
+    def layer_rows(self, k, v, k_cache, v_cache, plan: DecodeRowsPlan) -> torch.Tensor:
+        """This layer's [2, B, capacity, kv_heads, dim] rows with this step's token: the
+        previous step's plus k / v [B, kv_heads, dim], or rebuilt from the cache (which
+        already holds this step's token)."""
+        key = k_cache.data_ptr()
+        batch = plan.write_index.shape[0]
+        shape = (2, batch, plan.capacity, *k_cache.shape[2:])
+        last_step, rows = self.buffers.get(key, (None, None))
+        if plan.extend and last_step == plan.step - 1 and rows.shape == shape:
+            flat = rows.view(2, -1, *shape[3:])
+            flat[0].index_copy_(0, plan.write_index, k)
+            flat[1].index_copy_(0, plan.write_index, v)
+        else:
+            if rows is None or rows.shape != shape:
+                rows = None  # free the old rows before taking the new ones
+                self.buffers.pop(key, None)
+                rows = torch.empty(shape, dtype=k_cache.dtype)
+            flat = rows.view(2, -1, *shape[3:])
+            torch.index_select(k_cache.flatten(0, 1), 0, plan.rebuild_slots, out=flat[0])
+            torch.index_select(v_cache.flatten(0, 1), 0, plan.rebuild_slots, out=flat[1])
+        self.buffers[key] = (plan.step, rows)
+        return rows
+
+
+def decode_attention_rows(q, rows: torch.Tensor, plan: DecodeRowsPlan, scale) -> torch.Tensor:
+    """q [B, Hq, D] over `layer_rows`' rows -> [B, Hq, D] in q's dtype (fp32 math), the
+    same bytes as `decode_attention_cpu` over the cache."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = rows.shape[3]
+    num_keys = plan.gather.slots.shape[1]
+    # [B, Hkv, T, D] views; the query group of a KV head is SDPA's query axis
+    k = rows[0, :, :num_keys].transpose(1, 2).float()
+    v = rows[1, :, :num_keys].transpose(1, 2).float()
+    query = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim).float()
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=plan.gather.mask, scale=scale)
+    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+__all__ = ["DecodeKVRows", "DecodeRowsPlan", "ROW_HEADROOM", "decode_attention_rows"]
