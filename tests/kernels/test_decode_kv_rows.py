@@ -46,8 +46,9 @@ class Layers:
             tables = self.block_tables[rows_of]
             if plan is None:
                 plan = rows.plan(tables, lens_t, batch, self.block_size, self.num_slots)
-            k_new = torch.stack([self.keys[layer][s][n - 1] for s, n in zip(rows_of, lens)])
-            v_new = torch.stack([self.values[layer][s][n - 1] for s, n in zip(rows_of, lens)])
+            newest = list(zip(rows_of, lens, strict=True))  # (sequence, length) of each row
+            k_new = torch.stack([self.keys[layer][s][n - 1] for s, n in newest])
+            v_new = torch.stack([self.values[layer][s][n - 1] for s, n in newest])
             gather = decode_plan(tables, lens_t, batch, self.block_size, self.num_slots)
             expected = decode_attention_cpu(
                 q, k_cache, v_cache, gather, scale, k_scale=None, v_scale=None
