@@ -91,8 +91,8 @@ class MHAAttention(nn.Module):
                 decode_rows.invalidate()  # this step's cache writes are not in the rows
             if meta.is_decode and decode_rows is not None and self.k_scale is None:
                 plan = decode_rows.plan(
-                    meta.block_tables, meta.context_lens, q.shape[0], self.k_cache.shape[1],
-                    num_slots,
+                    meta.block_tables, meta.context_lens, q.shape[0], self.num_kv_heads,
+                    self.k_cache.shape[1], num_slots,
                 )  # fmt: skip
             if plan is None and meta.is_decode:
                 plan = decode_plan(

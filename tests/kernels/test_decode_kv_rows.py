@@ -45,7 +45,7 @@ class Layers:
             k_cache, v_cache = self.caches[layer]
             tables = self.block_tables[rows_of]
             if plan is None:
-                plan = rows.plan(tables, lens_t, batch, self.block_size, self.num_slots)
+                plan = rows.plan(tables, lens_t, batch, 3, self.block_size, self.num_slots)
             newest = list(zip(rows_of, lens, strict=True))  # (sequence, length) of each row
             k_new = torch.stack([self.keys[layer][s][n - 1] for s, n in newest])
             v_new = torch.stack([self.values[layer][s][n - 1] for s, n in newest])
@@ -132,7 +132,7 @@ def test_padding_row_or_cache_size_takes_the_gather_path():
     assert layers.step(rows, [30, 0], q) is None
     # rows of both sequences would not fit in a cache of this many slots
     lens = torch.tensor([30, 31], dtype=torch.int32)
-    assert rows.plan(layers.block_tables, lens, 2, 16, 2 * 30) is None
+    assert rows.plan(layers.block_tables, lens, 2, 3, 16, 2 * 30) is None
     # capacity shrinks to what fits, above the longest row
-    plan = rows.plan(layers.block_tables, lens, 2, 16, 2 * 40)
+    plan = rows.plan(layers.block_tables, lens, 2, 3, 16, 2 * 40)
     assert plan.capacity == 40
