@@ -45,7 +45,10 @@ class DecodeRowsPlan:
     extend:        the previous step's rows are these rows minus this step's token;
     capacity:      keys per row of the buffers;
     write_index:   [B * kv_heads] int64 position (b * kv_heads + h) * capacity +
-                   context_len - 1 of this step's token in a buffer's flat K (or V) rows.
+                   context_len - 1 of this step's token in a buffer's flat K (or V) rows;
+    rebuild_index: [B * kv_heads * capacity] int64 row of the cache viewed as
+                   [slots * kv_heads, dim] for each position of the flat rows (built by the
+                   first layer that rebuilds).
     """
 
     gather: GatherPlan
@@ -53,6 +56,16 @@ class DecodeRowsPlan:
     extend: bool
     capacity: int
     write_index: torch.Tensor
+    rebuild_index: torch.Tensor | None = None
+
+
+def _rebuild_index(slots, num_kv_heads: int, capacity: int) -> torch.Tensor:
+    """`DecodeRowsPlan.rebuild_index` of the gather plan's [B, T] slots: positions past T
+    read the row's first slot (finite; weighted by 0 once the rows grow over them)."""
+    batch, num_keys = slots.shape
+    slots = torch.cat((slots, slots[:, :1].expand(batch, capacity - num_keys)), dim=1)
+    heads = torch.arange(num_kv_heads)
+    return (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
 
 
 class DecodeKVRows:
@@ -123,14 +136,13 @@ class DecodeKVRows:
                 rows = None  # free the old rows before taking the new ones
                 self.buffers.pop(key, None)
                 rows = torch.empty(shape, dtype=k_cache.dtype)
-            slots = plan.gather.slots  # [B, T]; masked positions: the row's first slot
-            num_keys = slots.shape[1]
-            for index, cache in enumerate((k_cache, v_cache)):
-                keys = cache.flatten(0, 1).index_select(0, slots.flatten())
-                rows[index, :, :, :num_keys] = keys.view(
-                    batch, num_keys, num_kv_heads, -1
-                ).transpose(1, 2)
-            rows[:, :, :, num_keys:] = 0  # finite: read (weighted by 0) once the rows grow
+            if plan.rebuild_index is None:  # once per step, for every layer that rebuilds
+                plan.rebuild_index = _rebuild_index(plan.gather.slots, num_kv_heads, plan.capacity)
+            for index, cache in enumerate((k_cache, v_cache)):  # straight into head-major
+                flat_cache = cache.view(-1, head_dim)
+                torch.index_select(
+                    flat_cache, 0, plan.rebuild_index, out=rows[index].view(-1, head_dim)
+                )
         self.buffers[key] = (plan.step, rows)
         return rows
 
