@@ -7,7 +7,8 @@ Each step first writes the new tokens' K/V at their slots, then attends from the
 decode-only steps use the decode kernel (CUDA-graph safe), anything else (prefill,
 chunked prefill, prefix-cache hits, mixed prefill/decode) the varlen prefill kernel.
 On CUDA the Triton kernels run; on CPU a batched torch path with the same math (one SDPA
-call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py).
+call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py; decode steps
+over K / V rows the runner keeps across steps, atom/kernels/decode_kv_rows.py).
 
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
