@@ -5,20 +5,21 @@ and values out of the paged cache at every layer of every step; at batch 64 and 
 that copy was ~40% of decode attention (docs/benchmarks.md, CPU section). A decode step
 only adds one token per sequence, so `DecodeKVRows` keeps each layer's copy from the
 previous step, `[2, B, kv_heads, capacity, dim]` (K and V, one padded row per sequence and
-head), and a step writes its new token into it (one `index_copy_` per layer) before SDPA reads
-it in place (head-major: SDPA's flash kernel is 11-27% faster on it than on the cache's
-token-major rows at batch 64, 160 keys, the same bytes out). The copy is rebuilt from the cache (one gather, as before) whenever the step is not
-the previous one plus a token per sequence: another batch or row order, another block
-table, a row past `capacity`, a step after any forward that was not a decode step.
+head), and a step writes its new token into it (one `index_copy_` per cache) before SDPA
+reads it in place (head-major: SDPA's flash kernel is 11-27% faster on it than on the
+cache's token-major rows at batch 64, 160 keys, the same bytes out). The rows are rebuilt
+from the cache (one index_select per cache, like the gather) whenever the step is not the
+previous one plus a token per sequence: another batch or row order, another block table, a
+row past `capacity`, a step after any forward that was not a decode step.
 
 The rows hold the cache's own bytes and SDPA sees the keys of the gather path (masked
 positions hold other finite values, weighted by exactly 0), so the output is the same bytes
 as `decode_attention_cpu`'s (tests/kernels/test_decode_kv_rows.py).
 
 Owner: one `DecodeKVRows` per ModelRunner (CPU), passed to the layers in the forward
-context; it holds one buffer per layer, keyed by the layer's K cache. Memory: at most the
-cache's own size again (`capacity` x batch never above the cache's slots); a step over it
-takes the gather path.
+context; it holds one buffer per layer, keyed by the layer's K cache, until a rebuild of
+another shape replaces it. Memory: at most the cache's own size again (`capacity` x batch
+never above the cache's slots); a step over it takes the gather path.
 """
 
 from __future__ import annotations
