@@ -54,15 +54,21 @@ class ForwardContext:
     # write's (rows, slots) index (atom/kernels/kv_cache.py `kv_write_plan`).
     cpu_rotary_rows: dict = field(default_factory=dict)
     cpu_kv_write: tuple | None = None
+    # The CPU runner's decode K / V rows, kept across steps (atom/kernels/decode_kv_rows.py
+    # `DecodeKVRows`); None: decode attention gathers from the cache at every layer.
+    cpu_decode_rows: object | None = None
 
 
 _local = threading.local()
 
 
 @contextmanager
-def forward_context(attention: AttentionMetadata, fusions: Fusions | None = None):
+def forward_context(
+    attention: AttentionMetadata, fusions: Fusions | None = None, cpu_decode_rows=None
+):
     previous = getattr(_local, "current", None)
-    _local.current = context = ForwardContext(attention, fusions or Fusions())
+    context = ForwardContext(attention, fusions or Fusions(), cpu_decode_rows=cpu_decode_rows)
+    _local.current = context
     try:
         yield context
     finally:

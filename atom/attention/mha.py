@@ -7,7 +7,8 @@ Each step first writes the new tokens' K/V at their slots, then attends from the
 decode-only steps use the decode kernel (CUDA-graph safe), anything else (prefill,
 chunked prefill, prefix-cache hits, mixed prefill/decode) the varlen prefill kernel.
 On CUDA the Triton kernels run; on CPU a batched torch path with the same math (one SDPA
-call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py).
+call per layer over the gathered blocks, atom/kernels/paged_attention_cpu.py; decode steps
+over K / V rows the runner keeps across steps, atom/kernels/decode_kv_rows.py).
 
 `forward_rotary` is the same with the rotary embedding folded in: on CUDA with
 `Fusions.rope_kv_write` one kernel rotates q and k and writes the cache
@@ -27,6 +28,7 @@ from atom.kernels import (
     store_kvcache,
     store_kvcache_reference,
 )
+from atom.kernels.decode_kv_rows import DecodeRowsPlan, decode_attention_rows
 from atom.kernels.gemv_rope_kv import RopeKV
 from atom.kernels.kv_cache import kv_write_plan, store_kvcache_cpu
 from atom.kernels.paged_attention_cpu import (
@@ -70,29 +72,46 @@ class MHAAttention(nn.Module):
             if context.cpu_kv_write is None:
                 context.cpu_kv_write = kv_write_plan(meta.slot_mapping)
             store_kvcache_cpu(k, v, self.k_cache, self.v_cache, context.cpu_kv_write)
-            return self._attend(q, meta)
+            out = self._attend_cpu(q, meta, k, v)
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         store = store_kvcache if q.is_cuda else store_kvcache_reference
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv_scales)
         return self._attend(q, meta)
 
-    def _attend_cpu(self, q, meta) -> torch.Tensor:
-        """The batched CPU path: one gather plan per step shared by the layers."""
+    def _attend_cpu(self, q, meta, k=None, v=None) -> torch.Tensor:
+        """The batched CPU path: one plan per step shared by the layers. A decode step with
+        this step's k / v [B, Hkv, D] and the runner's DecodeKVRows attends over rows kept
+        across steps (atom/kernels/decode_kv_rows.py), any other over a gather."""
         context = get_forward_context()
         plan = context.cpu_attention_plan
         num_slots = self.k_cache.shape[0] * self.k_cache.shape[1]
+        decode_rows = context.cpu_decode_rows
         if plan is None:
-            if meta.is_decode:
+            if decode_rows is not None and not meta.is_decode:
+                decode_rows.invalidate()  # this step's cache writes are not in the rows
+            if meta.is_decode and decode_rows is not None and self.k_scale is None:
+                plan = decode_rows.plan(
+                    meta.block_tables, meta.context_lens, q.shape[0], self.num_kv_heads,
+                    self.k_cache.shape[1], num_slots,
+                )  # fmt: skip
+            if plan is None and meta.is_decode:
                 plan = decode_plan(
                     meta.block_tables, meta.context_lens, q.shape[0], self.k_cache.shape[1],
                     num_slots,
                 )  # fmt: skip
-            else:
+            elif plan is None:
                 plan = prefill_plans(
                     meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                     self.k_cache.shape[1], num_slots, self.num_heads,
                 )  # fmt: skip
             context.cpu_attention_plan = plan
+        if isinstance(plan, DecodeRowsPlan):
+            if k is None:  # no token to add: this layer's rows go stale, the next step rebuilds
+                plan = plan.gather
+            else:
+                rows = decode_rows.layer_rows(k, v, self.k_cache, self.v_cache, plan)
+                return decode_attention_rows(q, rows, plan, self.scale)
         kv_scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if meta.is_decode:
             return decode_attention_cpu(

@@ -124,3 +124,28 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 def greedy_argmax_reference(logits: torch.Tensor) -> torch.Tensor:
     """Pure-torch ``greedy_argmax``."""
     return logits.argmax(dim=-1)
+
+
+# Logits per chunk of `chunked_argmax_cpu`
+CPU_ARGMAX_CHUNK = 1024
+
+
+def chunked_argmax_cpu(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [rows, vocab] CPU logits, the same indices (ties and
+    NaN included: the first), faster from 2 rows: on CPU torch's argmax of several rows
+    does not vectorize (3.9 ms at 64 x 49152 fp32, 1 thread, against 0.07 ms for one row),
+    its amax does. Each row's chunk maxima (amax over [rows, chunks, CPU_ARGMAX_CHUNK]),
+    the first chunk holding the row's maximum, then the argmax inside that chunk only."""
+    rows, vocab = logits.shape
+    chunk = CPU_ARGMAX_CHUNK
+    num_chunks = vocab // chunk
+    if rows < 2 or num_chunks < 2 or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    maxima = logits[:, : num_chunks * chunk].view(rows, num_chunks, chunk).amax(-1)
+    if num_chunks * chunk < vocab:  # the short last chunk
+        tail = logits[:, num_chunks * chunk :].amax(-1, keepdim=True)
+        maxima = torch.cat((maxima, tail), dim=1)
+    starts = maxima.argmax(dim=-1) * chunk
+    # the short last chunk repeats its last logit past the vocabulary: never a first maximum
+    index = (starts[:, None] + torch.arange(chunk)).clamp_(max=vocab - 1)
+    return starts + logits.gather(1, index).argmax(dim=-1)

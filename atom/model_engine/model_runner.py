@@ -31,6 +31,7 @@ from atom.distributed import PipelineGroup, TensorParallelGroup
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.fusions import Fusions
 from atom.kernels import gemv_policy
+from atom.kernels.decode_kv_rows import DecodeKVRows
 from atom.kernels.scatter import fill_placeholders, fill_placeholders_reference
 from atom.model_engine import state_slots
 from atom.model_engine.cpu_heap import keep_freed_memory_in_heap
@@ -118,6 +119,11 @@ class ModelRunner:
                 sampling_state=self.sampling_state,
             )
             for index in range(self._num_slots())
+        ]
+        # CPU decode attention's K / V rows of each slot's batch, kept across decode steps
+        # instead of gathered at every layer (atom/kernels/decode_kv_rows.py)
+        self.cpu_decode_rows = [
+            DecodeKVRows() if self.device.type == "cpu" else None for _ in self.slots
         ]
         self.graph_greedy = self._graphs_hold_greedy_tokens()
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -433,7 +439,8 @@ class ModelRunner:
                 )
             else:
                 self.eager_forwards += 1
-                with forward_context(inputs.metadata, self.config.fusions):
+                decode_rows = self.cpu_decode_rows[index]
+                with forward_context(inputs.metadata, self.config.fusions, decode_rows):
                     hidden = self._forward(input_ids, inputs.positions, step.num_tokens)
                 if hidden is None:  # a pipeline stage that is not the last
                     return None, None

@@ -6,16 +6,18 @@ from atom.kernels.kv_cache import quantize_fp8_reference
 
 
 def make_paged_kv(
-    context_lens, num_kv_heads, head_dim, block_size, dtype, device, capacity, seed=0
-):
-    """Random per-sequence K/V written into shuffled blocks of a cache full of garbage.
+    context_lens, num_kv_heads, head_dim, block_size, dtype, device, capacity, seed=0,
+    spare_blocks=4,
+):  # fmt: skip
+    """Random per-sequence K/V written into shuffled blocks of a cache full of garbage
+    (`spare_blocks` more blocks than the sequences own).
 
     Returns (k_cache, v_cache, block_tables, keys, values); keys[b]/values[b] are the dense
     [context_len, num_kv_heads, head_dim] fp32 tensors (rounded through ``dtype``).
     """
     generator = torch.Generator().manual_seed(seed)
     blocks_needed = [(n + block_size - 1) // block_size for n in context_lens]
-    num_blocks = sum(blocks_needed) + 4
+    num_blocks = sum(blocks_needed) + spare_blocks
     max_blocks = max(blocks_needed) + 1  # a garbage column past every sequence
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=generator).to(dtype)

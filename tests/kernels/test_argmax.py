@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from atom.kernels.argmax import argmax_config, greedy_argmax, greedy_argmax_reference
+from atom.kernels.argmax import (
+    argmax_config,
+    chunked_argmax_cpu,
+    greedy_argmax,
+    greedy_argmax_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,3 +47,21 @@ def test_ties_go_to_the_lowest_index_across_chunks():
     logits[0, [block_v + 5, 7, vocab - 1]] = 3.0  # equal maxima in three chunks
     logits[1] = -1.0  # every logit ties
     assert greedy_argmax(logits).tolist() == [7, 0]
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (2, 49152), (64, 49152), (5, 3000), (3, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_argmax_cpu_equals_torch(rows, vocab, dtype):
+    """Random rows, ties inside and across chunks, a maximum in the short last chunk, NaN
+    and all -inf rows: the indices of torch.argmax."""
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    assert torch.equal(chunked_argmax_cpu(logits), logits.argmax(-1))
+    special = logits.clone()
+    special[0, [5, 1030, vocab - 1]] = 100.0  # ties: the first
+    special[-1, vocab - 1] = 100.0  # the maximum in the last (short) chunk
+    if rows > 2:
+        special[1, [2000 % vocab, 7]] = float("nan")
+        special[2] = float("-inf")
+    assert torch.equal(chunked_argmax_cpu(special), special.argmax(-1))
+    strided = torch.randn(rows, vocab + 7).to(dtype)[:, :vocab]  # rows of the padded buffer
+    assert torch.equal(chunked_argmax_cpu(strided), strided.argmax(-1))

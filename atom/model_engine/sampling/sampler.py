@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atom.kernels.argmax import greedy_argmax
+from atom.kernels.argmax import chunked_argmax_cpu, greedy_argmax
 
 
 @dataclass
@@ -52,6 +52,8 @@ class Sampler:
             and logits.shape[0] <= ARGMAX_MAX_ROWS
         ):
             return greedy_argmax(logits)
+        if logits.device.type == "cpu":
+            return chunked_argmax_cpu(logits)
         return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
