@@ -351,7 +351,7 @@ def paged_decode_attention(
     """Attention of one query token per sequence over its paged KV; returns ``out``.
 
     ``num_splits`` (context splits per sequence, at most ``max_splits``) is picked from the
-    shapes when None: enough programs for twice the SM count, no more than the widest
+    shapes when None: PROGRAMS_PER_SM programs per SM (2), no more than the widest
     context (the block table's width) has tiles for (at batch 1 each program then loads
     one tile of its share, the least latency; docs/benchmarks.md). An fp8 cache needs
     ``k_scale`` and ``v_scale``. Runs the Triton kernel on CUDA (or under
@@ -365,13 +365,14 @@ def paged_decode_attention(
     Launch knobs (benchmarks/decode_attention_sweep.py; the defaults are the engine's):
     ``block_n`` tokens per tile (None: 64 on a GPU, 256 in the interpreter), ``num_warps`` /
     ``num_stages`` (None: the module's NUM_WARPS / NUM_STAGES), ``max_splits`` the split
-    cap (None: MAX_SPLITS; a power of 2 >=
-    num_splits: the merge kernel's tile, so a constant per cap, never per length).
-    ``min_split_tokens``: a split's least share of the context (a runtime value: at a short
-    context fewer splits have tokens, the rest only wait and exit). ``skip_empty_splits``:
-    splits without tokens store nothing and the merge reads context_lens to merge only the
-    splits the context reaches. ``single_split_direct``: when split 0 alone has tokens it
-    writes ``out`` and the merge skips the row. All three off: today's kernel.
+    cap (None: MAX_SPLITS; a power of 2 >= num_splits: the merge kernel's tile, so a
+    constant per cap, never per length). ``min_split_tokens``: a split's least share of the context (a runtime value: at a short
+    context fewer splits have tokens, the rest only wait and exit). ``skip_empty_splits``
+    (None: SKIP_EMPTY_SPLITS): splits without tokens store nothing and the merge reads
+    context_lens to merge only the splits the context reaches. ``single_split_direct``:
+    when split 0 alone has tokens it writes ``out`` and the merge skips the row. None of
+    them won inside the engine's batch-1 chain on the H200 (docs/benchmarks.md): the
+    defaults are the kernel as before.
     """
     if not use_triton(q):
         return paged_decode_attention_reference(
