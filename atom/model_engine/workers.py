@@ -280,8 +280,14 @@ class WorkerGroup:
             if rank in self.ranks:
                 continue
             key = FAILED_KEY.format(rank)
-            if store.check([key]):
-                self._record(rank, store.get(key).decode())
+            try:
+                if store.check([key]):
+                    self._record(rank, store.get(key).decode())
+            except (RuntimeError, dist.DistError):
+                # Node 0 closed its store: after its SHUTDOWN (a race with this poll), or
+                # gone, which the step forwarder turns into a SHUTDOWN of this node's ranks
+                # (serve_remote_node). Either way nothing is left to read.
+                return
 
     def _fail(self) -> None:
         """Collect the other ranks' reports for a moment, stop everything, raise."""
