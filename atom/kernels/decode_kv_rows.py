@@ -5,7 +5,8 @@ and values out of the paged cache at every layer of every step; at batch 64 and 
 that copy was ~40% of decode attention (docs/benchmarks.md, CPU section). A decode step
 only adds one token per sequence, so `DecodeKVRows` keeps each layer's copy from the
 previous step, `[2, B, kv_heads, capacity, dim]` (K and V, one padded row per sequence and
-head), and a step writes its new token into it (one `index_copy_` per cache) before SDPA
+head), and a step copies its new token from the cache into it (one `index_select` and
+one `index_copy_` per cache: the rows hold the cache's own bytes) before SDPA
 reads it in place (head-major: SDPA's flash kernel is 11-27% faster on it than on the
 cache's token-major rows at batch 64, 160 keys, the same bytes out). The rows are rebuilt
 from the cache (one index_select per cache, like the gather) whenever the step is not the
@@ -47,6 +48,9 @@ class DecodeRowsPlan:
     capacity:      keys per row of the buffers;
     write_index:   [B * kv_heads] int64 position (b * kv_heads + h) * capacity +
                    context_len - 1 of this step's token in a buffer's flat K (or V) rows;
+    token_index:   [B * kv_heads] int64 row of the cache viewed as [slots * kv_heads, dim]
+                   holding this step's token (b, h): what an extend copies into the rows,
+                   read back from the cache so the rows hold the cache's own bytes;
     rebuild_index: [B * kv_heads * capacity] int64 row of the cache viewed as
                    [slots * kv_heads, dim] for each position of the flat rows (built by the
                    first layer that rebuilds).
@@ -57,6 +61,7 @@ class DecodeRowsPlan:
     extend: bool
     capacity: int
     write_index: torch.Tensor
+    token_index: torch.Tensor
     rebuild_index: torch.Tensor | None = None
 
 
@@ -118,20 +123,24 @@ class DecodeKVRows:
         self.block_tables, self.context_lens = tables.clone(), lens.clone()
         heads = torch.arange(batch * num_kv_heads).view(batch, num_kv_heads)
         write_index = (heads * self.capacity + lens[:, None] - 1).flatten()
-        return DecodeRowsPlan(gather, self.step, extend, self.capacity, write_index)
+        last_slots = gather.slots[torch.arange(batch), lens - 1]  # this step's token
+        token_index = (last_slots[:, None] * num_kv_heads + torch.arange(num_kv_heads)).flatten()
+        return DecodeRowsPlan(gather, self.step, extend, self.capacity, write_index, token_index)
 
     def layer_rows(self, k, v, k_cache, v_cache, plan: DecodeRowsPlan) -> torch.Tensor:
         """This layer's [2, B, kv_heads, capacity, dim] rows with this step's token: the
-        previous step's plus k / v [B, kv_heads, dim], or rebuilt from the cache (which
-        already holds this step's token)."""
+        previous step's plus the token the cache now holds (k / v [B, kv_heads, dim] give
+        the shape; the bytes are read back from the cache, whatever the store wrote), or
+        rebuilt from the cache."""
         key = k_cache.data_ptr()
         batch, num_kv_heads, head_dim = k.shape
         shape = (2, batch, num_kv_heads, plan.capacity, head_dim)
         last_step, rows = self.buffers.get(key, (None, None))
         if plan.extend and last_step == plan.step - 1 and rows.shape == shape:
             flat = rows.view(2, -1, head_dim)
-            flat[0].index_copy_(0, plan.write_index, k.reshape(-1, head_dim))
-            flat[1].index_copy_(0, plan.write_index, v.reshape(-1, head_dim))
+            for index, cache in enumerate((k_cache, v_cache)):
+                token = cache.view(-1, head_dim).index_select(0, plan.token_index)
+                flat[index].index_copy_(0, plan.write_index, token)
         else:
             if rows is None or rows.shape != shape:
                 rows = None  # free the old rows before taking the new ones
