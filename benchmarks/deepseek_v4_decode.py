@@ -144,23 +144,27 @@ def build_engine(path: str, max_len: int, batches: list[int], context: int, memo
     )
 
 
-def decode_by_max_model_len(path: str, args, batches: list[int], vocab: int) -> None:
-    """One engine per `--max-model-lens` value, decode steps at the same context each."""
+def decode_per_setting(path: str, args, batches: list[int], vocab: int, settings: list,
+                       label: str, setup) -> None:  # fmt: skip
+    """One engine per value of `settings` (`setup(value)` applies it and returns the
+    engine's max_model_len), decode steps at `--context` each: a `decode` line per batch
+    with `label`, then a `<label>_summary` line (each step time over the first value's)."""
     times = {}
-    for max_len in args.max_model_lens:
+    for value in settings:
+        max_len = setup(value)
         llm = build_engine(path, max_len, batches, args.context, args.gpu_memory_utilization)
         for batch in batches:
             record = atom_decode(llm, batch, args.context, args.steps, vocab)
-            times[(batch, max_len)] = record["ms_per_step"]
-            emit(dict(record, max_model_len=max_len))
+            times[(batch, value)] = record["ms_per_step"]
+            emit(dict(record, **{label: value}))
         llm.shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    first = args.max_model_lens[0]
-    emit(dict(case="max_model_len_summary", context=args.context,
-              ms_per_step_over_first={str(b): {str(m): round(times[(b, m)] / times[(b, first)], 3)
-                                               for m in args.max_model_lens} for b in batches}))  # fmt: skip
+    first = settings[0]
+    emit(dict(case=f"{label}_summary", context=args.context,
+              ms_per_step_over_first={str(b): {str(v): round(times[(b, v)] / times[(b, first)], 3)
+                                               for v in settings} for b in batches}))  # fmt: skip
 
 
 def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
@@ -273,28 +277,17 @@ def logits_gap(llm, path: str, vocab: int, prompt_len: int = 600, new_tokens: in
 
 
 def decode_by_splits(path: str, args, batches: list[int], vocab: int, max_len: int) -> None:
-    """One engine per `--decode-splits` value (captured with it), decode steps each."""
+    """One engine per `--decode-splits` value (its graphs captured with it)."""
     from atom.kernels import v4_attention
 
-    times = {}
+    def setup(value: str) -> int:
+        v4_attention.SPLITS_OVERRIDE = None if value == "auto" else int(value)
+        return max_len
+
     try:
-        for value in args.decode_splits:
-            v4_attention.SPLITS_OVERRIDE = None if value == "auto" else int(value)
-            llm = build_engine(path, max_len, batches, args.context, args.gpu_memory_utilization)
-            for batch in batches:
-                record = atom_decode(llm, batch, args.context, args.steps, vocab)
-                times[(batch, value)] = record["ms_per_step"]
-                emit(dict(record, decode_splits=value))
-            llm.shutdown()
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+        decode_per_setting(path, args, batches, vocab, args.decode_splits, "decode_splits", setup)
     finally:
         v4_attention.SPLITS_OVERRIDE = None
-    first = args.decode_splits[0]
-    emit(dict(case="decode_splits_summary", context=args.context,
-              ms_per_step_over_first={str(b): {v: round(times[(b, v)] / times[(b, first)], 3)
-                                               for v in args.decode_splits} for b in batches}))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
-            decode_by_max_model_len(path, args, batches, vocab)
+            decode_per_setting(path, args, batches, vocab, args.max_model_lens,
+                               "max_model_len", lambda max_model_len: max_model_len)  # fmt: skip
             return 0
         if args.decode_splits:
             del hf_model

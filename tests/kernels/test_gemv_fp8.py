@@ -21,7 +21,7 @@ from atom.kernels.gemv import (
 )
 from atom.kernels.gemv_rope_kv import gemv_rope_kv, gemv_rope_kv_reference
 from tests.kernels.test_gemv import ROW_CASES, TOLERANCE, exact_norm_linear
-from tests.kernels.test_gemv_rope_kv import _case
+from tests.kernels.test_gemv_rope_kv import _case, assert_rope_kv_close
 
 pytest.importorskip("triton")
 
@@ -127,15 +127,7 @@ def test_fp8_gemv_rope_kv_matches_the_dequantized_weight(dtype, norm, block_n, m
     monkeypatch.setattr(gemv_module, "gemv_config", lambda *args, **kwargs: config)
     got = gemv_rope_kv(x, fp8, got_rope, norm_args, weight_scale=scale)
     want = gemv_rope_kv_reference(x, dequantized, want_rope, norm_args)
-    tolerance = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
-    if norm:
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # x + residual
-        got, want = got[0], want[0]
-    torch.testing.assert_close(got, want, **tolerance)
-    for cache in ("k_cache", "v_cache"):
-        a, b = getattr(got_rope, cache), getattr(want_rope, cache)
-        torch.testing.assert_close(a, b, **tolerance)
-        assert a.flatten(0, 1)[5].abs().sum() > 0  # the slot, written
+    assert_rope_kv_close(got, want, got_rope, want_rope, dtype, norm)
 
 
 def test_fits_gemv_takes_fp8_only_with_one_scale_per_row():

@@ -62,6 +62,12 @@ def test_equals_gemv_then_rotary_kv_write(dtype, norm, block_n, bias):
     finally:
         gemv_module.gemv_config = original
     want = gemv_rope_kv_reference(x, weight, want_rope, norm_args, bias)
+    assert_rope_kv_close(got, want, got_rope, want_rope, dtype, norm)
+
+
+def assert_rope_kv_close(got, want, got_rope, want_rope, dtype, norm: bool) -> None:
+    """q (and with the norm x + residual, exactly) and both caches of `gemv_rope_kv`
+    against its reference; only slot 5 written."""
     tolerance = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
     if norm:
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # x + residual
