@@ -174,13 +174,11 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = _gemv_weight(self.gate_up_proj)  # dense or per-row-scaled FP8
-        if (
-            _fused_kernels_on(x)
-            and gate_up is not None
-            and current_fusions().gemv_silu
-            and use_gemv(x, gate_up[0], True, weight_scale=gate_up[1])
-        ):  # one kernel, no SiLU pass
+        gate_up = None
+        if _fused_kernels_on(x) and current_fusions().gemv_silu:
+            gate_up = _gemv_weight(self.gate_up_proj)  # dense or per-row-scaled FP8
+        if gate_up is not None and use_gemv(x, gate_up[0], True, weight_scale=gate_up[1]):
+            # one kernel, no SiLU pass
             weight, scale = gate_up
             return self.down_proj(gemv_silu_and_mul(x, weight, weight_scale=scale))
         if x.is_cuda:
@@ -217,16 +215,16 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
     def forward(self, positions, hidden, residual):
         attention, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         qkv_bias = attention.qkv_proj.bias  # Qwen2's: added in the GEMV's epilogue
-        # the fused GEMVs read dense weights, or FP8 ones with a scale per row
-        qkv_weights = _gemv_weight(attention.qkv_proj)
-        gate_up_weights = _gemv_weight(mlp.gate_up_proj)
         if not (
             _fused_kernels_on(hidden)
             and current_fusions().norm_gemv
-            and qkv_weights is not None
-            and gate_up_weights is not None
             and norm.weight.dtype == hidden.dtype
         ):
+            return super().forward(positions, hidden, residual)
+        # the fused GEMVs read dense weights, or FP8 ones with a scale per row
+        qkv_weights = _gemv_weight(attention.qkv_proj)
+        gate_up_weights = _gemv_weight(mlp.gate_up_proj)
+        if qkv_weights is None or gate_up_weights is None:
             return super().forward(positions, hidden, residual)
         qkv_weight, qkv_scale = qkv_weights
         qkv_args = dict(bias=qkv_bias, weight_scale=qkv_scale)  # the qkv layer's
