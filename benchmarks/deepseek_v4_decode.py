@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from benchmarks.harness import emit
+from benchmarks.harness import decode_weight_bytes, emit, read_limit, streaming_bandwidth
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -156,6 +156,7 @@ def decode_per_setting(path: str, args, batches: list[int], vocab: int, settings
         for batch in batches:
             record = atom_decode(llm, batch, args.context, args.steps, vocab)
             times[(batch, value)] = record["ms_per_step"]
+            record = with_read_limit(record, llm, args.shape, args.stream_read, v4_state_read)
             emit(dict(record, **{label: value}))
         llm.shutdown()
         del llm
@@ -165,6 +166,39 @@ def decode_per_setting(path: str, args, batches: list[int], vocab: int, settings
     emit(dict(case=f"{label}_summary", context=args.context,
               ms_per_step_over_first={str(b): {str(v): round(times[(b, v)] / times[(b, first)], 3)
                                                for v in settings} for b in batches}))  # fmt: skip
+
+
+def v4_state_read(llm, shape: dict, batch: int, context: int) -> float:
+    """KV bytes a V4 decode step reads, from the shape: per layer and sequence the window's
+    rows, and the CSA layers' top-k entries and every indexer key, or the HCA layers' every
+    entry (the cache's element size)."""
+    runner = llm.engine.model_runner
+    itemsize = runner._kv_cache_dtype().itemsize
+    head_dim, rows = shape["head_dim"], 0
+    for kind in shape["layer_types"]:
+        rows_window = min(context, shape["sliding_window"]) * head_dim
+        ratio = shape["compress_rates"][kind]
+        if kind == CSA:
+            entries = context // ratio
+            rows += rows_window + min(shape["index_topk"], entries) * head_dim
+            rows += entries * shape["index_head_dim"]
+        else:
+            rows += rows_window + (context // ratio) * head_dim
+    return batch * rows * itemsize
+
+
+def with_read_limit(record: dict, llm, shape: dict, stream_read: float | None, state_read) -> dict:
+    """`record` (an atom decode line) with the step's read (the weights it reads at its
+    batch and `state_read(llm, shape, batch, context)`) and its fraction of the read limit."""
+    model = llm.engine.model_runner.model
+    top_k = shape.get("num_experts_per_tok", 1)
+    experts = shape.get("n_routed_experts") or shape.get("num_experts") or 1
+    weights = decode_weight_bytes(model, record["batch"], top_k, experts)
+    state = state_read(llm, shape, record["batch"], record["context"])
+    limit = read_limit(weights, state, stream_read)
+    if "limit_ms" in limit:
+        limit["fraction_of_limit"] = round(limit["limit_ms"] / record["ms_per_step"], 3)
+    return dict(record, **limit)
 
 
 def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
@@ -315,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     longest = max([args.kv_context, max_len, *(args.max_model_lens or [])])
     shape = v4_shape(args.layers, longest)
     vocab = shape["vocab_size"]
+    # the streaming read every step is compared against, measured in this run
+    stream_read = args.stream_read = streaming_bandwidth()["stream_read"]
+    emit(dict(case="stream_read", gb_s=round(stream_read / 1e9, 1)))
+    args.shape = shape
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
@@ -346,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             record = atom_decode(llm, batch, args.context, args.steps, vocab)
             results[("atom", batch)] = record["tok_s"]
-            emit(record)
+            emit(with_read_limit(record, llm, shape, stream_read, v4_state_read))
         if not args.skip_hf:
             emit(logits_gap(llm, path, vocab))
             speedup = {str(b): round(results[("atom", b)] / results[("hf", b)], 2) for b in batches}

@@ -77,6 +77,40 @@ def device_us(fn: Callable[[], object], launches: int = 20, repeats: int = 15, f
     return per_call - graph_us(lambda: [flush() for _ in range(launches)], repeats) / launches
 
 
+def expected_experts(tokens: int, top_k: int, experts: int) -> float:
+    """Distinct experts `tokens` rows touch on average when each picks `top_k` of `experts`
+    uniformly (top_k at one row, nearly all of them at 64 rows of top-6 of 16)."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def decode_weight_bytes(model, tokens: int, top_k: int, experts: int) -> float:
+    """Weight bytes a decode step of `tokens` rows reads: every parameter once, but one row
+    per token of an untied embedding table, and of each grouped expert tensor (leading
+    dimension `experts`) only the expected distinct experts' share."""
+    names = [name for name, _ in model.named_parameters()]
+    tied = not any("lm_head" in name for name in names)
+    total = 0.0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        if "embed_tokens" in name and not tied:
+            nbytes = tokens * param[0].numel() * param.element_size()
+        elif ".experts." in f".{name}" and param.dim() == 3 and param.shape[0] == experts:
+            nbytes *= expected_experts(tokens, top_k, experts) / experts
+        total += nbytes
+    return total
+
+
+def read_limit(weight_bytes: float, state_bytes: float, stream_read: float | None) -> dict:
+    """A decode step's read: `weight_bytes` + `state_bytes` (KV rows and recurrent state the
+    step reads), and the step time and fraction of it a streaming read gives."""
+    total = weight_bytes + state_bytes
+    out = dict(read_mb=round(total / 1e6, 1), weight_mb=round(weight_bytes / 1e6, 1),
+               state_mb=round(state_bytes / 1e6, 1))  # fmt: skip
+    if stream_read:
+        out["limit_ms"] = round(total / stream_read * 1e3, 3)
+    return out
+
+
 def streaming_bandwidth(gib: int = 4) -> dict[str, float]:
     """Bytes per second of a streaming read (a sum) and of a copy (read + write): the
     roofline a decode step's weight read is compared against."""

@@ -26,7 +26,8 @@ import tempfile
 
 import torch
 
-from benchmarks.deepseek_v4_decode import atom_decode, emit, logits_gap
+from benchmarks.deepseek_v4_decode import atom_decode, emit, logits_gap, with_read_limit
+from benchmarks.harness import streaming_bandwidth
 
 
 def qwen3_next_shape(layers: int, max_position: int) -> dict:
@@ -94,6 +95,21 @@ def state_bytes(llm, context: int, shape: dict) -> dict:
     )
 
 
+def gdn_state_read(llm, shape: dict, batch: int, context: int) -> float:
+    """State bytes a Qwen3-Next decode step moves per the shape: each sequence's GDN state
+    (conv + delta rule) read and written back, and the full-attention layers' K and V of
+    the whole context read."""
+    from atom.model_engine import state_slots
+
+    runner = llm.engine.model_runner
+    contract = runner.family.state_contract(runner.model, runner._kv_cache_dtype())
+    gdn = state_slots.state_bytes(contract, 1) / 2  # one slot (+ scratch)
+    itemsize = runner._kv_cache_dtype().itemsize
+    per_token = 2 * shape["num_key_value_heads"] * shape["head_dim"] * itemsize
+    full = len(runner.model.attention_layers) * per_token * context
+    return batch * (2 * gdn + full)
+
+
 def repeat_cache(cache, batch: int):
     """HF's cache of one sequence repeated `batch` times (every batch-1 tensor it holds)."""
 
@@ -152,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.context + args.steps + 64
     shape = qwen3_next_shape(args.layers, max(args.kv_context, max_len))
     vocab = shape["vocab_size"]
+    stream_read = streaming_bandwidth()["stream_read"]  # the roofline, in this run
+    emit(dict(case="stream_read", gb_s=round(stream_read / 1e9, 1)))
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
@@ -179,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             record = atom_decode(llm, batch, args.context, args.steps, vocab)
             results[("atom", batch)] = record["tok_s"]
-            emit(record)
+            emit(with_read_limit(record, llm, shape, stream_read, gdn_state_read))
         if not args.skip_hf:
             emit(logits_gap(llm, path, vocab))
             speedup = {str(b): round(results[("atom", b)] / results[("hf", b)], 2) for b in batches}
