@@ -201,21 +201,35 @@ def with_read_limit(record: dict, llm, shape: dict, stream_read: float | None, s
     return dict(record, **limit)
 
 
+def decode_headroom(batch: int, steps: int) -> int:
+    """Tokens a sequence may generate in `atom_decode`: its decodes while the later prompts
+    prefill (at most two steps each: the budget is one context less the decodes), the
+    warm-up, the timed and the profiled steps, and a margin."""
+    return 2 * batch + steps + PROFILED_STEPS + 16
+
+
 def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
+    """Decode steps of `batch` sequences at `context` tokens. The scheduler runs decodes
+    beside later prompts' prefills, so the first sequences are already decoding while the
+    last prefill: each may generate `decode_headroom` tokens, so that all `batch` are still
+    running through the timed and profiled steps (checked), and they are aborted after."""
     from atom.sampling_params import SamplingParams
 
     engine = llm.engine
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(2, vocab, (batch, context), generator=generator).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + PROFILED_STEPS + 8, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_headroom(batch, steps),
+                            ignore_eos=True)  # fmt: skip
+    seq_ids = [engine.add_request(prompt, params) for prompt in prompts]
     while engine.scheduler.waiting or any(
         s.num_uncomputed_tokens > 1 for s in engine.scheduler.running
     ):
         engine.step()
     for _ in range(3):  # warm-up decode steps
         engine.step()
+    running = len(engine.scheduler.running)
+    if running != batch:
+        raise RuntimeError(f"{running} of {batch} sequences decoding: raise decode_headroom")
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -223,6 +237,10 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     kernels = kernels_per_step(engine, PROFILED_STEPS)
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError("a sequence finished before the profiled steps: raise decode_headroom")
+    for seq_id in seq_ids:
+        engine.abort(seq_id)
     while engine.has_unfinished():
         engine.step()
     layers = len(engine.model_runner.model.model.layers)
@@ -343,9 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    max_len = args.context + args.steps + 64
+    max_len = args.context + decode_headroom(max(batches), args.steps) + 16
     if args.max_model_lens and min(args.max_model_lens) < max_len:
-        parser.error(f"--max-model-lens must be >= --context + --steps + 64 = {max_len}")
+        parser.error(
+            f"--max-model-lens must be >= --context + 2 x batch + --steps + 36 = {max_len}"
+        )
     longest = max([args.kv_context, max_len, *(args.max_model_lens or [])])
     shape = v4_shape(args.layers, longest)
     vocab = shape["vocab_size"]

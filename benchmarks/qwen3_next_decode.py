@@ -26,7 +26,13 @@ import tempfile
 
 import torch
 
-from benchmarks.deepseek_v4_decode import atom_decode, emit, logits_gap, with_read_limit
+from benchmarks.deepseek_v4_decode import (
+    atom_decode,
+    decode_headroom,
+    emit,
+    logits_gap,
+    with_read_limit,
+)
 from benchmarks.harness import streaming_bandwidth
 
 
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     from atom.model_engine.llm import LLM
 
-    max_len = args.context + args.steps + 64
+    max_len = args.context + decode_headroom(max(batches), args.steps) + 16
     shape = qwen3_next_shape(args.layers, max(args.kv_context, max_len))
     vocab = shape["vocab_size"]
     stream_read = streaming_bandwidth()["stream_read"]  # the roofline, in this run
