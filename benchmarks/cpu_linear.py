@@ -5,20 +5,25 @@
     python -m benchmarks.cpu_linear --engine               # the engine, dense vs packed
 
 For each weight shape of the models' layers (qkv, o, gate_up, down, LM head) and each row
-count, four forms of y = x @ W^T in fp32:
+count, five forms of y = x @ W^T in fp32:
 - dense: F.linear on the checkpoint's [out, in] weight (MKL);
 - onednn: the weight reordered once for oneDNN (`mkldnn._reorder_linear_weight`), then
   `mkldnn._linear_pointwise`;
 - mkl: the weight packed once for MKL at this row count (`mkl._mkl_reorder_linear_weight`),
   then `mkl._mkl_linear`;
-- atom: what `Config.cpu_linear="packed"` does (atom/kernels/cpu_linear.py: onednn, or
-  dense for 1 row on a small weight).
+- transposed: the weight transposed once to [in, out], then `torch.mm(x, W^T)`;
+- atom: what `Config.cpu_linear="packed"` does (atom/kernels/cpu_linear.py: onednn at 2+
+  rows, transposed at 1 row).
+
+`--cold`: each form runs on enough copies of the weight (>= 256 MB in all, taken in turn)
+that its weight comes from memory, as in a decode step, which reads each layer's weights
+once; without it the one weight stays in the caches after the first call.
 
 The forms alternate within each round (the machine may be shared: a round's forms see the
 same load) and the best round counts. Printed: microseconds per product, each form's speed
 against dense (dense time / form time: above 1 is faster), the largest |difference| from
-dense, and LOSS where the form atom chose (onednn or dense) is more than 5% slower than
-the other one in the same rounds.
+dense, and LOSS where the form atom chose (onednn or transposed) is more than 5% slower
+than the best other one in the same rounds.
 
 `--engine`: one CPU engine on the embedded SmolLM2 (fp32), the same random 128-token
 prompts at each batch size (prefix caching off: each run prefills them), 64 greedy tokens
@@ -82,24 +87,43 @@ def time_forms(forms: dict, rounds: int, inner: int) -> dict[str, float]:
     return best
 
 
-def measure(out_features: int, in_features: int, rows: int, rounds: int) -> dict:
+COLD_BYTES = 256 << 20
+
+
+def measure(out_features: int, in_features: int, rows: int, rounds: int, cold: bool) -> dict:
     weight = torch.randn(out_features, in_features) * in_features**-0.5
+    copies = -(-COLD_BYTES // (weight.numel() * 4)) if cold else 1
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
     x = torch.randn(rows, in_features)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(weight)
-    mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-    atom = PackedLinearWeight(weight)
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+    transposed = [w.t().contiguous() for w in weights]
+    atom = [PackedLinearWeight(w) for w in weights]
+    turn = dict.fromkeys(["dense", "onednn", "mkl", "transposed", "atom"], 0)
+
+    def next_copy(form: str) -> int:  # the copies in turn, one counter per form
+        turn[form] = (turn[form] + 1) % copies
+        return turn[form]
+
+    def mkl_form():
+        i = next_copy("mkl")
+        return torch.ops.mkl._mkl_linear(x, mkl[i], weights[i], None, rows)
+
     forms = {
-        "dense": lambda: F.linear(x, weight),
-        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
-        "mkl": lambda: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows),
-        "atom": lambda: atom(x),
+        "dense": lambda: F.linear(x, weights[next_copy("dense")]),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(
+            x, onednn[next_copy("onednn")], None, "none", [], ""
+        ),
+        "mkl": mkl_form,
+        "transposed": lambda: torch.mm(x, transposed[next_copy("transposed")]),
+        "atom": lambda: atom[next_copy("atom")](x),
     }
     reference = F.linear(x, weight)
     diffs = {name: (form() - reference).abs().max().item() for name, form in forms.items()}
     flops = 2 * rows * out_features * in_features
     inner = max(1, min(50, int(5e7 / flops)))
     seconds = time_forms(forms, rounds, inner)
-    return dict(seconds=seconds, diffs=diffs, packed=atom.uses_packed(rows))
+    return dict(seconds=seconds, diffs=diffs, packed=atom[0].uses_packed(rows))
 
 
 def engine_ab(batches: list[int], input_len: int, output_len: int, rounds: int) -> None:
@@ -155,6 +179,7 @@ def main() -> None:
     parser.add_argument(
         "--big-lm-head", action="store_true", help="also Llama-1B's 1 GB LM head (slow)"
     )
+    parser.add_argument("--cold", action="store_true", help="weights from memory (copies in turn)")
     parser.add_argument("--engine", action="store_true", help="the engine, dense vs packed")
     parser.add_argument("--engine-rounds", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -165,7 +190,8 @@ def main() -> None:
         engine_ab(args.batches, args.input_len, args.output_len, args.engine_rounds)
         return
     print(f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}", flush=True)
-    header = "threads model    layer    shape          rows   dense us  onednn     mkl    atom  |diff| onednn  atom"
+    header = ("threads model    layer    shape          rows   dense us  onednn     mkl  transp"
+              "    atom  |diff| onednn  atom")  # fmt: skip
     print(header)
     losses = 0
     for threads in args.threads:
@@ -174,21 +200,23 @@ def main() -> None:
             lm_head = model == "smollm2" or args.big_lm_head
             for layer, out_features, in_features in layer_shapes(MODELS[model], lm_head):
                 for rows in args.rows:
-                    result = measure(out_features, in_features, rows, args.rounds)
+                    result = measure(out_features, in_features, rows, args.rounds, args.cold)
                     seconds, diffs = result["seconds"], result["diffs"]
                     dense = seconds["dense"]
                     ratio = {name: dense / s for name, s in seconds.items()}
-                    # the choice loses where its form (onednn or dense) is >5% slower than
-                    # the other (both timed in the same rounds; `atom` adds the wrapper)
-                    chosen, other = ("onednn", "dense") if result["packed"] else ("dense", "onednn")
-                    loss = seconds[chosen] > 1.05 * seconds[other]
+                    # the choice loses where its form (onednn or transposed) is >5% slower
+                    # than the best other form (all timed in the same rounds; `atom` adds
+                    # the wrapper)
+                    chosen = "onednn" if result["packed"] else "transposed"
+                    others = [n for n in ("dense", "onednn", "transposed") if n != chosen]
+                    loss = seconds[chosen] > 1.05 * min(seconds[n] for n in others)
                     losses += loss
                     print(
                         f"{threads:>7} {model:<8} {layer:<8} {out_features:>6}x{in_features:<6}"
                         f" {rows:>5} {dense * 1e6:>10.0f} {ratio['onednn']:>6.2f}x"
-                        f" {ratio['mkl']:>6.2f}x {ratio['atom']:>6.2f}x"
+                        f" {ratio['mkl']:>6.2f}x {ratio['transposed']:>6.2f}x {ratio['atom']:>6.2f}x"
                         f" {diffs['onednn']:>12.1e} {diffs['atom']:.1e}"
-                        f"{'  (packed)' if result['packed'] else '  (dense)'}"
+                        f"{'  (packed)' if result['packed'] else '  (transposed)'}"
                         f"{'  LOSS' if loss else ''}",
                         flush=True,
                     )

@@ -9,13 +9,20 @@ MKL-packed weights at 1, 16 and 64 rows on SmolLM2's and a 1B model's shapes
 (docs/benchmarks.md, CPU section). MKL's packed GEMM (`torch.ops.mkl._mkl_linear`) is not
 used: at 2+ rows it computes what F.linear computes, at the same speed.
 
-The choice per call, by rows:
+The form per call, by rows:
 - 2 rows or more: the packed weight (2-3x faster at 16 and 64 rows on every measured
   shape, 1 thread);
-- 1 row: the packed weight for weights of `ONE_ROW_PACKED_MIN_BYTES` or more (1.3-2.2x:
-  SmolLM2's gate_up and LM head, every 1B projection), F.linear below it: MKL's GEMV on a
-  weight that stays in cache is ~10 us cheaper than oneDNN's call, which loses 19-35% on
-  SmolLM2's 1.3-3.5 MB qkv, o and down projections.
+- 1 row (batch-1 decode): the weight transposed once to [in, out] (`transposed`), then
+  `torch.mm(x, transposed)`. A decode step reads every weight once from memory, and MKL's
+  product on the [in, out] layout streams it at close to the read bandwidth of one
+  thread, where F.linear's dot per output row and oneDNN's 1-row product do not:
+  `benchmarks.cpu_linear --cold` (each form on enough copies of a weight that they come
+  from memory) measures 1.3x over F.linear / oneDNN on SmolLM2's per-layer weights and
+  1.8x on its LM head, 1 thread (docs/benchmarks.md, CPU section). MKL does not thread
+  this product, so it also holds on a busy machine.
+
+Memory: the packed and the transposed copies each cost as much as the dense weight, which
+stays (a tied LM head's is the embedding table; `ATOM_CPU_LINEAR=dense` keeps none).
 
 oneDNN sums in another order than MKL (max abs difference under 1e-5 on unit-scale inputs);
 the CPU greedy parity tests against HF pass with it. Packing covers fp32 only: bf16 would
@@ -26,10 +33,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-# Below this many weight bytes a 1-row product keeps F.linear (benchmarks/cpu_linear.py:
-# oneDNN loses at 1 row on 1.3-3.5 MB weights, wins from ~7 MB on).
-ONE_ROW_PACKED_MIN_BYTES = 4 << 20
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -42,15 +45,10 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def packed_for_one_row(weight: torch.Tensor) -> bool:
-    """Whether a 1-row product on this weight takes the packed form (else F.linear)."""
-    return weight.numel() * weight.element_size() >= ONE_ROW_PACKED_MIN_BYTES
-
-
 class PackedLinearWeight:
-    """A [out, in] weight reordered once into oneDNN's layout, beside the dense one (which
-    stays: a tied LM head's is the embedding table, and small 1-row products use it;
-    the packed copy costs as much memory again).
+    """A [out, in] weight reordered once into oneDNN's layout for products of 2+ rows, and
+    transposed once to [in, out] for 1-row products, beside the dense one (which stays: a
+    tied LM head's is the embedding table).
 
     `__call__(x, bias)` is `F.linear(x, dense, bias)` up to summation order; x is [..., in]
     fp32 on CPU, the result [..., out].
@@ -67,22 +65,31 @@ class PackedLinearWeight:
         # version, and the next product packs it again. A write through `.data` is not seen.
         self.dense = dense.detach()
         self.version = self.dense._version
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense)
+        self._lay_out()
         self.out_features, self.in_features = dense.shape
-        self.one_row_packed = packed_for_one_row(dense)
+
+    def _lay_out(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense)
+        self.transposed = self.dense.t().contiguous()  # [in, out]
 
     def uses_packed(self, rows: int) -> bool:
-        return rows != 1 or self.one_row_packed
+        """Whether a product of `rows` rows takes the packed weight (else the transposed)."""
+        return rows != 1
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else x.numel() // self.in_features
-        if (rows == 1 and not self.one_row_packed) or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return F.linear(x, self.dense, bias)
         if self.dense._version != self.version:
             self.version = self.dense._version
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense)
-        flat = x.reshape(rows, self.in_features)
+            self._lay_out()
         if bias is not None and bias.requires_grad:
-            bias = bias.detach()  # the oneDNN op has no autograd; an engine never trains
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+            bias = bias.detach()  # neither op below has autograd here; an engine never trains
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if flat.shape[0] == 1:
+            if bias is None:
+                out = torch.mm(flat, self.transposed)
+            else:
+                out = torch.addmm(bias, flat, self.transposed)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)

@@ -1,6 +1,7 @@
 """CPU linear layers on oneDNN-packed weights (atom/kernels/cpu_linear.py): the product
-against F.linear, which form each row count takes, the layers' packing (a tied LM head's
-embedding table stays dense) and the Config.cpu_linear / ATOM_CPU_LINEAR switch.
+against F.linear, which form each row count takes (1 row: the transposed weight), the
+layers' packing (a tied LM head's embedding table stays dense) and the Config.cpu_linear /
+ATOM_CPU_LINEAR switch.
 
 Tolerance: oneDNN sums in another order than MKL; on unit-scale inputs and weights of
 scale in_features**-0.5 the outputs are O(1) and differ by at most ~1e-5 (1e-4 allowed).
@@ -13,8 +14,7 @@ from torch import nn
 
 from atom import envs
 from atom.config import Config
-from atom.kernels import cpu_linear
-from atom.kernels.cpu_linear import PackedLinearWeight, can_pack, packed_for_one_row
+from atom.kernels.cpu_linear import PackedLinearWeight, can_pack
 from atom.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -47,20 +47,20 @@ def test_packed_product_matches_f_linear(shape):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_one_row_takes_the_packed_weight_only_when_it_is_large(monkeypatch):
-    small = PackedLinearWeight(_weight(96, 64))
-    assert not small.uses_packed(1) and small.uses_packed(2) and small.uses_packed(64)
-    x = torch.randn(1, 64)
-    assert torch.equal(small(x), F.linear(x, small.dense))  # 1 row, small: F.linear itself
-    monkeypatch.setattr(cpu_linear, "ONE_ROW_PACKED_MIN_BYTES", 96 * 64 * 4)
-    large = PackedLinearWeight(_weight(96, 64))
-    assert large.uses_packed(1)
-    torch.testing.assert_close(large(x), F.linear(x, large.dense), atol=ATOL, rtol=0)
-    # the bound itself: SmolLM2's LM head (49152 x 576 fp32) is above it, its MLP below
-    monkeypatch.undo()
-    assert packed_for_one_row(torch.empty(49152, 576)) and not packed_for_one_row(
-        torch.empty(576, 1536)
-    )
+def test_one_row_takes_the_transposed_weight_and_more_rows_the_packed_one():
+    weight, bias = _weight(96, 64), torch.randn(96)
+    packed = PackedLinearWeight(weight)
+    assert not packed.uses_packed(1) and packed.uses_packed(2) and packed.uses_packed(64)
+    transposed = weight.t().contiguous()
+    assert packed.transposed.shape == (64, 96) and torch.equal(packed.transposed, transposed)
+    for shape in [(1, 64), (64,), (1, 1, 64)]:  # one row, however it is shaped
+        x = torch.randn(*shape)
+        # exactly MKL's product on the [in, out] layout, and F.linear up to summation order
+        assert torch.equal(packed(x).reshape(1, 96), torch.mm(x.reshape(1, 64), transposed))
+        assert torch.equal(
+            packed(x, bias).reshape(1, 96), torch.addmm(bias, x.reshape(1, 64), transposed)
+        )
+        torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), atol=ATOL, rtol=0)
 
 
 def test_a_weight_written_in_place_is_packed_again():
@@ -69,6 +69,11 @@ def test_a_weight_written_in_place_is_packed_again():
     x = torch.randn(4, 64)
     with torch.no_grad():
         weight[5] = 3.0
+    torch.testing.assert_close(packed(x), F.linear(x, weight), atol=ATOL, rtol=0)
+    with torch.no_grad():
+        weight[7] = -2.0
+    # the transposed copy too (the first call after a write lays both out again)
+    torch.testing.assert_close(packed(x[:1]), F.linear(x[:1], weight), atol=ATOL, rtol=0)
     torch.testing.assert_close(packed(x), F.linear(x, weight), atol=ATOL, rtol=0)
 
 
