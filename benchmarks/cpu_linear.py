@@ -13,7 +13,7 @@ count, five forms of y = x @ W^T in fp32:
   then `mkl._mkl_linear`;
 - transposed: the weight transposed once to [in, out], then `torch.mm(x, W^T)`;
 - atom: what `Config.cpu_linear="packed"` does (atom/kernels/cpu_linear.py: onednn at 2+
-  rows, transposed at 1 row).
+  rows; at 1 row transposed on a wide weight, dense on a square or tall one).
 
 `--cold`: each form runs on enough copies of the weight (>= 256 MB in all, taken in turn)
 that its weight comes from memory, as in a decode step, which reads each layer's weights
@@ -22,8 +22,8 @@ once; without it the one weight stays in the caches after the first call.
 The forms alternate within each round (the machine may be shared: a round's forms see the
 same load) and the best round counts. Printed: microseconds per product, each form's speed
 against dense (dense time / form time: above 1 is faster), the largest |difference| from
-dense, and LOSS where the form atom chose (onednn or transposed) is more than 5% slower
-than the best other one in the same rounds.
+dense, and LOSS where the form atom chose (onednn, transposed or dense) is more than 5%
+slower than the best other one in the same rounds.
 
 `--engine`: one CPU engine on the embedded SmolLM2 (fp32), the same random 128-token
 prompts at each batch size (prefix caching off: each run prefills them), 64 greedy tokens
@@ -123,7 +123,10 @@ def measure(out_features: int, in_features: int, rows: int, rounds: int, cold: b
     flops = 2 * rows * out_features * in_features
     inner = max(1, min(50, int(5e7 / flops)))
     seconds = time_forms(forms, rounds, inner)
-    return dict(seconds=seconds, diffs=diffs, packed=atom[0].uses_packed(rows))
+    chosen = "onednn" if atom[0].uses_packed(rows) else "dense"
+    if chosen == "dense" and atom[0].transposed is not None:
+        chosen = "transposed"
+    return dict(seconds=seconds, diffs=diffs, chosen=chosen)
 
 
 def engine_ab(batches: list[int], input_len: int, output_len: int, rounds: int) -> None:
@@ -207,7 +210,7 @@ def main() -> None:
                     # the choice loses where its form (onednn or transposed) is >5% slower
                     # than the best other form (all timed in the same rounds; `atom` adds
                     # the wrapper)
-                    chosen = "onednn" if result["packed"] else "transposed"
+                    chosen = result["chosen"]
                     others = [n for n in ("dense", "onednn", "transposed") if n != chosen]
                     loss = seconds[chosen] > 1.05 * min(seconds[n] for n in others)
                     losses += loss
@@ -216,7 +219,7 @@ def main() -> None:
                         f" {rows:>5} {dense * 1e6:>10.0f} {ratio['onednn']:>6.2f}x"
                         f" {ratio['mkl']:>6.2f}x {ratio['transposed']:>6.2f}x {ratio['atom']:>6.2f}x"
                         f" {diffs['onednn']:>12.1e} {diffs['atom']:.1e}"
-                        f"{'  (packed)' if result['packed'] else '  (transposed)'}"
+                        f"  ({chosen})"
                         f"{'  LOSS' if loss else ''}",
                         flush=True,
                     )

@@ -12,17 +12,20 @@ used: at 2+ rows it computes what F.linear computes, at the same speed.
 The form per call, by rows:
 - 2 rows or more: the packed weight (2-3x faster at 16 and 64 rows on every measured
   shape, 1 thread);
-- 1 row (batch-1 decode): the weight transposed once to [in, out] (`transposed`), then
+- 1 row (batch-1 decode) on a weight with more outputs than inputs (qkv, gate_up, the LM
+  head): the weight transposed once to [in, out] (`transposed`), then
   `torch.mm(x, transposed)`. A decode step reads every weight once from memory, and MKL's
-  product on the [in, out] layout streams it at close to the read bandwidth of one
-  thread, where F.linear's dot per output row and oneDNN's 1-row product do not:
-  `benchmarks.cpu_linear --cold` (each form on enough copies of a weight that they come
-  from memory) measures 1.3x over F.linear / oneDNN on SmolLM2's per-layer weights and
-  1.8x on its LM head, 1 thread (docs/benchmarks.md, CPU section). MKL does not thread
-  this product, so it also holds on a busy machine.
+  product on the [in, out] layout streams a wide weight faster than F.linear's dot per
+  output row or oneDNN's 1-row product: `benchmarks.cpu_linear --cold` (each form on
+  enough copies of a weight that they come from memory) measures 1.43x / 1.83x / 1.73x
+  over F.linear on SmolLM2's qkv / gate_up / LM head at 1 thread, 1.60x / 1.60x / 1.55x
+  at 2 (docs/benchmarks.md, CPU section);
+- 1 row on a square or tall weight (o, down): F.linear (the transposed form measured
+  0.94x on o and 0.61x on down).
 
-Memory: the packed and the transposed copies each cost as much as the dense weight, which
-stays (a tied LM head's is the embedding table; `ATOM_CPU_LINEAR=dense` keeps none).
+Memory: the packed copy costs as much as the dense weight, the transposed one as much as
+a wide weight; the dense weight stays (a tied LM head's is the embedding table, and the
+1-row product on a tall weight uses it). `ATOM_CPU_LINEAR=dense` keeps no copy.
 
 oneDNN sums in another order than MKL (max abs difference under 1e-5 on unit-scale inputs);
 the CPU greedy parity tests against HF pass with it. Packing covers fp32 only: bf16 would
@@ -69,11 +72,15 @@ class PackedLinearWeight:
         self.out_features, self.in_features = dense.shape
 
     def _lay_out(self) -> None:
+        out_features, in_features = self.dense.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dense)
-        self.transposed = self.dense.t().contiguous()  # [in, out]
+        self.transposed = None  # [in, out], for 1 row on a wide weight
+        if out_features > in_features:
+            self.transposed = self.dense.t().contiguous()
 
     def uses_packed(self, rows: int) -> bool:
-        """Whether a product of `rows` rows takes the packed weight (else the transposed)."""
+        """Whether a product of `rows` rows takes the packed weight (else, at 1 row, the
+        transposed weight when the weight is wide, F.linear when not)."""
         return rows != 1
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,6 +93,8 @@ class PackedLinearWeight:
             bias = bias.detach()  # neither op below has autograd here; an engine never trains
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if flat.shape[0] == 1:
+            if self.transposed is None:
+                return F.linear(x, self.dense, bias)
             if bias is None:
                 out = torch.mm(flat, self.transposed)
             else:

@@ -47,7 +47,7 @@ def test_packed_product_matches_f_linear(shape):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_one_row_takes_the_transposed_weight_and_more_rows_the_packed_one():
+def test_one_row_takes_the_transposed_weight_when_wide_and_more_rows_the_packed_one():
     weight, bias = _weight(96, 64), torch.randn(96)
     packed = PackedLinearWeight(weight)
     assert not packed.uses_packed(1) and packed.uses_packed(2) and packed.uses_packed(64)
@@ -61,6 +61,11 @@ def test_one_row_takes_the_transposed_weight_and_more_rows_the_packed_one():
             packed(x, bias).reshape(1, 96), torch.addmm(bias, x.reshape(1, 64), transposed)
         )
         torch.testing.assert_close(packed(x, bias), F.linear(x, weight, bias), atol=ATOL, rtol=0)
+    # a square or tall weight keeps no transposed copy: 1 row is F.linear itself
+    for out_features, in_features in [(64, 64), (48, 64)]:
+        tall = PackedLinearWeight(_weight(out_features, in_features))
+        x = torch.randn(1, in_features)
+        assert tall.transposed is None and torch.equal(tall(x), F.linear(x, tall.dense))
 
 
 def test_a_weight_written_in_place_is_packed_again():
