@@ -314,7 +314,7 @@ def topk_splits(num_rows: int, width: int, multi_processors: int, chunk: int = C
     not the visible count: short sequences get short slices, not fewer programs."""
     if num_rows >= multi_processors or width <= 2 * chunk:
         return 1
-    return min(width // chunk, triton.cdiv(multi_processors, num_rows), MAX_SPLITS)
+    return min(width // chunk, -(-multi_processors // num_rows), MAX_SPLITS)
 
 
 def indexer_topk_select_split(
@@ -325,6 +325,9 @@ def indexer_topk_select_split(
     histogram launches into a zeroed [B, 4, 256] int32, a count launch, a compaction
     launch; the same ids as the single-program kernel."""
     assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    assert scores.is_contiguous() and scores.dtype == torch.float32
+    if allowed is not None:
+        assert allowed.is_contiguous() and allowed.shape == scores.shape
     num_rows, width = scores.shape
     out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
     if not (num_rows and k):
