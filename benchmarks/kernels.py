@@ -26,7 +26,10 @@ One JSON line per measurement, on stdout:
 
 - ``v4_topk``: `v4_topk.indexer_topk_select` (top-512 of each row's visible scores) at 1
   and 64 rows, 2,048 and 16,384 visible entries (8K and 64K tokens at ratio 4), per
-  (chunk, num_warps), each checked equal to the reference.
+  (chunk, num_warps), each checked equal to the reference (the single-program kernel).
+- ``v4_topk_split``: the single-program select against the split one (`topk_splits`'
+  choice and forced split counts, chunk 2048/8 warps and 1024/4) at 1 and 64 rows and
+  2K / 16K / 64K visible entries; ``ratio`` = split / single.
 - ``v4_mhc``: `v4_mhc.hc_pre` at V4's shape (4 streams of 4,096, 20 Sinkhorn iterations)
   for 1 and 64 tokens: the mix GEMV per split count and the finish per warp count (and with
   one Sinkhorn iteration, to show its share).
@@ -298,12 +301,50 @@ def bench_v4_topk() -> None:
 
                 def run(chunk=chunk, warps=warps, scores=scores, counts=counts):
                     return v4_topk.indexer_topk_select(
-                        scores, counts, 512, chunk=chunk, num_warps=warps
+                        scores, counts, 512, chunk=chunk, num_warps=warps, num_splits=1
                     )
 
                 equal = bool(torch.equal(run(), expected))
                 emit(bench="v4_topk", rows=rows, visible=visible, chunk=chunk,
                      num_warps=warps, us=round(device_us(run), 2), equal=equal)  # fmt: skip
+    bench_v4_topk_split()
+
+
+def bench_v4_topk_split() -> None:
+    """``v4_topk_split``: the single-program select against the split one (S programs a
+    row; ``auto``: `topk_splits`' choice, then forced counts) at 1 and 64 rows, 2K / 16K /
+    64K visible entries, the scores row as wide as the visible entries and 4 times wider
+    (`topk_splits` reads the width), top-512; ``ratio``: split / single time."""
+    from atom.kernels import v4_topk
+    from atom.kernels.decode_attention import multi_processors
+
+    sms = multi_processors(torch.device("cuda"))
+    for rows in (1, 64):
+        for visible in (2048, 16384, 65536):
+            for width in (visible, 4 * visible):
+                generator = torch.Generator("cuda").manual_seed(rows + width)
+                scores = torch.randn(rows, width, device="cuda", generator=generator).relu()
+                counts = torch.full((rows,), visible, device="cuda", dtype=torch.int64)
+                expected = v4_topk.indexer_topk_select_reference(scores, counts, 512)
+                single = device_us(lambda s=scores, c=counts: v4_topk.indexer_topk_select(
+                    s, c, 512, num_splits=1))  # fmt: skip
+                auto = v4_topk.topk_splits(rows, width, sms)
+                emit(bench="v4_topk_split", rows=rows, visible=visible, width=width,
+                     splits=1, auto=auto, single_us=round(single, 2))  # fmt: skip
+                forced = [2, 4, 8, 16, 32, 64, 128] if rows == 1 else [2, 3, 4, 8]
+                for splits in sorted({auto, *forced} - {1}):
+                    for chunk, warps in ((2048, 8), (1024, 4)):
+
+                        def run(s=scores, c=counts, n=splits, chunk=chunk, warps=warps):
+                            return v4_topk.indexer_topk_select_split(
+                                s, c, 512, None, n, chunk=chunk, num_warps=warps
+                            )
+
+                        us = device_us(run)
+                        emit(bench="v4_topk_split", rows=rows, visible=visible, width=width,
+                             splits=splits, auto=auto, chunk=chunk, num_warps=warps,
+                             us=round(us, 2), ratio=round(us / single, 3),
+                             equal=bool(torch.equal(run(), expected)))  # fmt: skip
 
 
 def bench_v4_mhc() -> None:

@@ -17,11 +17,22 @@ Triton `indexer_topk_select` (beside `indexer_topk_select_reference`): one progr
    the row's scores in all.
 Runtime lengths (do_not_specialize): the scores row width and k. Geometry constexpr
 (CHUNK, HAS_ALLOWED). No host sync: CUDA-graph capturable.
+
+Few long rows (batch-1 decode at 64K: one row of ~16K entries a CSA layer) leave all but one
+SM idle, so `indexer_topk_select_split` shares each row among S programs (`topk_splits`
+picks S from the shapes; SPLITS_OVERRIDE forces it): each round is a launch over (row,
+slice) whose programs add their slice's histogram to the row's global one ([B, 4, 256]
+int32, atomics) after rebuilding the prefix from the earlier rounds' histograms; a count
+launch gives each slice's scores above and equal to t; the compaction places each slice's
+picks after the earlier slices' (their counts prefix-summed). Same ids, same order, same
+-1 padding as the single-program kernel; the split count is runtime (do_not_specialize).
 """
 
 from __future__ import annotations
 
 import torch
+
+from atom.kernels.decode_attention import multi_processors
 
 try:
     import triton
@@ -138,18 +149,234 @@ def _indexer_topk_kernel(
                  mask=(slot >= wanted) & (slot < k))  # fmt: skip
 
 
+@triton.jit
+def _slice_bounds(counts_ptr, row, width, split, num_splits):
+    """Split ``split`` of ``num_splits`` equal runs of the row's first counts[row] entries."""
+    n = tl.minimum(tl.load(counts_ptr + row).to(tl.int64), width)
+    length = tl.cdiv(n, num_splits)
+    start = split * length
+    return start, tl.minimum(start + length, n)
+
+
+@triton.jit
+def _radix_state(histogram_ptr, rounds, k):
+    """The radix select after ``rounds`` rounds, from one row's global histograms ([4, 256]
+    int32; round 0's complete when ``rounds`` > 0): (prefix, prefix_mask, wanted,
+    remaining), as `_indexer_topk_kernel` holds them after as many rounds."""
+    bins = tl.arange(0, 256)
+    wanted = tl.minimum(tl.sum(tl.load(histogram_ptr + bins), 0).to(tl.int64), k)
+    remaining = wanted
+    prefix = tl.full([], 0, tl.uint32)
+    prefix_mask = tl.full([], 0, tl.uint32)
+    for round_ in range(rounds):
+        counts = tl.load(histogram_ptr + round_ * 256 + bins)
+        shift = (tl.full([], 24, tl.int32) - 8 * round_).to(tl.uint32)
+        greater = tl.sum(counts, 0) - tl.cumsum(counts, 0)
+        here = (greater < remaining) & (greater + counts >= remaining)
+        digit = tl.max(tl.where(here, bins, -1), 0)
+        remaining -= tl.sum(tl.where(bins == digit, greater, 0), 0)
+        prefix = prefix | (digit.to(tl.uint32) << shift)
+        prefix_mask = prefix_mask | (tl.full([], 0xFF, tl.uint32) << shift)
+    return prefix, prefix_mask, wanted, remaining
+
+
+@triton.jit(do_not_specialize=["width", "k", "num_splits", "round_"])
+def _topk_histogram_kernel(
+    scores_ptr,  # [B, width] fp32, row-contiguous
+    counts_ptr,  # [B] int: the entries row b may see
+    allowed_ptr,  # [B, width] bool (read only with HAS_ALLOWED)
+    histograms_ptr,  # [B, 4, 256] int32, zeroed; this launch adds to [:, round_]
+    width,
+    k,
+    num_splits,
+    round_,
+    HAS_ALLOWED: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Round ``round_`` of the split radix select: program (b, s) adds its slice's
+    histogram of the round's digit (among the scores matching the prefix so far, rebuilt
+    from the earlier rounds' histograms) to row b's global one."""
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, CHUNK)
+    start, end = _slice_bounds(counts_ptr, row, width, tl.program_id(1), num_splits)
+    histogram = histograms_ptr + row * 1024
+    prefix, prefix_mask, _, _ = _radix_state(histogram, round_, k)
+    shift = (tl.full([], 24, tl.int32) - 8 * round_).to(tl.uint32)
+    counts = tl.zeros([256], tl.int32)
+    for offset in range(start, end, CHUNK):
+        inside = offset + lanes < end
+        if HAS_ALLOWED:
+            inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside,
+                              other=0) != 0  # fmt: skip
+        u = _ordered_bits(tl.load(scores_ptr + row * width + offset + lanes, mask=inside,
+                                  other=0.0))  # fmt: skip
+        match = inside & ((u & prefix_mask) == prefix)
+        digits = ((u >> shift) & 0xFF).to(tl.int32)
+        counts += tl.histogram(digits, 256, mask=match)
+    bins = tl.arange(0, 256)
+    # relaxed: the next launch reads the sums, and a kernel boundary orders them
+    tl.atomic_add(histogram + round_ * 256 + bins, counts, mask=counts > 0, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["width", "k", "num_splits"])
+def _topk_count_kernel(
+    scores_ptr,  # [B, width] fp32, row-contiguous
+    counts_ptr,  # [B] int
+    allowed_ptr,  # [B, width] bool (read only with HAS_ALLOWED)
+    histograms_ptr,  # [B, 4, 256] int32: the 4 rounds, complete
+    split_counts_ptr,  # [B, num_splits, 2] int32 out: scores > t, scores == t in the slice
+    width,
+    k,
+    num_splits,
+    HAS_ALLOWED: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lanes = tl.arange(0, CHUNK)
+    start, end = _slice_bounds(counts_ptr, row, width, split, num_splits)
+    threshold, _, _, _ = _radix_state(histograms_ptr + row * 1024, 4, k)
+    above = tl.zeros([], tl.int32)
+    equal = tl.zeros([], tl.int32)
+    for offset in range(start, end, CHUNK):
+        inside = offset + lanes < end
+        if HAS_ALLOWED:
+            inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside,
+                              other=0) != 0  # fmt: skip
+        u = _ordered_bits(tl.load(scores_ptr + row * width + offset + lanes, mask=inside,
+                                  other=0.0))  # fmt: skip
+        above += tl.sum((inside & (u > threshold)).to(tl.int32), 0)
+        equal += tl.sum((inside & (u == threshold)).to(tl.int32), 0)
+    slot = split_counts_ptr + (row * num_splits + split) * 2
+    tl.store(slot, above)
+    tl.store(slot + 1, equal)
+
+
+@triton.jit(do_not_specialize=["width", "k", "num_splits"])
+def _topk_compact_kernel(
+    scores_ptr,  # [B, width] fp32, row-contiguous
+    counts_ptr,  # [B] int
+    allowed_ptr,  # [B, width] bool (read only with HAS_ALLOWED)
+    histograms_ptr,  # [B, 4, 256] int32: the 4 rounds, complete
+    split_counts_ptr,  # [B, num_splits, 2] int32: each slice's scores > t and == t
+    out_ptr,  # [B, k] int64
+    width,
+    k,
+    num_splits,
+    HAS_ALLOWED: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """Program (b, s) writes its slice's picks (those > t, then the ties to t while their
+    rank in the row stays under the ties wanted) at its offset, the earlier slices' picks,
+    in id order; and its share of the -1 padding (slots >= wanted, every num_splits-th
+    CHUNK from its own)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lanes = tl.arange(0, CHUNK)
+    start, end = _slice_bounds(counts_ptr, row, width, split, num_splits)
+    threshold, _, wanted, equal_wanted = _radix_state(histograms_ptr + row * 1024, 4, k)
+    earlier = tl.arange(0, MAX_SPLITS)
+    earlier_counts = split_counts_ptr + (row * num_splits + earlier) * 2
+    taken_equal = tl.sum(tl.load(earlier_counts + 1, mask=earlier < split, other=0), 0)
+    taken = tl.sum(tl.load(earlier_counts, mask=earlier < split, other=0), 0).to(tl.int64)
+    taken += tl.minimum(taken_equal.to(tl.int64), equal_wanted)
+    for offset in range(start, end, CHUNK):
+        inside = offset + lanes < end
+        if HAS_ALLOWED:
+            inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside,
+                              other=0) != 0  # fmt: skip
+        u = _ordered_bits(tl.load(scores_ptr + row * width + offset + lanes, mask=inside,
+                                  other=0.0))  # fmt: skip
+        equal = inside & (u == threshold)
+        equal_rank = taken_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
+        keep = inside & ((u > threshold) | (equal & (equal_rank < equal_wanted)))
+        slot = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(out_ptr + row * k + slot, (offset + lanes).to(tl.int64), mask=keep)
+        taken_equal += tl.sum(equal.to(tl.int32), 0)
+        taken += tl.sum(keep.to(tl.int32), 0)
+    for first in range(split * CHUNK, k, num_splits * CHUNK):  # -1 after the picks
+        slot = first + lanes
+        tl.store(out_ptr + row * k + slot, tl.full([CHUNK], -1, tl.int64),
+                 mask=(slot >= wanted) & (slot < k))  # fmt: skip
+
+
+MAX_SPLITS = 128  # the compaction's tile over the earlier slices' counts
+SPLITS_OVERRIDE: int | None = None  # a fixed split count (benchmarks' A/B; 1: one program a row)
+INTERPRETER_MULTI_PROCESSORS = 132  # H100/H200's count: CPU tests see the GPU's choices
+
+
+def topk_splits(num_rows: int, width: int, multi_processors: int, chunk: int = CHUNK) -> int:
+    """Programs per row for `indexer_topk_select`, from shapes only (CUDA-graph replays
+    agree): 1 (the single-program kernel) once the rows alone fill the SMs or a row is at
+    most 2 chunks wide; else enough slices for the SMs, none narrower than a chunk of the
+    row's width, at most MAX_SPLITS. ``width`` is the scores row's (max_model_len / ratio),
+    not the visible count: short sequences get short slices, not fewer programs."""
+    if num_rows >= multi_processors or width <= 2 * chunk:
+        return 1
+    return min(width // chunk, -(-multi_processors // num_rows), MAX_SPLITS)
+
+
+def indexer_topk_select_split(
+    scores, counts, k: int, allowed, num_splits: int, *, chunk: int = CHUNK,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:  # fmt: skip
+    """`indexer_topk_select` over ``num_splits`` programs per row (1 .. MAX_SPLITS): 4
+    histogram launches into a zeroed [B, 4, 256] int32, a count launch, a compaction
+    launch; the same ids as the single-program kernel."""
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
+    assert scores.is_contiguous() and scores.dtype == torch.float32
+    if allowed is not None:
+        assert allowed.is_contiguous() and allowed.shape == scores.shape
+    num_rows, width = scores.shape
+    out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
+    if not (num_rows and k):
+        return out
+    histograms = torch.zeros(num_rows, 4, 256, dtype=torch.int32, device=scores.device)
+    split_counts = torch.empty(num_rows, num_splits, 2, dtype=torch.int32, device=scores.device)
+    allowed_or_any = scores if allowed is None else allowed
+    grid = (num_rows, num_splits)
+    geometry = dict(HAS_ALLOWED=allowed is not None, CHUNK=chunk, num_warps=num_warps)
+    for round_ in range(4):
+        _topk_histogram_kernel[grid](
+            scores, counts, allowed_or_any, histograms, width, k, num_splits, round_, **geometry
+        )
+    _topk_count_kernel[grid](
+        scores, counts, allowed_or_any, histograms, split_counts, width, k, num_splits,
+        **geometry,
+    )  # fmt: skip
+    _topk_compact_kernel[grid](
+        scores, counts, allowed_or_any, histograms, split_counts, out, width, k, num_splits,
+        MAX_SPLITS=MAX_SPLITS, **geometry,
+    )  # fmt: skip
+    return out
+
+
 def indexer_topk_select(
-    scores, counts, k: int, allowed=None, *, chunk: int = CHUNK, num_warps: int = NUM_WARPS
-) -> torch.Tensor:
+    scores, counts, k: int, allowed=None, *, chunk: int = CHUNK, num_warps: int = NUM_WARPS,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Triton `indexer_topk_select_reference` (same arguments, same result); needs Triton
     (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's count are never read. ``chunk``
     and ``num_warps``: the launch's geometry (`benchmarks.kernels --only-v4-topk` sweeps
-    them)."""
+    them). ``num_splits``: programs per row (None: SPLITS_OVERRIDE, else `topk_splits`;
+    1: the single-program kernel)."""
     assert scores.is_contiguous() and scores.dtype == torch.float32
     num_rows, width = scores.shape
-    out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
     if allowed is not None:
         assert allowed.is_contiguous() and allowed.shape == scores.shape
+    if num_splits is None:
+        num_splits = SPLITS_OVERRIDE
+    if num_splits is None:
+        sms = INTERPRETER_MULTI_PROCESSORS
+        if scores.is_cuda:
+            sms = multi_processors(scores.device)
+        num_splits = topk_splits(num_rows, width, sms, chunk)
+    if num_splits > 1:
+        return indexer_topk_select_split(
+            scores, counts, k, allowed, num_splits, chunk=chunk, num_warps=num_warps
+        )
+    out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
     if num_rows and k:
         _indexer_topk_kernel[(num_rows,)](
             scores, counts, scores if allowed is None else allowed, out, width, k,

@@ -227,6 +227,10 @@ KERNELS = {
     ),
     # the indexer's top-k select: the scores row's width (max_model_len / ratio) and k
     (v4_topk, "_indexer_topk_kernel"): (["width", "k"], []),
+    # its split form (few long rows): the slices per row and the round are runtime too
+    (v4_topk, "_topk_histogram_kernel"): (["width", "k", "num_splits", "round_"], []),
+    (v4_topk, "_topk_count_kernel"): (["width", "k", "num_splits"], []),
+    (v4_topk, "_topk_compact_kernel"): (["width", "k", "num_splits"], []),
     # num_blocks (the pool's size) is dynamic too: it differs between engines in one process
     (v4_compressor, "_compressor_decode_kernel"): (
         ["num_rows", "stride_tables_row", "num_blocks"],
@@ -323,6 +327,8 @@ DEVICE_FUNCTIONS = {
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
     (v4_topk, "_ordered_bits"),
+    (v4_topk, "_slice_bounds"),
+    (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
     (v4_mhc, "_mix_sum"),
     (v41_quant, "_exponent"),
@@ -1115,6 +1121,29 @@ def test_v4_topk_select_inside_allowed_entries_one_variant():
         v4_topk.indexer_topk_select(scores, counts, 1 + n % 600, allowed)
 
     assert_one_variant(v4_topk, ["_indexer_topk_kernel"], run)
+
+
+SPLIT_TOPK_KERNELS = ["_topk_histogram_kernel", "_topk_count_kernel", "_topk_compact_kernel"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_allowed", [False, True])
+def test_v4_topk_split_select_one_variant(with_allowed):
+    """The split select: widths, counts, k and the split count swept (1 .. 128 programs a
+    row), one compiled variant of each kernel (the 4 rounds included)."""
+    generator = _generator()
+
+    def run(n):
+        rows = 1 + n % 3
+        scores = torch.randn(rows, n, device=DEVICE, generator=generator)
+        allowed = None
+        if with_allowed:
+            allowed = torch.rand(rows, n, device=DEVICE, generator=generator) < 0.5
+        counts = torch.randint(0, n + 1, (rows,), device=DEVICE, generator=generator)
+        splits = 1 + n % v4_topk.MAX_SPLITS
+        v4_topk.indexer_topk_select_split(scores, counts, 1 + n % 600, allowed, splits)
+
+    assert_one_variant(v4_topk, SPLIT_TOPK_KERNELS, run)
 
 
 @pytest.mark.gpu

@@ -1,14 +1,19 @@
 """DeepSeek-V4 indexer top-k select (atom/kernels/v4_topk.py): the Triton select (CPU
 interpreter; `gpu` variants on CUDA) against its torch reference, against torch.topk where
 no score ties, and against the tie rule (lower id wins, -0.0 equals 0.0) where they do.
-Only each row's visible entries are read: garbage past them never changes the choice."""
+Only each row's visible entries are read: garbage past them never changes the choice.
+The split select (S programs a row) gives the same ids as the single-program kernel."""
 
 import pytest
 import torch
 
+from atom.kernels import v4_topk
 from atom.kernels.v4_topk import (
+    MAX_SPLITS,
     indexer_topk_select,
     indexer_topk_select_reference,
+    indexer_topk_select_split,
+    topk_splits,
     visible_counts,
 )
 
@@ -84,3 +89,105 @@ def test_select_inside_allowed_entries(device, ties):
     assert torch.equal(got, expected), (got, expected)
     assert got[2].tolist() == [0, 1, 2, 3, 4] + [-1] * 11
     assert (got[3] == -1).sum() == 16 - int(allowed[3, :2].sum())
+
+
+def _split_rows(seed: int, width: int, k: int):
+    """Rows seeing 0, fewer than k, exactly k, and many more than k entries: scores of few
+    values of both signs (heavy ties straddling the threshold), -0.0, some -inf."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, (5, width), generator=generator) * 0.25
+    scores = torch.where(scores == 0, -0.0, scores).float()
+    scores[1, : width // 2] = torch.randn(width // 2, generator=generator)  # few ties
+    scores[:, 5::11] = float("-inf")
+    counts = torch.tensor([0, k // 3, k, width - 7, width])
+    return scores, counts
+
+
+def _allowed(width: int, k: int):
+    generator = torch.Generator().manual_seed(2)
+    allowed = torch.rand(5, width, generator=generator) < 0.4
+    allowed[2, : 3 * k] = True
+    return allowed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("allowed", [False, True])
+@pytest.mark.parametrize("splits", [1, 3, 7, None])
+def test_split_select_matches_reference(device, splits, allowed):
+    """The split kernels at S = 1, 3, 7 and `topk_splits`' own choice (None; chunk 128 so
+    that these interpreter-sized rows split) against the reference and the single-program
+    kernel. With ``allowed``, no -inf score (see the next test)."""
+    width, k, chunk = 700, 24, 128
+    scores, counts = _split_rows(width + 3, width, k)
+    mask = None
+    if allowed:
+        mask = _allowed(width, k).to(device)
+        scores = scores.masked_fill(scores == float("-inf"), -7.0)
+    scores, counts = scores.to(device), counts.to(device)
+    if splits is None:  # width-bound at 5 rows (any SM count from 25 on)
+        assert topk_splits(5, width, v4_topk.INTERPRETER_MULTI_PROCESSORS, chunk) == 5
+        got = indexer_topk_select(scores, counts, k, mask, chunk=chunk)
+    else:
+        got = indexer_topk_select_split(scores, counts, k, mask, splits, chunk=chunk)
+    expected = indexer_topk_select_reference(scores, counts, k, mask)
+    assert torch.equal(got, expected), (got, expected)
+    single = indexer_topk_select(scores, counts, k, mask, chunk=chunk, num_splits=1)
+    assert torch.equal(got, single), (got, single)
+    assert (got[0] == -1).all()
+
+
+def test_split_select_allowed_with_inf_matches_the_single_program_kernel():
+    """-inf scores with ``allowed``: the reference masks with -inf too, so there a masked-out
+    entry ties with an allowed -inf (and wins by its lower id); both kernels take only
+    allowed entries, the same ones."""
+    width, k = 700, 24
+    scores, counts = _split_rows(width + 3, width, k)
+    mask = _allowed(width, k)
+    got = indexer_topk_select_split(scores, counts, k, mask, 3, chunk=128)
+    single = indexer_topk_select(scores, counts, k, mask, chunk=128, num_splits=1)
+    assert torch.equal(got, single), (got, single)
+    picked = got.clamp(min=0)
+    assert (mask.gather(1, picked) | (got < 0)).all()
+
+
+def test_split_select_k_past_the_visible_entries():
+    """k wider than the row (the padding shared by the slices over several chunks)."""
+    scores, counts = _split_rows(4, 300, 600)
+    counts = counts.clamp(max=300)
+    expected = indexer_topk_select_reference(scores, counts, 600)
+    got = indexer_topk_select_split(scores, counts, 600, None, 3, chunk=128)
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_topk_splits_choices():
+    """One program a row once the rows fill the SMs or a row is at most 2 chunks; else
+    enough slices for the SMs, none narrower than a chunk, at most MAX_SPLITS."""
+    sms = 132
+    assert topk_splits(1, 4096, sms) == 1  # 8K context at max_model_len 16K: 2 chunks
+    assert topk_splits(1, 4097, sms) == 2
+    assert topk_splits(1, 16384, sms) == 8  # 64K tokens: 8 slices of one chunk
+    assert topk_splits(64, 16384, sms) == 3  # 192 programs
+    assert topk_splits(132, 1 << 20, sms) == 1  # the rows fill the SMs
+    assert topk_splits(1, 1 << 20, sms) == MAX_SPLITS
+    assert topk_splits(2, 1 << 20, sms) == 66
+    assert topk_splits(1, 3000, sms, chunk=256) == 11
+    for rows in (1, 2, 5, 64, 131):
+        for width in (4097, 16384, 1 << 18):
+            splits = topk_splits(rows, width, sms)
+            assert 1 <= splits <= MAX_SPLITS and width // splits >= 2048
+            assert rows * splits >= sms or splits in (width // 2048, MAX_SPLITS)
+
+
+def test_splits_override_forces_the_split_count(monkeypatch):
+    """SPLITS_OVERRIDE (benchmarks' A/B) wins over `topk_splits`: 1 is the single-program
+    kernel, here at a shape the rule would split."""
+    scores, counts = _split_rows(6, 560, 16)
+    launched = []
+    real = v4_topk.indexer_topk_select_split
+    monkeypatch.setattr(v4_topk, "indexer_topk_select_split",
+                        lambda *a, **kw: launched.append(a[4]) or real(*a, **kw))  # fmt: skip
+    expected = indexer_topk_select_reference(scores, counts, 16)
+    for override, calls in ((1, []), (3, [3]), (None, [3, 2])):
+        monkeypatch.setattr(v4_topk, "SPLITS_OVERRIDE", override)
+        assert torch.equal(v4_topk.indexer_topk_select(scores, counts, 16, chunk=256), expected)
+        assert launched == calls
