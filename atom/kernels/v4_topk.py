@@ -306,15 +306,31 @@ SPLITS_OVERRIDE: int | None = None  # a fixed split count (benchmarks' A/B; 1: o
 INTERPRETER_MULTI_PROCESSORS = 132  # H100/H200's count: CPU tests see the GPU's choices
 
 
-def topk_splits(num_rows: int, width: int, multi_processors: int, chunk: int = CHUNK) -> int:
+SPLIT_CHUNK = 1024  # the split kernels' geometry (`benchmarks.kernels --only-v4-topk`:
+SPLIT_WARPS = 4  # 1024 / 4 warps is the fastest from 16K visible entries on, one row)
+SPLIT_MIN_WIDTH_CHUNKS = 8  # split only rows of 8+ chunks (8K entries, a 32K-token max_model_len)
+SPLIT_MAX_ROWS_PER_SM = 1 / 8  # and only up to 1 row in 8 SMs (16 rows on 132 SMs)
+
+
+def topk_splits(num_rows: int, width: int, multi_processors: int, chunk: int = SPLIT_CHUNK) -> int:
     """Programs per row for `indexer_topk_select`, from shapes only (CUDA-graph replays
-    agree): 1 (the single-program kernel) once the rows alone fill the SMs or a row is at
-    most 2 chunks wide; else enough slices for the SMs, none narrower than a chunk of the
-    row's width, at most MAX_SPLITS. ``width`` is the scores row's (max_model_len / ratio),
-    not the visible count: short sequences get short slices, not fewer programs."""
-    if num_rows >= multi_processors or width <= 2 * chunk:
+    agree). ``width`` is the scores row's (max_model_len / ratio), not the visible count,
+    which lives on the device.
+
+    H200, `benchmarks.kernels --only-v4-topk`, one row: the single-program kernel takes
+    12.6 us at 2K visible entries, 78 at 16K, 307 at 64K; the split kernels (six launches)
+    take a floor of ~25 us whatever the count, 25.8 at 16K (16 slices of 1024) and 26.5 at
+    64K (64 slices). At 64 rows the split lost at 2K visible (2.2x) and won less at 16K
+    (0.67-0.97x). So: 1 (the single kernel) when a row is under SPLIT_MIN_WIDTH_CHUNKS
+    chunks or the rows are more than SPLIT_MAX_ROWS_PER_SM of the SMs; else a slice per
+    chunk of the width, at most MAX_SPLITS. The cost of the rule: a short sequence in an
+    engine of a long max_model_len pays the split's ~25 us floor instead of ~13 us."""
+    if (
+        width < SPLIT_MIN_WIDTH_CHUNKS * chunk
+        or num_rows > SPLIT_MAX_ROWS_PER_SM * multi_processors
+    ):
         return 1
-    return min(width // chunk, -(-multi_processors // num_rows), MAX_SPLITS)
+    return min(width // chunk, MAX_SPLITS)
 
 
 def indexer_topk_select_split(
@@ -354,13 +370,14 @@ def indexer_topk_select_split(
 
 def indexer_topk_select(
     scores, counts, k: int, allowed=None, *, chunk: int = CHUNK, num_warps: int = NUM_WARPS,
-    num_splits: int | None = None,
+    num_splits: int | None = None, split_chunk: int = SPLIT_CHUNK, split_warps: int = SPLIT_WARPS,
 ) -> torch.Tensor:  # fmt: skip
     """Triton `indexer_topk_select_reference` (same arguments, same result); needs Triton
     (CUDA or TRITON_INTERPRET=1). ``scores`` past a row's count are never read. ``chunk``
-    and ``num_warps``: the launch's geometry (`benchmarks.kernels --only-v4-topk` sweeps
-    them). ``num_splits``: programs per row (None: SPLITS_OVERRIDE, else `topk_splits`;
-    1: the single-program kernel)."""
+    and ``num_warps``: the single-program kernel's geometry, ``split_chunk`` and
+    ``split_warps`` the split kernels' (`benchmarks.kernels --only-v4-topk` sweeps them).
+    ``num_splits``: programs per row (None: SPLITS_OVERRIDE, else `topk_splits`; 1: the
+    single-program kernel)."""
     assert scores.is_contiguous() and scores.dtype == torch.float32
     num_rows, width = scores.shape
     if allowed is not None:
@@ -371,10 +388,10 @@ def indexer_topk_select(
         sms = INTERPRETER_MULTI_PROCESSORS
         if scores.is_cuda:
             sms = multi_processors(scores.device)
-        num_splits = topk_splits(num_rows, width, sms, chunk)
+        num_splits = topk_splits(num_rows, width, sms, split_chunk)
     if num_splits > 1:
         return indexer_topk_select_split(
-            scores, counts, k, allowed, num_splits, chunk=chunk, num_warps=num_warps
+            scores, counts, k, allowed, num_splits, chunk=split_chunk, num_warps=split_warps
         )
     out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
     if num_rows and k:

@@ -114,9 +114,9 @@ def _allowed(width: int, k: int):
 @pytest.mark.parametrize("allowed", [False, True])
 @pytest.mark.parametrize("splits", [1, 3, 7, None])
 def test_split_select_matches_reference(device, splits, allowed):
-    """The split kernels at S = 1, 3, 7 and `topk_splits`' own choice (None; chunk 128 so
-    that these interpreter-sized rows split) against the reference and the single-program
-    kernel. With ``allowed``, no -inf score (see the next test)."""
+    """The split kernels at S = 1, 3, 7 and `topk_splits`' own choice (None; split chunk 64
+    so that these interpreter-sized rows split) against the reference and the
+    single-program kernel. With ``allowed``, no -inf score (see the next test)."""
     width, k, chunk = 700, 24, 128
     scores, counts = _split_rows(width + 3, width, k)
     mask = None
@@ -124,9 +124,9 @@ def test_split_select_matches_reference(device, splits, allowed):
         mask = _allowed(width, k).to(device)
         scores = scores.masked_fill(scores == float("-inf"), -7.0)
     scores, counts = scores.to(device), counts.to(device)
-    if splits is None:  # width-bound at 5 rows (any SM count from 25 on)
-        assert topk_splits(5, width, v4_topk.INTERPRETER_MULTI_PROCESSORS, chunk) == 5
-        got = indexer_topk_select(scores, counts, k, mask, chunk=chunk)
+    if splits is None:  # a slice per 64 entries of the width at 5 rows
+        assert topk_splits(5, width, v4_topk.INTERPRETER_MULTI_PROCESSORS, 64) == 10
+        got = indexer_topk_select(scores, counts, k, mask, split_chunk=64, split_warps=4)
     else:
         got = indexer_topk_select_split(scores, counts, k, mask, splits, chunk=chunk)
     expected = indexer_topk_select_reference(scores, counts, k, mask)
@@ -160,22 +160,23 @@ def test_split_select_k_past_the_visible_entries():
 
 
 def test_topk_splits_choices():
-    """One program a row once the rows fill the SMs or a row is at most 2 chunks; else
-    enough slices for the SMs, none narrower than a chunk, at most MAX_SPLITS."""
+    """One program a row for rows under 8 split chunks or over 1 row in 8 SMs; else a
+    slice per chunk of the width, at most MAX_SPLITS (the figures in its docstring)."""
     sms = 132
-    assert topk_splits(1, 4096, sms) == 1  # 8K context at max_model_len 16K: 2 chunks
-    assert topk_splits(1, 4097, sms) == 2
-    assert topk_splits(1, 16384, sms) == 8  # 64K tokens: 8 slices of one chunk
-    assert topk_splits(64, 16384, sms) == 3  # 192 programs
-    assert topk_splits(132, 1 << 20, sms) == 1  # the rows fill the SMs
+    assert topk_splits(1, 2048, sms) == 1  # 8K context at max_model_len 8K
+    assert topk_splits(1, 8191, sms) == 1
+    assert topk_splits(1, 8192, sms) == 8  # max_model_len 32K
+    assert topk_splits(1, 16384, sms) == 16  # 64K: 16 slices of 1024
+    assert topk_splits(16, 16384, sms) == 16
+    assert topk_splits(17, 16384, sms) == 1  # more than 1 row in 8 SMs
+    assert topk_splits(64, 1 << 20, sms) == 1
     assert topk_splits(1, 1 << 20, sms) == MAX_SPLITS
-    assert topk_splits(2, 1 << 20, sms) == 66
     assert topk_splits(1, 3000, sms, chunk=256) == 11
-    for rows in (1, 2, 5, 64, 131):
+    for rows in (1, 2, 5, 16, 64, 131):
         for width in (4097, 16384, 1 << 18):
             splits = topk_splits(rows, width, sms)
-            assert 1 <= splits <= MAX_SPLITS and width // splits >= 2048
-            assert rows * splits >= sms or splits in (width // 2048, MAX_SPLITS)
+            assert 1 <= splits <= MAX_SPLITS
+            assert splits == 1 or (rows * 8 <= sms and width // splits >= 1024)
 
 
 def test_splits_override_forces_the_split_count(monkeypatch):
@@ -187,7 +188,8 @@ def test_splits_override_forces_the_split_count(monkeypatch):
     monkeypatch.setattr(v4_topk, "indexer_topk_select_split",
                         lambda *a, **kw: launched.append(a[4]) or real(*a, **kw))  # fmt: skip
     expected = indexer_topk_select_reference(scores, counts, 16)
-    for override, calls in ((1, []), (3, [3]), (None, [3, 2])):
+    for override, calls in ((1, []), (3, [3]), (None, [3, 8])):  # the rule: 560 // 64
         monkeypatch.setattr(v4_topk, "SPLITS_OVERRIDE", override)
-        assert torch.equal(v4_topk.indexer_topk_select(scores, counts, 16, chunk=256), expected)
+        got = v4_topk.indexer_topk_select(scores, counts, 16, split_chunk=64, split_warps=4)
+        assert torch.equal(got, expected)
         assert launched == calls
