@@ -31,6 +31,8 @@ from atom.attention.family import AttentionFamily, FamilySupport
 from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.moe_routing import softmax_route
+from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.models.layers import RMSNorm, rope_parameters
 from atom.models.loader import ModelLoadError
@@ -208,14 +210,22 @@ class Qwen3NextSparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
+        weights, ids = self.route(x)
+        routed = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]). The CUDA path in one launch
+        after the gate's GEMM (atom/kernels/moe_routing.py `softmax_route`: ties to the lower
+        expert); the CPU path HF's ops (its `topk` orders ties as the implementation does)."""
         logits = F.linear(x, self.gate.weight)
+        if use_cuda_path(x):
+            return softmax_route(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
-        routed = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return weights.to(logits.dtype), ids
 
 
 class Qwen3NextDecoderLayer(nn.Module):

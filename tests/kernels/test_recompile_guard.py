@@ -28,6 +28,7 @@ from atom.kernels import (
     logprob_topk,
     mla,
     moe,
+    moe_routing,
     page_table,
     pdl,
     prefill_attention,
@@ -42,7 +43,6 @@ from atom.kernels import (
     v4_indexer,
     v4_mhc,
     v4_rope,
-    v4_routing,
     v4_topk,
     v41_engram,
     v41_quant,
@@ -251,8 +251,8 @@ KERNELS = {
     ),
     (v4_mhc, "_hc_post_kernel"): ([], ["stride_out_row", "stride_streams_row"]),
     (v4_rope, "_norm_rope_kernel"): ([], ["stride_x_row", "stride_x_head", "eps", "sign"]),
-    # DeepSeek-V4 MoE routing: tokens come from the grid; the scaling factor is the model's
-    (v4_routing, "_v4_route_kernel"): ([], ["stride_logits_row", "scale"]),
+    # MoE routing (V4, softmax): tokens come from the grid; the scaling factor is the model's
+    (moe_routing, "_route_kernel"): ([], ["stride_logits_row", "scale"]),
     # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
     (v41_quant, "_fake_quant_kernel"): (["num_blocks"], []),
     (v41_engram, "_engram_hash_kernel"): (["num_tokens"], []),
@@ -1005,8 +1005,9 @@ def test_v4_norm_rope_one_variant():
 
 
 @pytest.mark.gpu
-def test_v4_route_one_variant():
-    """Tokens (the grid) swept through the score and the hash routing (two geometries)."""
+def test_route_one_variant():
+    """Tokens (the grid) swept through V4's score and hash routing and the softmax routing
+    (three geometries)."""
     experts, top_k, vocab = 256, 8, 1000
     logits = torch.randn(max(SWEEP), experts, device=DEVICE, dtype=BF16)
     bias = torch.randn(experts, device=DEVICE) * 0.01
@@ -1014,11 +1015,12 @@ def test_v4_route_one_variant():
     tid2eid = torch.randint(0, experts, (vocab, top_k), device=DEVICE, generator=_generator())
 
     def run(n):
-        v4_routing.v4_route(logits[:n], top_k, 2.5, bias=bias)
-        v4_routing.v4_route(logits[:n], top_k, 2.5, input_ids=input_ids[:n], tid2eid=tid2eid)
+        moe_routing.v4_route(logits[:n], top_k, 2.5, bias=bias)
+        moe_routing.v4_route(logits[:n], top_k, 2.5, input_ids=input_ids[:n], tid2eid=tid2eid)
+        moe_routing.softmax_route(logits[:n], top_k, True)
 
-    history = variants_over_sweep(v4_routing, ["_v4_route_kernel"], run)
-    assert history["_v4_route_kernel"] == [2] * len(SWEEP), history
+    history = variants_over_sweep(moe_routing, ["_route_kernel"], run)
+    assert history["_route_kernel"] == [3] * len(SWEEP), history
 
 
 @pytest.mark.gpu
