@@ -27,7 +27,8 @@ The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph ca
 3. ``_moe_down_kernel``: the down GEMM of those rows times the routing weight, [T * k, H].
    With ``weight_before_down`` (DeepSeek-V4.1's order) step 2 multiplies its activation by
    the routing weight (rounded to x's dtype) and step 3 only runs the GEMM.
-4. The sum over k (torch).
+4. The sum over k (torch), or with a shared expert's output ``moe_combine``: the sum, the
+   shared expert's gate and the add in one launch.
 Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
 past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
 grid. Geometry (constexpr): H, I, E, k, tiles. Weight offsets are int64 (E * 2I * H passes
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from atom.kernels.moe_combine import add_shared, moe_combine
 from atom.kernels.platform import dot_precision, use_triton
 
 try:
@@ -354,13 +356,19 @@ def fused_moe(
     swiglu_limit: float | None = None,
     tiles: MoeTiles | None = None,
     weight_before_down: bool = False,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
-    torch reference otherwise. No host sync; fixed buffer sizes for a given T."""
+    torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
+    ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
+    ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
+    over k and that epilogue in one launch (atom/kernels/moe_combine.py)."""
     if not use_triton(x):
-        return routed_experts_reference(
+        routed = routed_experts_reference(
             x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
         )
+        return routed if shared is None else add_shared(routed, shared, x, shared_gate)
     num_tokens, hidden = x.shape
     num_experts, two_intermediate, _ = gate_up_proj.shape
     intermediate = two_intermediate // 2
@@ -430,6 +438,8 @@ def fused_moe(
         BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(intermediate))),
         **launch,
     )
+    if shared is not None:
+        return moe_combine(per_pair.view(num_tokens, top_k, hidden), shared, x, shared_gate)
     if top_k == 1:
         return per_pair
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -211,8 +211,12 @@ class Qwen3NextSparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
         weights, ids = self.route(x)
-        routed = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        # routed + sigmoid(shared_expert_gate(x)) * shared: on CUDA in the launch that sums
+        # the routed experts over k
+        return routed_experts(
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj,
+            shared=shared, shared_gate=self.shared_expert_gate.weight,
+        )  # fmt: skip
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]). The CUDA path in one launch

@@ -28,6 +28,7 @@ from atom.kernels import (
     logprob_topk,
     mla,
     moe,
+    moe_combine,
     moe_routing,
     page_table,
     pdl,
@@ -189,6 +190,8 @@ KERNELS = {
         ["num_pairs"],
         ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
     ),
+    # the sum over k with the (gated) shared expert: tokens come from the grid
+    (moe_combine, "_moe_combine_kernel"): ([], ["stride_shared", "stride_x"]),
     # GDN: rows come from the grid, sequence bounds from cu_seqlens in device memory;
     # the scratch slot is the state-slot count (fixed by the engine's configuration).
     (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
@@ -856,6 +859,22 @@ def test_fused_moe_one_variant(swiglu_limit):
 
     kernels = ["_moe_align_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"]
     assert_one_variant(moe, kernels, run)
+
+
+@pytest.mark.gpu
+def test_moe_combine_one_variant():
+    """Tokens (the grid) swept with and without the shared expert's gate."""
+    top_k, hidden = 10, 256
+    per_pair = torch.randn(max(SWEEP), top_k, hidden, device=DEVICE, dtype=BF16)
+    shared, x = torch.randn(2, max(SWEEP), hidden, device=DEVICE, dtype=BF16).unbind(0)
+    gate = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        moe_combine.moe_combine(per_pair[:n], shared[:n], x[:n], gate)
+        moe_combine.moe_combine(per_pair[:n], shared[:n], x[:n])
+
+    history = variants_over_sweep(moe_combine, ["_moe_combine_kernel"], run)
+    assert history["_moe_combine_kernel"] == [2] * len(SWEEP), history
 
 
 @pytest.mark.gpu
