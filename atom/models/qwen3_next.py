@@ -31,6 +31,7 @@ from atom.attention.family import AttentionFamily, FamilySupport
 from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.gdn_gates import gated_rms_norm, gdn_split
 from atom.kernels.moe_routing import softmax_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
@@ -162,6 +163,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if use_cuda_path(hidden):
+            return self._forward_fused(hidden)
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         qkvz = _linear(hidden, self.in_proj_qkvz).view(count, self.num_k_heads, -1)
@@ -176,6 +179,22 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.reshape(count, -1).float() + self.dt_bias)
         out = self.attn(mixed, self.conv1d.weight[:, 0], g, beta)  # [T, Hv, Dv]
         out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(count, -1)
+        return _linear(out, self.out_proj)
+
+    def _forward_fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The same math with the elementwise work in two launches (atom/kernels/gdn_gates.py):
+        the split into the conv's input, g and beta; the gated norm reading z in place."""
+        count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = _linear(hidden, self.in_proj_qkvz)
+        mixed, g, beta = gdn_split(
+            qkvz, _linear(hidden, self.in_proj_ba), self.A_log, self.dt_bias,
+            self.num_k_heads, dk, dv,
+        )  # fmt: skip
+        out = self.attn(mixed, self.conv1d.weight[:, 0], g, beta)  # [T, Hv, Dv]
+        z = qkvz.view(count, self.num_k_heads, -1)[..., 2 * dk + ratio * dv :]
+        z = z.unflatten(-1, (ratio, dv))
+        out = gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
         return _linear(out, self.out_proj)
 
 

@@ -22,6 +22,7 @@ from atom.kernels import (
     gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
+    gdn_gates,
     gemv,
     int4_linear,
     kv_cache,
@@ -208,6 +209,9 @@ KERNELS = {
             "scale",
         ],
     ),
+    # GDN's elementwise launches: tokens (and token x value head rows) come from the grid
+    (gdn_gates, "_gdn_split_kernel"): ([], ["stride_qkvz", "stride_ba"]),
+    (gdn_gates, "_gated_rms_norm_kernel"): ([], ["stride_z_token", "stride_z_head", "eps"]),
     # the chunked delta rule: chunk bounds are computed on the device (from cu_seqlens)
     (gdn_chunk, "_chunk_inverse_kernel"): ([], ["stride_k_token"]),
     (gdn_chunk, "_chunk_state_kernel"): (
@@ -892,6 +896,25 @@ def test_fused_moe_default_tiles_one_variant_per_tile_choice():
     kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
     history = variants_over_sweep(moe, kernels, run)
     assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)
+
+
+@pytest.mark.gpu
+def test_gdn_gates_one_variant():
+    """The split and the gated norm over n tokens: the grid changes, never the variant."""
+    hk, ratio, dk, dv = 16, 2, 128, 128
+    width = hk * (2 * dk + 2 * ratio * dv)
+    qkvz = torch.randn(max(SWEEP), width, device=DEVICE, dtype=BF16)
+    ba = torch.randn(max(SWEEP), 2 * hk * ratio, device=DEVICE, dtype=BF16)
+    a_log, dt_bias = torch.randn(2, hk * ratio, device=DEVICE, dtype=BF16).unbind(0)
+    x = torch.randn(max(SWEEP), hk * ratio, dv, device=DEVICE, dtype=BF16)
+    z = qkvz.view(max(SWEEP), hk, -1)[..., 2 * dk + ratio * dv :].unflatten(-1, (ratio, dv))
+    weight = torch.randn(dv, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        gdn_gates.gdn_split(qkvz[:n], ba[:n], a_log, dt_bias, hk, dk, dv)
+        gdn_gates.gated_rms_norm(x[:n], z[:n], weight, 1e-6)
+
+    assert_one_variant(gdn_gates, ["_gdn_split_kernel", "_gated_rms_norm_kernel"], run)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """Qwen3-Next's CUDA path (fused Triton kernels) against its torch path, module by module:
-the sparse MoE block (router, experts, gated shared expert). On the CPU under Triton's
+the sparse MoE block (router, experts, gated shared expert) and the GDN layer's work around
+its conv and delta rule (split, g, beta, gated norm). On the CPU under Triton's
 interpreter (ATOM_INTERPRET_CUDA_PATH=1), on CUDA with the `gpu` marker."""
 
 import copy
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atom.models.qwen3_next import Qwen3NextSparseMoeBlock
+from atom.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -58,4 +59,62 @@ def test_moe_block_fused_matches_torch_path(device, half, monkeypatch):
     # the same experts (no near-ties at these seeds), the outputs to the last bits
     assert torch.equal(ids.sort(-1).values.cpu(), expected_ids.sort(-1).values.cpu())
     tolerance = dict(rtol=3e-2, atol=3e-2) if half else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, expected, **tolerance)
+
+
+class _RecordingState(torch.nn.Module):
+    """Stands in for the GDN state (conv + delta rule, tested in tests/kernels): records its
+    inputs and returns a function of all of them, [T, Hv, Dv] in the input's dtype."""
+
+    def __init__(self, num_v_heads, head_v_dim):
+        super().__init__()
+        self.num_v_heads, self.head_v_dim = num_v_heads, head_v_dim
+        self.calls = []
+
+    def forward(self, mixed, conv_weight, g, beta):
+        self.calls.append((mixed, g, beta.float()))
+        count, heads, dv = mixed.shape[0], self.num_v_heads, self.head_v_dim
+        v = mixed[:, -heads * dv :].float().view(count, heads, dv)
+        mix = mixed[:, : heads * dv].float().view(count, heads, dv) * conv_weight[0, 0].float()
+        return (v * beta.float()[..., None] + g[..., None] + mix).to(mixed.dtype)
+
+
+def _gdn_layer(dtype, device):
+    config = SimpleNamespace(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, hidden_size=32, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    layer = Qwen3NextGatedDeltaNet(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * param.shape[-1] ** -0.5)
+    layer.attn = _RecordingState(4, 8)
+    return layer.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("half", [False, True])
+def test_gdn_layer_fused_matches_torch_path(device, half, monkeypatch):
+    dtype = _dtype(device, half)
+    layer = _gdn_layer(dtype, device)
+    hidden = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    positions = torch.arange(3, device=device)
+    with torch.no_grad():
+        if device == "cuda":
+            reference = copy.deepcopy(layer).cpu()
+            expected = reference(positions.cpu(), hidden.cpu()).to(device)
+            ((mixed, g, beta),) = [[t.to(device) for t in call] for call in reference.attn.calls]
+        else:
+            expected = layer(positions, hidden)
+            ((mixed, g, beta),) = layer.attn.calls
+            layer.attn.calls.clear()
+            monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+        out = layer(positions, hidden)
+    ((fused_mixed, fused_g, fused_beta),) = layer.attn.calls
+    # the conv's input a copy; g and beta to the last bits (exp's; beta's bf16 rounding)
+    assert torch.equal(fused_mixed, mixed)
+    torch.testing.assert_close(fused_g, g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_beta, beta, rtol=8e-3 if half else 1e-5, atol=1e-6)
+    tolerance = dict(rtol=3e-2, atol=3e-2) if half else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, expected, **tolerance)
