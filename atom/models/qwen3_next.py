@@ -31,10 +31,12 @@ from atom.attention.family import AttentionFamily, FamilySupport
 from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.activation import clamped_silu_and_mul
 from atom.kernels.gdn_gates import gated_rms_norm, gdn_split
 from atom.kernels.moe_routing import softmax_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
+from atom.kernels.rotary import apply_rotary
 from atom.models.layers import RMSNorm, rope_parameters
 from atom.models.loader import ModelLoadError
 from atom.models.moe import routed_experts
@@ -81,6 +83,13 @@ class PartialRotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def rotate_in_place(self, positions, q, k) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA path: q [T, Hq, D] and k [T, Hk, D] (tensors the caller owns) rotated in
+        place in one launch (atom/kernels/rotary.py, fp32 math rounded once)."""
+        rotary_q, rotary_k = q[..., : self.rotary_dim], k[..., : self.rotary_dim]
+        apply_rotary(positions, rotary_q, rotary_k, self.cos, self.sin, out=(rotary_q, rotary_k))
+        return q, k
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> rotated copy."""
         cos = self.cos[positions].to(x.dtype)[:, None]
@@ -111,6 +120,13 @@ class Qwen3NextAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         count = hidden.shape[0]
         q, gate = _linear(hidden, self.q_proj).view(count, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        if use_cuda_path(hidden):
+            # the norms read q and k in place and write new tensors, rotated in place
+            k = _linear(hidden, self.k_proj).view(count, -1, self.head_dim)
+            q, k = self.rotary.rotate_in_place(positions, self.q_norm(q), self.k_norm(k))
+            v = _linear(hidden, self.v_proj).view(count, -1, self.head_dim)
+            out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(count, -1))
+            return _linear(out, self.o_proj)
         q = self.rotary(positions, self.q_norm(q.contiguous()))
         k = self.k_norm(_linear(hidden, self.k_proj).view(count, -1, self.head_dim))
         k = self.rotary(positions, k)
@@ -207,7 +223,8 @@ class Qwen3NextMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _linear(x, self.gate_proj), _linear(x, self.up_proj)
-        return _linear(F.silu(gate) * up, self.down_proj)
+        # F.silu(gate) * up (one launch where Triton runs)
+        return _linear(clamped_silu_and_mul(gate, up, None), self.down_proj)
 
 
 class Qwen3NextSparseMoeBlock(nn.Module):
@@ -241,7 +258,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         """(weights [T, k] in x's dtype, expert ids [T, k]). The CUDA path in one launch
         after the gate's GEMM (atom/kernels/moe_routing.py `softmax_route`: ties to the lower
         expert); the CPU path HF's ops (its `topk` orders ties as the implementation does)."""
-        logits = F.linear(x, self.gate.weight)
+        logits = linear(x, self.gate.weight)
         if use_cuda_path(x):
             return softmax_route(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)

@@ -1,6 +1,7 @@
 """Qwen3-Next's CUDA path (fused Triton kernels) against its torch path, module by module:
-the sparse MoE block (router, experts, gated shared expert) and the GDN layer's work around
-its conv and delta rule (split, g, beta, gated norm). On the CPU under Triton's
+the sparse MoE block (router, experts, gated shared expert), the GDN layer's work around
+its conv and delta rule (split, g, beta, gated norm) and the gated attention's norms and
+partial rotary. On the CPU under Triton's
 interpreter (ATOM_INTERPRET_CUDA_PATH=1), on CUDA with the `gpu` marker."""
 
 import copy
@@ -9,7 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atom.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
+from atom.models.qwen3_next import (
+    Qwen3NextAttention,
+    Qwen3NextGatedDeltaNet,
+    Qwen3NextSparseMoeBlock,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -117,4 +122,56 @@ def test_gdn_layer_fused_matches_torch_path(device, half, monkeypatch):
     torch.testing.assert_close(fused_g, g, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused_beta, beta, rtol=8e-3 if half else 1e-5, atol=1e-6)
     tolerance = dict(rtol=3e-2, atol=3e-2) if half else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected, **tolerance)
+
+
+class _RecordingAttention(torch.nn.Module):
+    """Stands in for the paged attention: records q, k, v and returns a function of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, q, k, v):
+        self.calls.append((q.clone(), k.clone(), v.clone()))
+        kv = (k.float().sum(1, keepdim=True) + v.float().sum(1, keepdim=True)) / k.shape[1]
+        return (q.float() + kv).flatten(1).to(q.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("half", [False, True])
+def test_attention_fused_matches_torch_path(device, half, monkeypatch):
+    dtype = _dtype(device, half)
+    config = SimpleNamespace(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=32,
+        attention_bias=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+        partial_rotary_factor=0.25, rope_scaling=None,
+    )  # fmt: skip
+    layer = Qwen3NextAttention(config, max_position=64)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * param.shape[-1] ** -0.5)
+    layer.attn = _RecordingAttention()
+    layer = layer.to(device=device, dtype=dtype)
+    layer.rotary.cos, layer.rotary.sin = layer.rotary.cos.float(), layer.rotary.sin.float()
+    hidden = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    positions = torch.tensor([0, 5, 63], device=device)
+    with torch.no_grad():
+        if device == "cuda":
+            reference = copy.deepcopy(layer).cpu()
+            expected = reference(positions.cpu(), hidden.cpu()).to(device)
+            ((q, k, v),) = [[t.to(device) for t in call] for call in reference.attn.calls]
+        else:
+            expected = layer(positions, hidden)
+            ((q, k, v),) = layer.attn.calls
+            layer.attn.calls.clear()
+            monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+        out = layer(positions, hidden)
+    ((fused_q, fused_k, fused_v),) = layer.attn.calls
+    # the rotary rounds once where torch rounds each op (atom/kernels/rotary.py)
+    tolerance = dict(rtol=3e-2, atol=3e-2) if half else dict(rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_v, v)
+    torch.testing.assert_close(fused_q, q, **tolerance)
+    torch.testing.assert_close(fused_k, k, **tolerance)
     torch.testing.assert_close(out, expected, **tolerance)
