@@ -223,8 +223,9 @@ class Qwen3NextMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _linear(x, self.gate_proj), _linear(x, self.up_proj)
-        # F.silu(gate) * up (one launch where Triton runs)
-        return _linear(clamped_silu_and_mul(gate, up, None), self.down_proj)
+        if use_cuda_path(x):  # F.silu(gate) * up in one launch
+            return _linear(clamped_silu_and_mul(gate, up, None), self.down_proj)
+        return _linear(F.silu(gate) * up, self.down_proj)
 
 
 class Qwen3NextSparseMoeBlock(nn.Module):
