@@ -31,7 +31,7 @@ from atom.attention.family import AttentionFamily, FamilySupport
 from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
-from atom.kernels.activation import clamped_silu_and_mul
+from atom.kernels.activation import clamped_silu_and_mul, sigmoid_gate
 from atom.kernels.gdn_gates import gated_rms_norm, gdn_split
 from atom.kernels.moe_routing import softmax_route
 from atom.kernels.platform import use_cuda_path
@@ -125,8 +125,7 @@ class Qwen3NextAttention(nn.Module):
             k = _linear(hidden, self.k_proj).view(count, -1, self.head_dim)
             q, k = self.rotary.rotate_in_place(positions, self.q_norm(q), self.k_norm(k))
             v = _linear(hidden, self.v_proj).view(count, -1, self.head_dim)
-            out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(count, -1))
-            return _linear(out, self.o_proj)
+            return _linear(sigmoid_gate(self.attn(q, k, v), gate), self.o_proj)
         q = self.rotary(positions, self.q_norm(q.contiguous()))
         k = self.k_norm(_linear(hidden, self.k_proj).view(count, -1, self.head_dim))
         k = self.rotary(positions, k)

@@ -68,6 +68,11 @@ KERNELS = {
         ["num_tokens"],
         ["stride_gate", "stride_up", "stride_out", "limit"],
     ),
+    # tokens and heads come from the grid
+    (activation, "_sigmoid_gate_kernel"): (
+        [],
+        ["stride_x", "stride_gate_token", "stride_gate_head"],
+    ),
     (rmsnorm, "_rms_norm_kernel"): (
         ["num_tokens"],
         ["eps", "stride_x", "stride_residual", "stride_out", "stride_residual_out"],
@@ -896,6 +901,18 @@ def test_fused_moe_default_tiles_one_variant_per_tile_choice():
     kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
     history = variants_over_sweep(moe, kernels, run)
     assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)
+
+
+@pytest.mark.gpu
+def test_sigmoid_gate_one_variant():
+    heads, dim = 16, 256
+    q_gate = torch.randn(max(SWEEP), heads, 2 * dim, device=DEVICE, dtype=BF16)
+    x = torch.randn(max(SWEEP), heads * dim, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        activation.sigmoid_gate(x[:n], q_gate[:n, :, dim:])
+
+    assert_one_variant(activation, ["_sigmoid_gate_kernel"], run)
 
 
 @pytest.mark.gpu
