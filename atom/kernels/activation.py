@@ -153,3 +153,56 @@ def clamped_silu_and_mul_reference(gate, up, limit: float | None) -> torch.Tenso
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
     return torch.nn.functional.silu(gate) * up
+
+
+# -- the sigmoid output gate (Qwen3-Next's gated attention) -------------------------------------
+
+
+@triton.jit
+def _sigmoid_gate_kernel(
+    x_ptr,  # [T, H * D], unit stride inside a row
+    gate_ptr,  # [T, H, D], D unit-stride (e.g. a chunk of q_proj's output)
+    out_ptr,  # out [T, H * D] contiguous
+    stride_x,
+    stride_gate_token,
+    stride_gate_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Program (t, h): one head of one token; sigmoid rounded like torch's, then the product.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < HEAD_DIM
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + token * stride_x + head * HEAD_DIM + d, mask=mask, other=0.0)
+    gate_row = gate_ptr + token * stride_gate_token + head * stride_gate_head
+    gate = tl.load(gate_row + d, mask=mask, other=0.0).to(tl.float32)
+    sigmoid = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    out = (x.to(tl.float32) * sigmoid).to(dtype)
+    tl.store(out_ptr + token * NUM_HEADS * HEAD_DIM + head * HEAD_DIM + d, out, mask=mask)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` with x [T, H * D] and gate [T, H, D] (strided heads allowed) ->
+    [T, H * D] in x's dtype, one launch (torch rounds the sigmoid, then the product); the
+    torch reference where Triton does not run. Tokens and heads come from the grid."""
+    if not use_triton(x):
+        return sigmoid_gate_reference(x, gate)
+    tokens, num_heads, head_dim = gate.shape
+    assert x.shape == (tokens, num_heads * head_dim) and x.dtype == gate.dtype
+    assert x.stride(-1) == 1 and gate.stride(-1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if tokens > 0:
+        _sigmoid_gate_kernel[(tokens, num_heads)](
+            x, gate, out, x.stride(0), gate.stride(0), gate.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=1 if head_dim <= 256 else 4,
+        )  # fmt: skip
+    return out
+
+
+def sigmoid_gate_reference(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The model's torch ops (atom/models/qwen3_next.py `Qwen3NextAttention`)."""
+    return x * torch.sigmoid(gate.reshape(x.shape))

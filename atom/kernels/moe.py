@@ -19,14 +19,16 @@ The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph ca
    ``sorted_pairs``; every segment is padded to a multiple of BLOCK_M with the value
    ``num_pairs`` (no pair), so each BLOCK_M block of rows belongs to one expert
    (``block_experts``, -1 past the used rows, whose count is ``num_padded``). Buffers have
-   fixed sizes for a given T: at most ``T * k + E * (BLOCK_M - 1)`` rows.
+   fixed sizes for a given T: at most ``T * k + E * (BLOCK_M - 1)`` rows. Its one-hot
+   [pairs, E] steps follow T * k and the used blocks; the rows past them are a plain fill.
 2. ``_moe_gate_up_kernel``: per (row block, column tile) gathers the block's x rows, runs
    both the gate and the up GEMM against its expert's weights and writes act(gate | up) in
    x's dtype, [T * k, I] by pair.
 3. ``_moe_down_kernel``: the down GEMM of those rows times the routing weight, [T * k, H].
    With ``weight_before_down`` (DeepSeek-V4.1's order) step 2 multiplies its activation by
    the routing weight (rounded to x's dtype) and step 3 only runs the GEMM.
-4. The sum over k (torch).
+4. The sum over k (torch), or with a shared expert's output ``moe_combine``: the sum, the
+   shared expert's gate and the add in one launch.
 Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
 past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
 grid. Geometry (constexpr): H, I, E, k, tiles. Weight offsets are int64 (E * 2I * H passes
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from atom.kernels.moe_combine import add_shared, moe_combine
 from atom.kernels.platform import dot_precision, use_triton
 
 try:
@@ -71,9 +74,12 @@ def _moe_align_kernel(
     NUM_EXPERTS: tl.constexpr,
     EXPERTS_P2: tl.constexpr,  # next_power_of_2(NUM_EXPERTS)
     BLOCK_M: tl.constexpr,
-    BLOCK: tl.constexpr,  # pairs (rows, blocks) per iteration
+    BLOCK: tl.constexpr,  # pairs (blocks) per iteration of a [BLOCK, EXPERTS_P2] step
+    BLOCK_FILL: tl.constexpr,  # rows (blocks) per iteration past the used rows
 ):
-    # One program; every phase reads only its inputs (no phase reads another's stores).
+    # One program; every phase reads only its inputs (no phase reads another's stores) and
+    # writes rows no other phase writes. Work follows the pairs (and their used blocks), not
+    # the E * (BLOCK_M - 1) rows of worst-case padding: those are a plain fill.
     experts = tl.arange(0, EXPERTS_P2)
     real_expert = (experts < NUM_EXPERTS)[None, :]
     max_padded = num_pairs + NUM_EXPERTS * (BLOCK_M - 1)
@@ -88,24 +94,40 @@ def _moe_align_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
+    pair_ends = starts + counts
     total = tl.sum(padded, axis=0)
+    used_blocks = total // BLOCK_M
     tl.store(num_padded_ptr, total)
 
-    # expert of a block = how many segments end at or before its first row
-    for start in range(0, max_blocks, BLOCK):
+    # a used block's expert: how many segments end at or before its first row; its rows at
+    # or past that expert's last pair hold no pair
+    offs_m = tl.arange(0, BLOCK_M)
+    for start in range(0, used_blocks, BLOCK):
         blocks = start + tl.arange(0, BLOCK)
+        in_use = blocks < used_blocks
         first_row = blocks * BLOCK_M
         expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
-        expert = tl.where(first_row < total, expert, -1)
-        tl.store(block_experts_ptr + blocks, expert, mask=blocks < max_blocks)
+        tl.store(block_experts_ptr + blocks, expert, mask=in_use)
+        own = experts[None, :] == expert[:, None]
+        pair_end = tl.sum(tl.where(own, pair_ends[None, :], 0), axis=1)
+        rows = first_row[:, None] + offs_m[None, :]
+        padding = tl.full((BLOCK, BLOCK_M), 0, tl.int32) + num_pairs
+        tl.store(
+            sorted_pairs_ptr + rows, padding, mask=in_use[:, None] & (rows >= pair_end[:, None])
+        )
 
-    # rows outside every [start, start + count) hold no pair
-    for start in range(0, max_padded, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        used = (rows[:, None] >= starts[None, :]) & (rows[:, None] < (starts + counts)[None, :])
-        is_pair = tl.sum(used.to(tl.int32), axis=1) > 0
-        padding = tl.full((BLOCK,), 0, tl.int32) + num_pairs
-        tl.store(sorted_pairs_ptr + rows, padding, mask=(rows < max_padded) & ~is_pair)
+    # past the used rows: no pair, no expert
+    for start in range(total, max_padded, BLOCK_FILL):
+        rows = start + tl.arange(0, BLOCK_FILL)
+        padding = tl.full((BLOCK_FILL,), 0, tl.int32) + num_pairs
+        tl.store(sorted_pairs_ptr + rows, padding, mask=rows < max_padded)
+    for start in range(used_blocks, max_blocks, BLOCK_FILL):
+        blocks = start + tl.arange(0, BLOCK_FILL)
+        tl.store(
+            block_experts_ptr + blocks,
+            tl.full((BLOCK_FILL,), -1, tl.int32),
+            mask=blocks < max_blocks,
+        )
 
     # a pair's row: its expert's start + how many earlier pairs chose that expert
     seen = tl.zeros((EXPERTS_P2,), dtype=tl.int32)
@@ -149,6 +171,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         EXPERTS_P2=experts_p2,
         BLOCK_M=block_m,
         BLOCK=max(16, min(512, 16384 // experts_p2)),  # 16K one-hot entries per step
+        BLOCK_FILL=4096,
         num_warps=16,
     )
     return sorted_pairs, block_experts, num_padded
@@ -333,13 +356,19 @@ def fused_moe(
     swiglu_limit: float | None = None,
     tiles: MoeTiles | None = None,
     weight_before_down: bool = False,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
-    torch reference otherwise. No host sync; fixed buffer sizes for a given T."""
+    torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
+    ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
+    ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
+    over k and that epilogue in one launch (atom/kernels/moe_combine.py)."""
     if not use_triton(x):
-        return routed_experts_reference(
+        routed = routed_experts_reference(
             x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
         )
+        return routed if shared is None else add_shared(routed, shared, x, shared_gate)
     num_tokens, hidden = x.shape
     num_experts, two_intermediate, _ = gate_up_proj.shape
     intermediate = two_intermediate // 2
@@ -409,6 +438,8 @@ def fused_moe(
         BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(intermediate))),
         **launch,
     )
+    if shared is not None:
+        return moe_combine(per_pair.view(num_tokens, top_k, hidden), shared, x, shared_gate)
     if top_k == 1:
         return per_pair
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -149,14 +149,23 @@ def apply_rotary(
     k: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` and ``k`` by the angles of ``positions``; returns new (q_out, k_out).
+    """Rotate ``q`` and ``k`` by the angles of ``positions``; returns new (q_out, k_out), or
+    ``out`` (two tensors shaped like q and k, head_dim unit-stride) written: ``out=(q, k)``
+    rotates in place (each element is read and written by one program, reads first; e.g.
+    the rotary slice of a partial rotary, ``q[..., :rotary_dim]``).
 
-    Inputs are not modified. Runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1),
-    the torch reference otherwise.
+    Inputs other than ``out`` are not modified. Runs the Triton kernel on CUDA (or under
+    TRITON_INTERPRET=1), the torch reference otherwise.
     """
     if not use_triton(q):
-        return apply_rotary_reference(positions, q, k, cos_cache, sin_cache)
+        q_out, k_out = apply_rotary_reference(positions, q, k, cos_cache, sin_cache)
+        if out is None:
+            return q_out, k_out
+        out[0].copy_(q_out)
+        out[1].copy_(k_out)
+        return out
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and k.dtype == q.dtype
@@ -165,8 +174,13 @@ def apply_rotary(
     assert q.stride(2) == 1 and k.stride(2) == 1, "head_dim must be unit-stride"
     assert cos_cache.shape[1] == head_dim and sin_cache.shape == cos_cache.shape
     assert cos_cache.stride(1) == 1 and sin_cache.stride() == cos_cache.stride()
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    else:
+        q_out, k_out = out
+        assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.dtype == q.dtype
+        assert q_out.stride(2) == 1 and k_out.stride(2) == 1 and k_out.dtype == k.dtype
     if num_tokens == 0:
         return q_out, k_out
     _rotary_kernel[(num_tokens,)](

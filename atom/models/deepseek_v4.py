@@ -26,10 +26,10 @@ from torch.nn import functional as F
 from atom.attention.v4 import CompressorInputs, IndexerInputs, V4Attention, V4Family
 from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.activation import clamped_silu_and_mul, clamped_silu_and_mul_reference
+from atom.kernels.moe_routing import v4_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
-from atom.kernels.v4_routing import v4_route
 from atom.models.deepseek_v2 import _yarn_inv_freq
 from atom.models.moe import routed_experts
 from atom.models.parallel_layers import linear
@@ -319,7 +319,7 @@ class DeepseekV4MoE(nn.Module):
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor):
         """(weights [T, k], expert ids [T, k]). The CUDA path in one launch after the gate's
-        GEMM (atom/kernels/v4_routing.py: ties to the lower expert); the CPU path HF's ops
+        GEMM (atom/kernels/moe_routing.py: ties to the lower expert); the CPU path HF's ops
         (its `topk` orders ties as the implementation does)."""
         logits = F.linear(x, self.gate.weight)
         if use_cuda_path(x):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.moe import fused_moe, routed_experts_reference
+from atom.kernels.moe_combine import add_shared
 from atom.kernels.platform import use_cuda_path
 
 
@@ -24,6 +25,8 @@ def routed_experts(
     down_proj: torch.Tensor,
     swiglu_limit: float | None = None,
     weight_before_down: bool = False,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` as ``[T, H]`` in x's dtype.
 
@@ -33,8 +36,14 @@ def routed_experts(
     ``swiglu_limit`` (DeepSeek-V4) gate is clamped to at most the limit and up to
     [-limit, limit] before the activation. ``weight_before_down`` (DeepSeek-V4.1): the weight
     multiplies the activation, the input of ``down`` (same result, other rounding points).
+    ``shared`` [T, H] (a shared expert's output) is added, scaled by
+    ``sigmoid(x @ shared_gate.T)`` with ``shared_gate`` [1, H] (Qwen3-Next): on CUDA in the
+    launch that sums over k.
     """
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
     if use_cuda_path(x):
-        return fused_moe(*args, weight_before_down=weight_before_down)
-    return routed_experts_reference(*args, weight_before_down=weight_before_down)
+        return fused_moe(
+            *args, weight_before_down=weight_before_down, shared=shared, shared_gate=shared_gate
+        )
+    routed = routed_experts_reference(*args, weight_before_down=weight_before_down)
+    return routed if shared is None else add_shared(routed, shared, x, shared_gate)

@@ -31,7 +31,12 @@ from atom.attention.family import AttentionFamily, FamilySupport
 from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.activation import clamped_silu_and_mul, sigmoid_gate
+from atom.kernels.gdn_gates import gated_rms_norm, gdn_split
+from atom.kernels.moe_routing import softmax_route
+from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
+from atom.kernels.rotary import apply_rotary
 from atom.models.layers import RMSNorm, rope_parameters
 from atom.models.loader import ModelLoadError
 from atom.models.moe import routed_experts
@@ -78,6 +83,13 @@ class PartialRotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def rotate_in_place(self, positions, q, k) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA path: q [T, Hq, D] and k [T, Hk, D] (tensors the caller owns) rotated in
+        place in one launch (atom/kernels/rotary.py, fp32 math rounded once)."""
+        rotary_q, rotary_k = q[..., : self.rotary_dim], k[..., : self.rotary_dim]
+        apply_rotary(positions, rotary_q, rotary_k, self.cos, self.sin, out=(rotary_q, rotary_k))
+        return q, k
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] -> rotated copy."""
         cos = self.cos[positions].to(x.dtype)[:, None]
@@ -108,6 +120,12 @@ class Qwen3NextAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         count = hidden.shape[0]
         q, gate = _linear(hidden, self.q_proj).view(count, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        if use_cuda_path(hidden):
+            # the norms read q and k in place and write new tensors, rotated in place
+            k = _linear(hidden, self.k_proj).view(count, -1, self.head_dim)
+            q, k = self.rotary.rotate_in_place(positions, self.q_norm(q), self.k_norm(k))
+            v = _linear(hidden, self.v_proj).view(count, -1, self.head_dim)
+            return _linear(sigmoid_gate(self.attn(q, k, v), gate), self.o_proj)
         q = self.rotary(positions, self.q_norm(q.contiguous()))
         k = self.k_norm(_linear(hidden, self.k_proj).view(count, -1, self.head_dim))
         k = self.rotary(positions, k)
@@ -160,6 +178,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if use_cuda_path(hidden):
+            return self._forward_fused(hidden)
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         qkvz = _linear(hidden, self.in_proj_qkvz).view(count, self.num_k_heads, -1)
@@ -176,6 +196,22 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         out = self.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(count, -1)
         return _linear(out, self.out_proj)
 
+    def _forward_fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The same math with the elementwise work in two launches (atom/kernels/gdn_gates.py):
+        the split into the conv's input, g and beta; the gated norm reading z in place."""
+        count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = _linear(hidden, self.in_proj_qkvz)
+        mixed, g, beta = gdn_split(
+            qkvz, _linear(hidden, self.in_proj_ba), self.A_log, self.dt_bias,
+            self.num_k_heads, dk, dv,
+        )  # fmt: skip
+        out = self.attn(mixed, self.conv1d.weight[:, 0], g, beta)  # [T, Hv, Dv]
+        z = qkvz.view(count, self.num_k_heads, -1)[..., 2 * dk + ratio * dv :]
+        z = z.unflatten(-1, (ratio, dv))
+        out = gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
+        return _linear(out, self.out_proj)
+
 
 class Qwen3NextMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
@@ -186,6 +222,8 @@ class Qwen3NextMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _linear(x, self.gate_proj), _linear(x, self.up_proj)
+        if use_cuda_path(x):  # F.silu(gate) * up in one launch
+            return _linear(clamped_silu_and_mul(gate, up, None), self.down_proj)
         return _linear(F.silu(gate) * up, self.down_proj)
 
 
@@ -208,14 +246,26 @@ class Qwen3NextSparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
-        logits = F.linear(x, self.gate.weight)
+        weights, ids = self.route(x)
+        # routed + sigmoid(shared_expert_gate(x)) * shared: on CUDA in the launch that sums
+        # the routed experts over k
+        return routed_experts(
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj,
+            shared=shared, shared_gate=self.shared_expert_gate.weight,
+        )  # fmt: skip
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]). The CUDA path in one launch
+        after the gate's GEMM (atom/kernels/moe_routing.py `softmax_route`: ties to the lower
+        expert); the CPU path HF's ops (its `topk` orders ties as the implementation does)."""
+        logits = linear(x, self.gate.weight)
+        if use_cuda_path(x):
+            return softmax_route(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
-        routed = routed_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return weights.to(logits.dtype), ids
 
 
 class Qwen3NextDecoderLayer(nn.Module):

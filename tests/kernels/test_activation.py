@@ -1,9 +1,11 @@
-"""silu_and_mul: the Triton kernel against its torch reference (F.silu(gate) * up)."""
+"""silu_and_mul (F.silu(gate) * up) and sigmoid_gate (x * sigmoid(gate)): the Triton kernels
+against their torch references."""
 
 import pytest
 import torch
 
 from atom.kernels import silu_and_mul, silu_and_mul_reference
+from atom.kernels.activation import sigmoid_gate, sigmoid_gate_reference
 
 # fp32 (and fp16) run the kernel on CUDA when there is one, else under TRITON_INTERPRET=1
 # (conftest). bf16 only on CUDA: the interpreter rounds float -> bf16 toward zero.
@@ -75,3 +77,19 @@ def test_clamped_silu_and_mul_matches_hand_clamped_swiglu(num_tokens, intermedia
     expected = (g32 * torch.sigmoid(g32) * u32).to(dtype)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sigmoid_gate_matches_model_ops(dtype):
+    """``x * sigmoid(gate)`` on a strided gate (the second half of each head of a q_proj
+    output), against the model's ops: fp32 to the last bits, 16-bit within a last bit (exp;
+    the interpreter truncates where the GPU rounds)."""
+    device = DEVICE if dtype != torch.bfloat16 or DEVICE == "cuda" else "cpu"
+    g = torch.Generator().manual_seed(4)
+    q_gate = (torch.randn(3, 4, 2 * 24, generator=g) * 3).to(device, dtype)
+    gate = q_gate[..., 24:]
+    x = torch.randn(3, 4 * 24, generator=g).to(device, dtype)
+    expected = x * torch.sigmoid(gate.reshape(3, -1))
+    assert torch.equal(sigmoid_gate_reference(x, gate), expected)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(sigmoid_gate(x, gate), expected, **tolerance)

@@ -41,7 +41,15 @@ def _inputs(num_tokens, num_experts, top_k, hidden, intermediate, dtype, seed, s
 
 @pytest.mark.parametrize(
     "num_tokens, num_experts, top_k, block_m, skew",
-    [(1, 8, 2, 16, False), (37, 6, 3, 16, True), (64, 8, 1, 32, False), (0, 4, 2, 16, False)],
+    [
+        (1, 8, 2, 16, False),
+        (37, 6, 3, 16, True),
+        (64, 8, 1, 32, False),
+        (0, 4, 2, 16, False),
+        (1, 64, 10, 16, False),  # Qwen3-Next's decode benchmark
+        (1, 512, 10, 16, False),  # Qwen3-Next: the fill past the used rows takes two steps
+        (40, 512, 10, 16, False),  # more used blocks (~290) than one step's (32)
+    ],
 )
 def test_align_matches_reference_and_groups_pairs_by_expert(
     num_tokens, num_experts, top_k, block_m, skew

@@ -22,12 +22,15 @@ from atom.kernels import (
     gdn_chunk,
     gdn_conv,
     gdn_delta_rule,
+    gdn_gates,
     gemv,
     int4_linear,
     kv_cache,
     logprob_topk,
     mla,
     moe,
+    moe_combine,
+    moe_routing,
     page_table,
     pdl,
     prefill_attention,
@@ -42,7 +45,6 @@ from atom.kernels import (
     v4_indexer,
     v4_mhc,
     v4_rope,
-    v4_routing,
     v4_topk,
     v41_engram,
     v41_quant,
@@ -65,6 +67,11 @@ KERNELS = {
     (activation, "_clamped_silu_and_mul_kernel"): (
         ["num_tokens"],
         ["stride_gate", "stride_up", "stride_out", "limit"],
+    ),
+    # tokens and heads come from the grid
+    (activation, "_sigmoid_gate_kernel"): (
+        [],
+        ["stride_x", "stride_gate_token", "stride_gate_head"],
     ),
     (rmsnorm, "_rms_norm_kernel"): (
         ["num_tokens"],
@@ -189,6 +196,8 @@ KERNELS = {
         ["num_pairs"],
         ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
     ),
+    # the sum over k with the (gated) shared expert: tokens come from the grid
+    (moe_combine, "_moe_combine_kernel"): ([], ["stride_shared", "stride_x"]),
     # GDN: rows come from the grid, sequence bounds from cu_seqlens in device memory;
     # the scratch slot is the state-slot count (fixed by the engine's configuration).
     (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
@@ -205,6 +214,9 @@ KERNELS = {
             "scale",
         ],
     ),
+    # GDN's elementwise launches: tokens (and token x value head rows) come from the grid
+    (gdn_gates, "_gdn_split_kernel"): ([], ["stride_qkvz", "stride_ba"]),
+    (gdn_gates, "_gated_rms_norm_kernel"): ([], ["stride_z_token", "stride_z_head", "eps"]),
     # the chunked delta rule: chunk bounds are computed on the device (from cu_seqlens)
     (gdn_chunk, "_chunk_inverse_kernel"): ([], ["stride_k_token"]),
     (gdn_chunk, "_chunk_state_kernel"): (
@@ -255,8 +267,8 @@ KERNELS = {
     ),
     (v4_mhc, "_hc_post_kernel"): ([], ["stride_out_row", "stride_streams_row"]),
     (v4_rope, "_norm_rope_kernel"): ([], ["stride_x_row", "stride_x_head", "eps", "sign"]),
-    # DeepSeek-V4 MoE routing: tokens come from the grid; the scaling factor is the model's
-    (v4_routing, "_v4_route_kernel"): ([], ["stride_logits_row", "scale"]),
+    # MoE routing (V4, softmax): tokens come from the grid; the scaling factor is the model's
+    (moe_routing, "_route_kernel"): ([], ["stride_logits_row", "scale"]),
     # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
     (v41_quant, "_fake_quant_kernel"): (["num_blocks"], []),
     (v41_engram, "_engram_hash_kernel"): (["num_tokens"], []),
@@ -865,6 +877,22 @@ def test_fused_moe_one_variant(swiglu_limit):
 
 
 @pytest.mark.gpu
+def test_moe_combine_one_variant():
+    """Tokens (the grid) swept with and without the shared expert's gate."""
+    top_k, hidden = 10, 256
+    per_pair = torch.randn(max(SWEEP), top_k, hidden, device=DEVICE, dtype=BF16)
+    shared, x = torch.randn(2, max(SWEEP), hidden, device=DEVICE, dtype=BF16).unbind(0)
+    gate = torch.randn(1, hidden, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        moe_combine.moe_combine(per_pair[:n], shared[:n], x[:n], gate)
+        moe_combine.moe_combine(per_pair[:n], shared[:n], x[:n])
+
+    history = variants_over_sweep(moe_combine, ["_moe_combine_kernel"], run)
+    assert history["_moe_combine_kernel"] == [2] * len(SWEEP), history
+
+
+@pytest.mark.gpu
 def test_fused_moe_default_tiles_one_variant_per_tile_choice():
     """The default tiles change with pairs per expert (decode vs prefill): one variant of
     each GEMM per distinct choice, nothing more."""
@@ -879,6 +907,37 @@ def test_fused_moe_default_tiles_one_variant_per_tile_choice():
     kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
     history = variants_over_sweep(moe, kernels, run)
     assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, choices)
+
+
+@pytest.mark.gpu
+def test_sigmoid_gate_one_variant():
+    heads, dim = 16, 256
+    q_gate = torch.randn(max(SWEEP), heads, 2 * dim, device=DEVICE, dtype=BF16)
+    x = torch.randn(max(SWEEP), heads * dim, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        activation.sigmoid_gate(x[:n], q_gate[:n, :, dim:])
+
+    assert_one_variant(activation, ["_sigmoid_gate_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_gdn_gates_one_variant():
+    """The split and the gated norm over n tokens: the grid changes, never the variant."""
+    hk, ratio, dk, dv = 16, 2, 128, 128
+    width = hk * (2 * dk + 2 * ratio * dv)
+    qkvz = torch.randn(max(SWEEP), width, device=DEVICE, dtype=BF16)
+    ba = torch.randn(max(SWEEP), 2 * hk * ratio, device=DEVICE, dtype=BF16)
+    a_log, dt_bias = torch.randn(2, hk * ratio, device=DEVICE, dtype=BF16).unbind(0)
+    x = torch.randn(max(SWEEP), hk * ratio, dv, device=DEVICE, dtype=BF16)
+    z = qkvz.view(max(SWEEP), hk, -1)[..., 2 * dk + ratio * dv :].unflatten(-1, (ratio, dv))
+    weight = torch.randn(dv, device=DEVICE, dtype=BF16)
+
+    def run(n):
+        gdn_gates.gdn_split(qkvz[:n], ba[:n], a_log, dt_bias, hk, dk, dv)
+        gdn_gates.gated_rms_norm(x[:n], z[:n], weight, 1e-6)
+
+    assert_one_variant(gdn_gates, ["_gdn_split_kernel", "_gated_rms_norm_kernel"], run)
 
 
 @pytest.mark.gpu
@@ -1011,8 +1070,9 @@ def test_v4_norm_rope_one_variant():
 
 
 @pytest.mark.gpu
-def test_v4_route_one_variant():
-    """Tokens (the grid) swept through the score and the hash routing (two geometries)."""
+def test_route_one_variant():
+    """Tokens (the grid) swept through V4's score and hash routing and the softmax routing
+    (three geometries)."""
     experts, top_k, vocab = 256, 8, 1000
     logits = torch.randn(max(SWEEP), experts, device=DEVICE, dtype=BF16)
     bias = torch.randn(experts, device=DEVICE) * 0.01
@@ -1020,11 +1080,12 @@ def test_v4_route_one_variant():
     tid2eid = torch.randint(0, experts, (vocab, top_k), device=DEVICE, generator=_generator())
 
     def run(n):
-        v4_routing.v4_route(logits[:n], top_k, 2.5, bias=bias)
-        v4_routing.v4_route(logits[:n], top_k, 2.5, input_ids=input_ids[:n], tid2eid=tid2eid)
+        moe_routing.v4_route(logits[:n], top_k, 2.5, bias=bias)
+        moe_routing.v4_route(logits[:n], top_k, 2.5, input_ids=input_ids[:n], tid2eid=tid2eid)
+        moe_routing.softmax_route(logits[:n], top_k, True)
 
-    history = variants_over_sweep(v4_routing, ["_v4_route_kernel"], run)
-    assert history["_v4_route_kernel"] == [2] * len(SWEEP), history
+    history = variants_over_sweep(moe_routing, ["_route_kernel"], run)
+    assert history["_route_kernel"] == [3] * len(SWEEP), history
 
 
 @pytest.mark.gpu

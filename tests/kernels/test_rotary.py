@@ -104,3 +104,27 @@ def test_rotate_rows_equals_reference(num_tokens, num_q_heads, num_kv_heads, hea
     out_q, out_k = rotate_rows(qk, *rows).split([num_q_heads, num_kv_heads], dim=1)
     assert torch.equal(out_q, expected_q)
     assert torch.equal(out_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype,device", DTYPES)
+def test_apply_rotary_in_place_on_a_partial_slice(dtype, device):
+    """``out=(q, k)`` on the first rotary_dim channels of each head (Qwen3-Next's partial
+    rotary): the slice rotated as the reference rotates it, the rest of each head untouched."""
+    generator = torch.Generator().manual_seed(5)
+    head_dim, rotary_dim = 32, 8
+    q = torch.randn(3, 4, head_dim, generator=generator).to(device, dtype)
+    k = torch.randn(3, 2, head_dim, generator=generator).to(device, dtype)
+    positions = torch.tensor([0, 7, 100], device=device)
+    angles = torch.randn(128, rotary_dim // 2, generator=generator)
+    cos = torch.cat([angles, angles], -1).cos().to(device)
+    sin = torch.cat([angles, angles], -1).sin().to(device)
+    q_ref, k_ref = apply_rotary_reference(
+        positions, q[..., :rotary_dim], k[..., :rotary_dim], cos, sin
+    )
+    q_rest, k_rest = q[..., rotary_dim:].clone(), k[..., rotary_dim:].clone()
+    q_rot, k_rot = q[..., :rotary_dim], k[..., :rotary_dim]
+    apply_rotary(positions, q_rot, k_rot, cos, sin, out=(q_rot, k_rot))
+    atol = TOLERANCE[dtype]
+    torch.testing.assert_close(q[..., :rotary_dim], q_ref, rtol=0, atol=atol)
+    torch.testing.assert_close(k[..., :rotary_dim], k_ref, rtol=0, atol=atol)
+    assert torch.equal(q[..., rotary_dim:], q_rest) and torch.equal(k[..., rotary_dim:], k_rest)

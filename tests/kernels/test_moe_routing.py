@@ -1,12 +1,18 @@
-"""DeepSeek-V4's fused MoE routing (atom/kernels/v4_routing.py `v4_route`) against its torch
-reference, the tie rule (lower expert index first) on exact ties, and the reference against
-the model's own ops: CPU interpreter, `gpu` variants on CUDA."""
+"""The fused MoE routing (atom/kernels/moe_routing.py: DeepSeek-V4's `v4_route`, Qwen3-Next's
+`softmax_route`) against its torch reference, the tie rule (lower expert index first) on exact
+ties, and the reference against the model's own ops: CPU interpreter, `gpu` variants on
+CUDA."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-from atom.kernels.v4_routing import v4_route, v4_route_reference
+from atom.kernels.moe_routing import (
+    softmax_route,
+    softmax_route_reference,
+    v4_route,
+    v4_route_reference,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SCALE = 2.5
@@ -94,3 +100,70 @@ def test_reference_is_the_models_math():
         order, ref_order = ids.argsort(dim=-1), ref_ids.argsort(dim=-1)
         assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
         torch.testing.assert_close(weights.gather(1, order), ref_weights.gather(1, ref_order))
+
+
+# -- softmax routing (Qwen3-Next) ----------------------------------------------------------------
+
+
+def _softmax_model_ops(logits, top_k, renormalize):
+    """`Qwen3NextSparseMoeBlock.route`'s CPU ops (HF's)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,top_k", [(64, 10), (12, 3), (512, 10)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_routing_matches_model_ops(device, dtype, experts, top_k, renormalize):
+    """Kernel and reference against the model's ops: the same experts in the same order
+    (no ties), the weights within the last bits (exp and the sums run in another order)."""
+    g = torch.Generator().manual_seed(experts + top_k)
+    logits = _logits(5, experts, top_k, g, dtype, device)
+    weights, ids = softmax_route(logits, top_k, renormalize)
+    ref_weights, ref_ids = softmax_route_reference(logits, top_k, renormalize)
+    model_weights, model_ids = _softmax_model_ops(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype
+    assert torch.equal(ids, model_ids) and torch.equal(ref_ids, model_ids)
+    assert torch.equal(ref_weights, model_weights)
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(weights, model_weights, **tolerance)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_routing_random_logits(device):
+    """Gaussian bf16 logits, as a router makes them: where the top k + 1 logits of a row
+    are distinct, the same experts in the same order as torch.topk."""
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(16, 64, generator=g) * 2).to(device=device, dtype=torch.bfloat16)
+    weights, ids = softmax_route(logits, 10, True)
+    model_weights, model_ids = _softmax_model_ops(logits, 10, True)
+    top = logits.float().sort(dim=-1, descending=True).values[:, :11]
+    distinct = (top[:, 1:] != top[:, :-1]).all(dim=-1)
+    assert distinct.sum() >= 4
+    assert torch.equal(ids[distinct], model_ids[distinct])
+    torch.testing.assert_close(weights[distinct], model_weights[distinct], rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_ties_lower_expert_first(device):
+    logits = torch.tensor(
+        [
+            [1.0, 2.0, 2.0, 0.5, 2.0, 2.0, -1.0, 0.0],  # four-way tie at the top, k = 3
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # all equal
+            [3.0, -2.0, 1.0, 1.0, 1.0, -5.0, 30.0, 25.0],  # tie at the cut
+        ]
+    ).to(device=device, dtype=torch.bfloat16)
+    weights, ids = softmax_route(logits, 3, True)
+    ref_weights, ref_ids = softmax_route_reference(logits, 3, True)
+    expected = torch.tensor([[1, 2, 4], [0, 1, 2], [6, 7, 0]], device=device)
+    assert torch.equal(ref_ids, expected) and torch.equal(ids, expected)
+    torch.testing.assert_close(weights, ref_weights, rtol=8e-3, atol=1e-5)
+
+
+def test_softmax_no_tokens():
+    weights, ids = softmax_route(torch.zeros(0, 64), 10, True)
+    assert weights.shape == ids.shape == (0, 10)
