@@ -66,5 +66,6 @@ def test_fused_moe_with_shared_matches_reference(device, gated):
     routed = moe.routed_experts_reference(*args)
     expected = moe_combine_reference(routed[:, None], shared, args[0], gate)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    on_cpu = routed_experts(*[t.cpu() for t in args], shared=shared.cpu(), shared_gate=gate)
+    cpu_gate = gate.cpu() if gated else None
+    on_cpu = routed_experts(*[t.cpu() for t in args], shared=shared.cpu(), shared_gate=cpu_gate)
     torch.testing.assert_close(on_cpu.to(device), expected, rtol=1e-4, atol=1e-4)
