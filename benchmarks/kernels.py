@@ -5,6 +5,7 @@
     python -m benchmarks.kernels --only-gdn-prefill  # just the GDN prefill timing
     python -m benchmarks.kernels --only-v4-topk      # the V4 indexer's top-k select geometry
     python -m benchmarks.kernels --only-v4-mhc       # the V4 mHC pre's two launches
+    python -m benchmarks.kernels --only-moe-align    # the MoE align's geometry
 
 One JSON line per measurement, on stdout:
 
@@ -387,12 +388,42 @@ def bench_v4_mhc() -> None:
         v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS = defaults
 
 
+def bench_moe_align() -> None:
+    """`moe.moe_align` per (one-hot entries per step, warps) at the decode pair counts of
+    DeepSeek-V4 (16 experts, top-6) and Qwen3-Next (64 experts, top-10), batch 1 and 64."""
+    from atom.kernels import moe
+
+    defaults = (moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS)
+    try:
+        for experts, top_k in ((16, 6), (64, 10)):
+            for tokens in (1, 64):
+                generator = torch.Generator("cuda").manual_seed(tokens)
+                scores = torch.rand(tokens, experts, device="cuda", generator=generator)
+                ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
+                block_m = 16
+                expected = moe.moe_align_reference(ids, experts, block_m)
+                for one_hot in (1024, 4096, 16384):
+                    for warps in (1, 4, 8, 16):
+                        moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS = one_hot, warps
+
+                        def run(ids=ids, experts=experts, block_m=block_m):
+                            return moe.moe_align(ids, experts, block_m)
+
+                        same = all(torch.equal(a, b) for a, b in zip(run(), expected, strict=True))
+                        emit(bench="moe_align", experts=experts, pairs=tokens * top_k,
+                             one_hot=one_hot, num_warps=warps, us=round(device_us(run), 2),
+                             equal=same)  # fmt: skip
+    finally:
+        moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS = defaults
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
     parser.add_argument("--only-gdn-prefill", action="store_true", help="the GDN prefill only")
     parser.add_argument("--only-v4-topk", action="store_true", help="the V4 top-k select only")
     parser.add_argument("--only-v4-mhc", action="store_true", help="the V4 mHC pre only")
+    parser.add_argument("--only-moe-align", action="store_true", help="the MoE align only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -409,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     fresh_triton_cache()
     if args.only_v4_mhc:
         bench_v4_mhc()
+        return 0
+    if args.only_moe_align:
+        bench_moe_align()
         return 0
     if args.only_v4_topk:
         bench_v4_topk()

@@ -167,7 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-context", type=int, default=65536)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument(
+        "--moe-align", default=None, metavar="ONE_HOT,WARPS",
+        help="the MoE align kernel's geometry (moe.ALIGN_ONE_HOT, ALIGN_WARPS) for an A/B",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.moe_align:
+        from atom.kernels import moe
+
+        moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS = (int(v) for v in args.moe_align.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     from atom.model_engine.llm import LLM
 

@@ -142,6 +142,12 @@ def _moe_align_kernel(
         seen += tl.sum(hits, axis=0)
 
 
+# The align kernel's geometry: one-hot [pairs, experts] entries per step and warps
+# (`benchmarks.kernels --only-moe-align` sweeps them).
+ALIGN_ONE_HOT = 16384
+ALIGN_WARPS = 16
+
+
 def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(rows, blocks) of the alignment buffers: fixed for a given number of pairs."""
     max_padded = num_pairs + num_experts * (block_m - 1)
@@ -170,9 +176,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         NUM_EXPERTS=num_experts,
         EXPERTS_P2=experts_p2,
         BLOCK_M=block_m,
-        BLOCK=max(16, min(512, 16384 // experts_p2)),  # 16K one-hot entries per step
+        BLOCK=max(16, min(512, ALIGN_ONE_HOT // experts_p2)),  # one-hot entries per step
         BLOCK_FILL=4096,
-        num_warps=16,
+        num_warps=ALIGN_WARPS,
     )
     return sorted_pairs, block_experts, num_padded
 
