@@ -393,7 +393,6 @@ def bench_moe_align() -> None:
     DeepSeek-V4 (16 experts, top-6) and Qwen3-Next (64 experts, top-10), batch 1 and 64."""
     from atom.kernels import moe
 
-    defaults = (moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS)
     try:
         for experts, top_k in ((16, 6), (64, 10)):
             for tokens in (1, 64):
@@ -404,7 +403,7 @@ def bench_moe_align() -> None:
                 expected = moe.moe_align_reference(ids, experts, block_m)
                 for one_hot in (1024, 4096, 16384):
                     for warps in (1, 4, 8, 16):
-                        moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS = one_hot, warps
+                        moe.ALIGN_OVERRIDE = (one_hot, warps)
 
                         def run(ids=ids, experts=experts, block_m=block_m):
                             return moe.moe_align(ids, experts, block_m)
@@ -414,7 +413,7 @@ def bench_moe_align() -> None:
                              one_hot=one_hot, num_warps=warps, us=round(device_us(run), 2),
                              equal=same)  # fmt: skip
     finally:
-        moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS = defaults
+        moe.ALIGN_OVERRIDE = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -169,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument(
         "--moe-align", default=None, metavar="ONE_HOT,WARPS",
-        help="the MoE align kernel's geometry (moe.ALIGN_ONE_HOT, ALIGN_WARPS) for an A/B",
+        help="a fixed geometry of the MoE align kernel (moe.ALIGN_OVERRIDE) for an A/B",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.moe_align:
         from atom.kernels import moe
 
-        moe.ALIGN_ONE_HOT, moe.ALIGN_WARPS = (int(v) for v in args.moe_align.split(","))
+        moe.ALIGN_OVERRIDE = tuple(int(v) for v in args.moe_align.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     from atom.model_engine.llm import LLM
 

@@ -142,10 +142,24 @@ def _moe_align_kernel(
         seen += tl.sum(hits, axis=0)
 
 
-# The align kernel's geometry: one-hot [pairs, experts] entries per step and warps
-# (`benchmarks.kernels --only-moe-align` sweeps them).
-ALIGN_ONE_HOT = 16384
-ALIGN_WARPS = 16
+# The align kernel's geometry (one-hot [pairs, experts] entries per step, warps) by pair
+# count. `benchmarks.kernels --only-moe-align`, H200, device us a call (16384 / 16 was the
+# geometry before): 10 pairs of 64 experts (Qwen3-Next batch 1) 3.53 at 1024 / 8 against
+# 12.36 at 16384 / 8 and 15.02 at 16384 / 16; 6 of 16 (V4 batch 1) 3.12 against 9.05 /
+# 9.71; but 640 pairs of 64 (Qwen3-Next batch 64) 45.57 at 1024 / 8 against 23.71 at
+# 16384 / 8 (32.59 at 16384 / 16), and 384 of 16 8.37 against 9.22 (9.90). Two variants,
+# as the grouped GEMMs' tiles (`default_tiles`) change with the pairs too.
+ALIGN_SMALL_PAIRS = 128
+ALIGN_SMALL = (1024, 8)
+ALIGN_LARGE = (16384, 8)
+ALIGN_OVERRIDE: tuple[int, int] | None = None  # a fixed (one_hot, warps): benchmarks' A/B
+
+
+def align_geometry(num_pairs: int) -> tuple[int, int]:
+    """(one-hot entries per step, warps) of the align kernel for `num_pairs` pairs."""
+    if ALIGN_OVERRIDE is not None:
+        return ALIGN_OVERRIDE
+    return ALIGN_SMALL if num_pairs <= ALIGN_SMALL_PAIRS else ALIGN_LARGE
 
 
 def moe_align_size(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
@@ -167,6 +181,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     experts_p2 = triton.next_power_of_2(num_experts)
+    one_hot, warps = align_geometry(num_pairs)
     _moe_align_kernel[(1,)](
         ids,
         sorted_pairs,
@@ -176,9 +191,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
         NUM_EXPERTS=num_experts,
         EXPERTS_P2=experts_p2,
         BLOCK_M=block_m,
-        BLOCK=max(16, min(512, ALIGN_ONE_HOT // experts_p2)),  # one-hot entries per step
+        BLOCK=max(16, min(512, one_hot // experts_p2)),  # one-hot entries per step
         BLOCK_FILL=4096,
-        num_warps=ALIGN_WARPS,
+        num_warps=warps,
     )
     return sorted_pairs, block_experts, num_padded
 

@@ -172,5 +172,6 @@ def test_fp8_policy_candidates_compute_their_shape_on_gpu():
                     got = gemv_rms_norm(*args, weight_scale=scale)[0]
                 else:
                     got = gemv_silu_and_mul(x, fp8, config, weight_scale=scale)
-                msg = f"{site.label()} {config}"
-                torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2, msg=msg)
+                label = f"{site.label()} {config}"
+                torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2,
+                                           msg=lambda m, label=label: f"{label}\n{m}")  # fmt: skip

@@ -865,7 +865,8 @@ def _moe_inputs(num_tokens, num_experts=16, top_k=4, hidden=256, intermediate=12
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu_limit", [None, 10.0])
 def test_fused_moe_one_variant(swiglu_limit):
-    """Fixed tiles: one variant of each kernel over the token sweep."""
+    """Fixed tiles: one variant of each grouped GEMM over the token sweep, and one of the
+    align kernel per geometry `moe.align_geometry` picks (small and large pair counts)."""
     x, weights, ids, gate_up, down = _moe_inputs(max(SWEEP))
     tiles = moe.MoeTiles(16, 64, 64)
 
@@ -873,7 +874,11 @@ def test_fused_moe_one_variant(swiglu_limit):
         moe.fused_moe(x[:n], weights[:n], ids[:n], gate_up, down, swiglu_limit, tiles=tiles)
 
     kernels = ["_moe_align_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"]
-    assert_one_variant(moe, kernels, run)
+    history = variants_over_sweep(moe, kernels, run)
+    align = len({moe.align_geometry(n * ids.shape[1]) for n in SWEEP})
+    assert align == 2
+    expected = {"_moe_align_kernel": align, "_moe_gate_up_kernel": 1, "_moe_down_kernel": 1}
+    assert {name: counts[-1] for name, counts in history.items()} == expected, history
 
 
 @pytest.mark.gpu
