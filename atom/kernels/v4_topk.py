@@ -83,6 +83,17 @@ def _ordered_bits(value):
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.uint32, bitcast=True) ^ 0x80000000
 
 
+@triton.jit
+def _chunk_bits(scores_ptr, allowed_ptr, row, width, offset, lanes, end, HAS_ALLOWED: tl.constexpr):
+    """(inside, ordered bits) of row ``row``'s entries ``offset + lanes``: inside the first
+    ``end`` entries (and allowed, with HAS_ALLOWED)."""
+    inside = offset + lanes < end
+    if HAS_ALLOWED:
+        inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside, other=0) != 0
+    values = tl.load(scores_ptr + row * width + offset + lanes, mask=inside, other=0.0)
+    return inside, _ordered_bits(values)
+
+
 @triton.jit(do_not_specialize=["width", "k"])
 def _indexer_topk_kernel(
     scores_ptr,  # [B, width] fp32, row-contiguous
@@ -97,7 +108,6 @@ def _indexer_topk_kernel(
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, CHUNK)
     n = tl.minimum(tl.load(counts_ptr + row).to(tl.int64), width)
-    scores = scores_ptr + row * width
     # 1. t: the largest key with at least `wanted` scores >= it, 8 bits a round from the top
     #    (a histogram of the next digit among the scores matching the digits found so far)
     bins = tl.arange(0, 256)
@@ -108,11 +118,8 @@ def _indexer_topk_kernel(
     for round_ in tl.static_range(4):
         counts = tl.zeros([256], tl.int32)
         for start in range(0, n, CHUNK):
-            inside = start + lanes < n
-            if HAS_ALLOWED:
-                inside &= tl.load(allowed_ptr + row * width + start + lanes, mask=inside,
-                                  other=0) != 0  # fmt: skip
-            u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
+            inside, u = _chunk_bits(scores_ptr, allowed_ptr, row, width, start, lanes, n,
+                                    HAS_ALLOWED)  # fmt: skip
             match = inside & ((u & prefix_mask) == prefix)
             digits = ((u >> (24 - 8 * round_)) & 0xFF).to(tl.int32)
             counts += tl.histogram(digits, 256, mask=match)
@@ -131,11 +138,8 @@ def _indexer_topk_kernel(
     taken = tl.zeros([], tl.int32)
     taken_equal = tl.zeros([], tl.int32)
     for start in range(0, n, CHUNK):
-        inside = start + lanes < n
-        if HAS_ALLOWED:
-            inside &= tl.load(allowed_ptr + row * width + start + lanes, mask=inside,
-                              other=0) != 0  # fmt: skip
-        u = _ordered_bits(tl.load(scores + start + lanes, mask=inside, other=0.0))
+        inside, u = _chunk_bits(scores_ptr, allowed_ptr, row, width, start, lanes, n,
+                                HAS_ALLOWED)  # fmt: skip
         equal = inside & (u == threshold)
         equal_rank = taken_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
         keep = inside & ((u > threshold) | (equal & (equal_rank < equal_wanted)))
@@ -204,12 +208,8 @@ def _topk_histogram_kernel(
     shift = (tl.full([], 24, tl.int32) - 8 * round_).to(tl.uint32)
     counts = tl.zeros([256], tl.int32)
     for offset in range(start, end, CHUNK):
-        inside = offset + lanes < end
-        if HAS_ALLOWED:
-            inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside,
-                              other=0) != 0  # fmt: skip
-        u = _ordered_bits(tl.load(scores_ptr + row * width + offset + lanes, mask=inside,
-                                  other=0.0))  # fmt: skip
+        inside, u = _chunk_bits(scores_ptr, allowed_ptr, row, width, offset, lanes, end,
+                                HAS_ALLOWED)  # fmt: skip
         match = inside & ((u & prefix_mask) == prefix)
         digits = ((u >> shift) & 0xFF).to(tl.int32)
         counts += tl.histogram(digits, 256, mask=match)
@@ -239,12 +239,8 @@ def _topk_count_kernel(
     above = tl.zeros([], tl.int32)
     equal = tl.zeros([], tl.int32)
     for offset in range(start, end, CHUNK):
-        inside = offset + lanes < end
-        if HAS_ALLOWED:
-            inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside,
-                              other=0) != 0  # fmt: skip
-        u = _ordered_bits(tl.load(scores_ptr + row * width + offset + lanes, mask=inside,
-                                  other=0.0))  # fmt: skip
+        inside, u = _chunk_bits(scores_ptr, allowed_ptr, row, width, offset, lanes, end,
+                                HAS_ALLOWED)  # fmt: skip
         above += tl.sum((inside & (u > threshold)).to(tl.int32), 0)
         equal += tl.sum((inside & (u == threshold)).to(tl.int32), 0)
     slot = split_counts_ptr + (row * num_splits + split) * 2
@@ -282,12 +278,8 @@ def _topk_compact_kernel(
     taken = tl.sum(tl.load(earlier_counts, mask=earlier < split, other=0), 0).to(tl.int64)
     taken += tl.minimum(taken_equal.to(tl.int64), equal_wanted)
     for offset in range(start, end, CHUNK):
-        inside = offset + lanes < end
-        if HAS_ALLOWED:
-            inside &= tl.load(allowed_ptr + row * width + offset + lanes, mask=inside,
-                              other=0) != 0  # fmt: skip
-        u = _ordered_bits(tl.load(scores_ptr + row * width + offset + lanes, mask=inside,
-                                  other=0.0))  # fmt: skip
+        inside, u = _chunk_bits(scores_ptr, allowed_ptr, row, width, offset, lanes, end,
+                                HAS_ALLOWED)  # fmt: skip
         equal = inside & (u == threshold)
         equal_rank = taken_equal + tl.cumsum(equal.to(tl.int32), 0) - 1
         keep = inside & ((u > threshold) | (equal & (equal_rank < equal_wanted)))

@@ -339,6 +339,7 @@ DEVICE_FUNCTIONS = {
     (kv_cache, "_quantize_rows"),
     (v4_attention, "_online_update"),
     (v4_topk, "_ordered_bits"),
+    (v4_topk, "_chunk_bits"),
     (v4_topk, "_slice_bounds"),
     (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
