@@ -216,6 +216,8 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
     from atom.sampling_params import SamplingParams
 
     engine = llm.engine
+    cuda = engine.model_runner.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(2, vocab, (batch, context), generator=generator).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=decode_headroom(batch, steps),
@@ -230,13 +232,16 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
     running = len(engine.scheduler.running)
     if running != batch:
         raise RuntimeError(f"{running} of {batch} sequences decoding: raise decode_headroom")
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - start
-    kernels = kernels_per_step(engine, PROFILED_STEPS)
+    kernels = kernels_per_step(engine, PROFILED_STEPS) if cuda else None
+    if not cuda:  # the profiled steps' tokens, so that the check below sees the same steps
+        for _ in range(PROFILED_STEPS):
+            engine.step()
     if len(engine.scheduler.running) != batch:
         raise RuntimeError("a sequence finished before the profiled steps: raise decode_headroom")
     for seq_id in seq_ids:
@@ -246,7 +251,8 @@ def atom_decode(llm, batch: int, context: int, steps: int, vocab: int) -> dict:
     layers = len(engine.model_runner.model.model.layers)
     return dict(case="decode", engine="atom", batch=batch, context=context,
                 tok_s=round(batch * steps / seconds, 1), ms_per_step=round(seconds / steps * 1e3, 3),
-                kernels_per_step=kernels, kernels_per_layer=round(kernels / layers, 1))  # fmt: skip
+                kernels_per_step=kernels,
+                kernels_per_layer=None if kernels is None else round(kernels / layers, 1))  # fmt: skip
 
 
 PROFILED_STEPS = 4
