@@ -17,11 +17,11 @@ The form per call, by rows:
   `torch.mm(x, transposed)`. A decode step reads every weight once from memory, and MKL's
   product on the [in, out] layout streams a wide weight faster than F.linear's dot per
   output row or oneDNN's 1-row product: `benchmarks.cpu_linear --cold` (each form on
-  enough copies of a weight that they come from memory) measures 1.43x / 1.83x / 1.73x
-  over F.linear on SmolLM2's qkv / gate_up / LM head at 1 thread, 1.60x / 1.60x / 1.55x
-  at 2 (docs/benchmarks.md, CPU section);
+  enough copies of a weight that they come from memory) measures 1.38-1.43x / 1.70-1.83x
+  / 1.73-1.95x over F.linear on SmolLM2's qkv / gate_up / LM head at 1 thread (two runs),
+  1.60x / 1.60x / 1.55x at 2 (docs/benchmarks.md, CPU section);
 - 1 row on a square or tall weight (o, down): F.linear (the transposed form measured
-  0.94x on o and 0.61x on down).
+  0.94-0.97x on o and 0.61-0.73x on down).
 
 Memory: the packed copy costs as much as the dense weight, the transposed one as much as
 a wide weight; the dense weight stays (a tied LM head's is the embedding table, and the
