@@ -216,9 +216,11 @@ def _interpreting() -> bool:
 
 
 def dequantize_fp8_reference(weight, scale, block: tuple[int, int]) -> torch.Tensor:
-    """float32 [N, K] = weight * scale, each scale covering a (rows, cols) block."""
-    rows, cols = weight.shape
-    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    """float32 [..., N, K] = weight * scale, each scale covering a (rows, cols) block (a
+    stack of experts [E, N, K] with scales [E, ...] too)."""
+    rows, cols = weight.shape[-2:]
+    full = scale.repeat_interleave(block[0], -2).narrow(-2, 0, rows)
+    full = full.repeat_interleave(block[1], -1).narrow(-1, 0, cols)
     return weight.to(torch.float32) * full
 
 

@@ -8,6 +8,10 @@ Shapes and dtypes (T tokens, k experts per token, E experts, hidden H, intermedi
     gate_up_proj  [E, 2I, H] x's dtype: gate rows [0, I), up rows [I, 2I)
     down_proj     [E, H, I] x's dtype
     out           [T, H] x's dtype
+FP8 experts (DeepSeek-V2/V3 block FP8, atom/models/quantization/experts.py): both weights
+float8_e4m3fn with ``Fp8Scales`` (float32, one per block of rows x cols); the kernels load
+the fp8 tile and dequantize it to x's dtype (``dequantize_fp8_reference(...).to(x.dtype)``
+element for element) before tl.dot, so the weights are read once, in FP8.
 
     out[t] = sum_j topk_weights[t, j] * down[e] @ act(gate_up[e] @ x[t]),  e = topk_ids[t, j]
     act(gate | up) = SiLU(gate) * up; with swiglu_limit L (DeepSeek-V4) gate is clamped to
@@ -48,6 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from atom.kernels.fp8_linear import FP8_DTYPE, dequantize_fp8_reference, fp8_capable
 from atom.kernels.moe_combine import add_shared, moe_combine
 from atom.kernels.platform import dot_precision, use_triton
 
@@ -222,7 +227,8 @@ def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     x_ptr,  # [T, H]
-    gate_up_ptr,  # [E, 2I, H]
+    gate_up_ptr,  # [E, 2I, H] x's dtype, or fp8 e4m3 with FP8_WEIGHT
+    scale_ptr,  # FP8_WEIGHT: float32 [E, ceil(2I / SCALE_ROWS), ceil(H / SCALE_COLS)]
     out_ptr,  # [T * k, I] act(gate | up) by pair
     topk_weights_ptr,  # [T * k], read with WEIGHT_FIRST
     sorted_pairs_ptr,
@@ -234,12 +240,17 @@ def _moe_gate_up_kernel(
     stride_gate_up_expert,
     stride_gate_up_row,
     stride_out,
+    stride_scale_expert,
+    stride_scale_row,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
     TOP_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,  # act * routing weight (then rounded), for the down GEMM
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no tf32), else "tf32" (unused for bf16)
+    FP8_WEIGHT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,  # weight rows per scale
+    SCALE_COLS: tl.constexpr,  # weight columns per scale: a multiple of BLOCK_K, or >= H
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -263,6 +274,11 @@ def _moe_gate_up_kernel(
         + offs_n.to(tl.int64)[None, :] * stride_gate_up_row
     )
     up_rows = gate_rows + INTERMEDIATE * stride_gate_up_row
+    if FP8_WEIGHT:
+        # each chunk of BLOCK_K columns lies in one scale column: one scale per weight row
+        scales = scale_ptr + expert * stride_scale_expert
+        gate_scales = scales + (offs_n // SCALE_ROWS).to(tl.int64) * stride_scale_row
+        up_scales = scales + ((INTERMEDIATE + offs_n) // SCALE_ROWS).to(tl.int64) * stride_scale_row
 
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -273,6 +289,11 @@ def _moe_gate_up_kernel(
         w_mask = k_mask[:, None] & n_mask[None, :]
         w_gate = tl.load(gate_rows + k[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(up_rows + k[:, None], mask=w_mask, other=0.0)
+        if FP8_WEIGHT:  # dequantized to x's dtype as the reference does, then the same dot
+            gate_scale = tl.load(gate_scales + k0 // SCALE_COLS, mask=n_mask, other=0.0)
+            up_scale = tl.load(up_scales + k0 // SCALE_COLS, mask=n_mask, other=0.0)
+            w_gate = (w_gate.to(tl.float32) * gate_scale[None, :]).to(a.dtype)
+            w_up = (w_up.to(tl.float32) * up_scale[None, :]).to(a.dtype)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
 
@@ -294,7 +315,8 @@ def _moe_gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     hidden_ptr,  # [T * k, I] by pair
-    down_ptr,  # [E, H, I]
+    down_ptr,  # [E, H, I] x's dtype, or fp8 e4m3 with FP8_WEIGHT
+    scale_ptr,  # FP8_WEIGHT: float32 [E, ceil(H / SCALE_ROWS), ceil(I / SCALE_COLS)]
     topk_weights_ptr,  # [T * k]
     out_ptr,  # [T * k, H] by pair, times its routing weight
     sorted_pairs_ptr,
@@ -305,10 +327,15 @@ def _moe_down_kernel(
     stride_down_expert,
     stride_down_row,
     stride_out,
+    stride_scale_expert,
+    stride_scale_row,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,  # the gate/up kernel applied the routing weight already
     DOT_PRECISION: tl.constexpr,
+    FP8_WEIGHT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,  # weight rows per scale
+    SCALE_COLS: tl.constexpr,  # weight columns per scale: a multiple of BLOCK_K, or >= I
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -328,6 +355,12 @@ def _moe_down_kernel(
     down_rows = (
         down_ptr + expert * stride_down_expert + offs_n.to(tl.int64)[None, :] * stride_down_row
     )
+    if FP8_WEIGHT:
+        row_scales = (
+            scale_ptr
+            + expert * stride_scale_expert
+            + (offs_n // SCALE_ROWS).to(tl.int64) * stride_scale_row
+        )
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTERMEDIATE, BLOCK_K):
@@ -335,6 +368,9 @@ def _moe_down_kernel(
         k_mask = k < INTERMEDIATE
         a = tl.load(hidden_rows + k[None, :], mask=is_pair[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(down_rows + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8_WEIGHT:
+            scale = tl.load(row_scales + k0 // SCALE_COLS, mask=n_mask, other=0.0)
+            w = (w.to(tl.float32) * scale[None, :]).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
 
     dtype = out_ptr.dtype.element_ty
@@ -368,6 +404,33 @@ def default_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     return MoeTiles(64, 128, 64, num_warps=8)
 
 
+@dataclass(frozen=True)
+class Fp8Scales:
+    """float32 scales of FP8 e4m3 experts: weight = fp8 * scale, one scale per block of
+    (rows, cols) = ``*_block``, ragged at the edges (atom/models/quantization/experts.py)."""
+
+    gate_up: torch.Tensor  # [E, ceil(2I / rows), ceil(H / cols)]
+    down: torch.Tensor  # [E, ceil(H / rows), ceil(I / cols)]
+    gate_up_block: tuple[int, int]
+    down_block: tuple[int, int]
+
+    def dequantize(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype):
+        """(gate_up [E, 2I, H], down [E, H, I]) in ``dtype``: what the reference runs."""
+        gate_up = dequantize_fp8_reference(gate_up_proj, self.gate_up, self.gate_up_block)
+        down = dequantize_fp8_reference(down_proj, self.down, self.down_block)
+        return gate_up.to(dtype), down.to(dtype)
+
+
+def fp8_block_k(block_k: int, cols_per_scale: int, cols: int) -> int | None:
+    """The largest BLOCK_K <= ``block_k`` (a power of 2, at least 16) whose chunks of a row
+    of ``cols`` each lie inside one scale column; None where there is none."""
+    if cols_per_scale >= cols:
+        return block_k
+    while block_k >= 16 and cols_per_scale % block_k:
+        block_k //= 2
+    return block_k if block_k >= 16 else None
+
+
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -379,13 +442,20 @@ def fused_moe(
     weight_before_down: bool = False,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    fp8_scales: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
     torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
     ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
     ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
-    over k and that epilogue in one launch (atom/kernels/moe_combine.py)."""
+    over k and that epilogue in one launch (atom/kernels/moe_combine.py). ``fp8_scales``:
+    the weights are float8_e4m3fn and the kernels dequantize each tile as they read it (the
+    reference dequantizes every expert first; so do the kernels where a scale block is
+    narrower than 16 columns or not a multiple of a power-of-2 chunk, or on a GPU without
+    e4m3 conversions)."""
     if not use_triton(x):
+        if fp8_scales is not None:
+            gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
         routed = routed_experts_reference(
             x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
         )
@@ -398,11 +468,43 @@ def fused_moe(
     assert down_proj.shape == (num_experts, hidden, intermediate), down_proj.shape
     assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
     assert x.stride(1) == gate_up_proj.stride(2) == down_proj.stride(2) == 1
-    assert gate_up_proj.dtype == down_proj.dtype == x.dtype
     if num_tokens == 0:
         return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
     tiles = tiles or default_tiles(num_pairs, num_experts)
+    gate_up_k = min(tiles.block_k, max(16, triton.next_power_of_2(hidden)))
+    down_k = min(tiles.block_k, max(16, triton.next_power_of_2(intermediate)))
+    if fp8_scales is not None:
+        fp8_gate_up_k = fp8_block_k(gate_up_k, fp8_scales.gate_up_block[1], hidden)
+        fp8_down_k = fp8_block_k(down_k, fp8_scales.down_block[1], intermediate)
+        if fp8_gate_up_k and fp8_down_k and (not x.is_cuda or fp8_capable(x.device)):
+            gate_up_k, down_k = fp8_gate_up_k, fp8_down_k
+        else:
+            gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
+            fp8_scales = None
+    if fp8_scales is None:
+        assert gate_up_proj.dtype == down_proj.dtype == x.dtype
+        # unused: FP8_WEIGHT=False compiles the kernels without them
+        gate_up_scale, gate_up_strides, gate_up_block = gate_up_proj, (0, 0), (1, 1)
+        down_scale, down_strides, down_block = down_proj, (0, 0), (1, 1)
+    else:
+        assert gate_up_proj.dtype == down_proj.dtype == FP8_DTYPE
+        gate_up_scale, down_scale = fp8_scales.gate_up, fp8_scales.down
+        gate_up_block, down_block = fp8_scales.gate_up_block, fp8_scales.down_block
+        assert gate_up_scale.shape == (
+            num_experts,
+            -(-2 * intermediate // gate_up_block[0]),
+            -(-hidden // gate_up_block[1]),
+        ), gate_up_scale.shape
+        assert down_scale.shape == (
+            num_experts,
+            -(-hidden // down_block[0]),
+            -(-intermediate // down_block[1]),
+        ), down_scale.shape
+        assert gate_up_scale.dtype == down_scale.dtype == torch.float32
+        assert gate_up_scale.stride(2) == down_scale.stride(2) == 1
+        gate_up_strides = gate_up_scale.stride(0), gate_up_scale.stride(1)
+        down_strides = down_scale.stride(0), down_scale.stride(1)
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, tiles.block_m)
     num_blocks = block_experts.numel()
     precision = dot_precision(x.dtype)
@@ -413,6 +515,7 @@ def fused_moe(
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
         x,
         gate_up_proj,
+        gate_up_scale,
         hidden_states,
         topk_weights.reshape(-1),
         sorted_pairs,
@@ -424,15 +527,19 @@ def fused_moe(
         gate_up_proj.stride(0),
         gate_up_proj.stride(1),
         hidden_states.stride(0),
+        *gate_up_strides,
         HIDDEN=hidden,
         INTERMEDIATE=intermediate,
         TOP_K=top_k,
         HAS_LIMIT=swiglu_limit is not None,
         WEIGHT_FIRST=weight_before_down,
         DOT_PRECISION=precision,
+        FP8_WEIGHT=fp8_scales is not None,
+        SCALE_ROWS=gate_up_block[0],
+        SCALE_COLS=gate_up_block[1],
         BLOCK_M=tiles.block_m,
         BLOCK_N=block_n,
-        BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(hidden))),
+        BLOCK_K=gate_up_k,
         **launch,
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -440,6 +547,7 @@ def fused_moe(
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         hidden_states,
         down_proj,
+        down_scale,
         topk_weights.reshape(-1),
         per_pair,
         sorted_pairs,
@@ -450,13 +558,17 @@ def fused_moe(
         down_proj.stride(0),
         down_proj.stride(1),
         per_pair.stride(0),
+        *down_strides,
         HIDDEN=hidden,
         INTERMEDIATE=intermediate,
         WEIGHT_FIRST=weight_before_down,
         DOT_PRECISION=precision,
+        FP8_WEIGHT=fp8_scales is not None,
+        SCALE_ROWS=down_block[0],
+        SCALE_COLS=down_block[1],
         BLOCK_M=tiles.block_m,
         BLOCK_N=block_n,
-        BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(intermediate))),
+        BLOCK_K=down_k,
         **launch,
     )
     if shared is not None:

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 from atom.attention.family import MLAFamily
 from atom.attention.mla import MLAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.kernels.platform import use_cuda_path
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
 from atom.models.load_error import ModelLoadError
@@ -44,7 +45,7 @@ from atom.models.parallel_layers import (
 )
 from atom.models.quantization import FP8, read_quantization_scheme
 from atom.models.quantization.experts import Fp8Experts
-from atom.models.quantization.fp8 import Fp8Weight
+from atom.models.quantization.fp8 import Fp8Weight, quant_kernels_enabled
 
 
 def _linear(config, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -270,11 +271,15 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if isinstance(self.experts, Fp8Experts):
-            gate_up, down, ids = self.experts.dense(ids, x.dtype)
+        experts = self.experts
+        gate_up, down, fp8_scales = experts.gate_up_proj, experts.down_proj, None
+        if isinstance(experts, Fp8Experts):
+            if use_cuda_path(x) and quant_kernels_enabled():
+                fp8_scales = experts.fp8_scales()  # the kernels read the FP8 weights
+            else:  # the reference (CPU), or ATOM_QUANT_KERNELS=0's A/B runs on CUDA
+                gate_up, down, ids = experts.dense(ids, x.dtype)
         # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync
-        out = routed_experts(x, weights, ids, gate_up, down)
+        out = routed_experts(x, weights, ids, gate_up, down, fp8_scales=fp8_scales)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels.moe import fused_moe, routed_experts_reference
+from atom.kernels.moe import Fp8Scales, fused_moe, routed_experts_reference
 from atom.kernels.moe_combine import add_shared
 from atom.kernels.platform import use_cuda_path
 
@@ -27,6 +27,7 @@ def routed_experts(
     weight_before_down: bool = False,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    fp8_scales: Fp8Scales | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` as ``[T, H]`` in x's dtype.
 
@@ -38,12 +39,25 @@ def routed_experts(
     multiplies the activation, the input of ``down`` (same result, other rounding points).
     ``shared`` [T, H] (a shared expert's output) is added, scaled by
     ``sigmoid(x @ shared_gate.T)`` with ``shared_gate`` [1, H] (Qwen3-Next): on CUDA in the
-    launch that sums over k.
+    launch that sums over k. ``fp8_scales``: both weights are float8_e4m3fn with these block
+    scales (DeepSeek-V2/V3's FP8 experts), which the CUDA path's kernels read as they are;
+    the reference dequantizes every expert first.
     """
-    args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
     if use_cuda_path(x):
         return fused_moe(
-            *args, weight_before_down=weight_before_down, shared=shared, shared_gate=shared_gate
+            x,
+            topk_weights,
+            topk_ids,
+            gate_up_proj,
+            down_proj,
+            swiglu_limit,
+            weight_before_down=weight_before_down,
+            shared=shared,
+            shared_gate=shared_gate,
+            fp8_scales=fp8_scales,
         )
+    if fp8_scales is not None:
+        gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
+    args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
     routed = routed_experts_reference(*args, weight_before_down=weight_before_down)
     return routed if shared is None else add_shared(routed, shared, x, shared_gate)

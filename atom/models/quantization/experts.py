@@ -3,11 +3,12 @@
 `Fp8Experts` replaces the stacked dense experts of a MoE layer: `gate_up_proj` float8_e4m3fn
 [E, 2I, H] (gate rows then up rows) and `down_proj` [E, H, I], with float32 scales per block
 (`gate_up_scale`, `down_scale`; blocks as fp8.py: the checkpoint's, or one row high where the
-up rows start inside a block). `dense(ids, dtype)` hands atom/models/moe.py's
-`routed_experts` dense weights: on CPU only the experts the step routes to (ids renumbered
-in expert order, so the torch reference runs the same GEMMs in the same order), on CUDA all of
-them (no host sync: graph capture stays possible) until a fused FP8 MoE kernel reads the
-FP8 weights itself.
+up rows start inside a block). On the CUDA path atom/models/moe.py's `routed_experts` takes
+the FP8 weights with `fp8_scales()` and its grouped kernels dequantize each tile as they read
+it (atom/kernels/moe.py). `dense(ids, dtype)` hands the torch reference dense weights: on
+CPU only the experts the step routes to (ids renumbered in expert order, so the reference
+runs the same GEMMs in the same order); on CUDA (ATOM_QUANT_KERNELS=0's A/B runs) all of
+them, without a host sync, so graph capture stays possible.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from atom.kernels.moe import Fp8Scales
 from atom.models.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, Fp8Weight, dequantize_fp8
 from atom.models.quantization.scheme import QuantizationScheme
 
@@ -59,6 +61,10 @@ class Fp8Experts(nn.Module):
         )
         start = 0 if part == "gate_proj" else self.inter
         self.method.load(view, weight, start, 0, self.inter, 0)
+
+    def fp8_scales(self) -> Fp8Scales:
+        """The scales and blocks of `gate_up_proj` and `down_proj`, for the fused kernels."""
+        return Fp8Scales(self.gate_up_scale, self.down_scale, self.gate_up_block, self.down_block)
 
     def dense(self, ids: torch.Tensor, dtype: torch.dtype):
         """(gate_up [U, 2I, H], down [U, H, I], ids renumbered into them) in `dtype`."""
