@@ -190,11 +190,26 @@ KERNELS = {
     (moe, "_moe_align_kernel"): (["num_pairs"], []),
     (moe, "_moe_gate_up_kernel"): (
         ["num_pairs"],
-        ["swiglu_limit", "stride_x", "stride_gate_up_expert", "stride_gate_up_row", "stride_out"],
+        [
+            "swiglu_limit",
+            "stride_x",
+            "stride_gate_up_expert",
+            "stride_gate_up_row",
+            "stride_out",
+            "stride_scale_expert",
+            "stride_scale_row",
+        ],
     ),
     (moe, "_moe_down_kernel"): (
         ["num_pairs"],
-        ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
+        [
+            "stride_hidden",
+            "stride_down_expert",
+            "stride_down_row",
+            "stride_out",
+            "stride_scale_expert",
+            "stride_scale_row",
+        ],
     ),
     # the sum over k with the (gated) shared expert: tokens come from the grid
     (moe_combine, "_moe_combine_kernel"): ([], ["stride_shared", "stride_x"]),
@@ -880,6 +895,31 @@ def test_fused_moe_one_variant(swiglu_limit):
     assert align == 2
     expected = {"_moe_align_kernel": align, "_moe_gate_up_kernel": 1, "_moe_down_kernel": 1}
     assert {name: counts[-1] for name, counts in history.items()} == expected, history
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_before_down", [False, True])
+def test_fused_moe_fp8_one_variant(weight_before_down):
+    """FP8 experts with 128 x 128 block scales (DeepSeek-V3's layout), fixed tiles: one
+    variant of each grouped GEMM over the token sweep, as for bf16 weights."""
+    x, weights, ids, gate_up, down = _moe_inputs(max(SWEEP))
+    num_experts, hidden, intermediate = down.shape
+    gate_up, down = gate_up.to(torch.float8_e4m3fn), down.to(torch.float8_e4m3fn)
+    scales = moe.Fp8Scales(
+        torch.rand(num_experts, 2 * intermediate // 128, hidden // 128, device=DEVICE),
+        torch.rand(num_experts, hidden // 128, intermediate // 128, device=DEVICE),
+        (128, 128),
+        (128, 128),
+    )
+    tiles = moe.MoeTiles(16, 64, 64)
+
+    def run(n):
+        moe.fused_moe(x[:n], weights[:n], ids[:n], gate_up, down, tiles=tiles, fp8_scales=scales,
+                      weight_before_down=weight_before_down)  # fmt: skip
+
+    kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
+    history = variants_over_sweep(moe, kernels, run)
+    assert {name: counts[-1] for name, counts in history.items()} == dict.fromkeys(kernels, 1)
 
 
 @pytest.mark.gpu

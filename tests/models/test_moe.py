@@ -115,3 +115,75 @@ def test_deepseek_moe_on_cuda_makes_no_host_sync_and_matches_cpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def _fp8_deepseek_moe(block, num_shared=0):
+    """DeepseekMoE of a DeepSeek block-FP8 checkpoint (`weight_block_size` = block): routed
+    (and shared) experts fp8 with random float32 scales, a float32 router."""
+    from types import SimpleNamespace
+
+    from atom.models.deepseek_v2 import DeepseekMoE
+
+    config = SimpleNamespace(
+        model_type="deepseek_v2",
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTERMEDIATE,
+        n_routed_experts=NUM_EXPERTS,
+        num_experts_per_tok=TOP_K,
+        n_shared_experts=num_shared,
+        routed_scaling_factor=1.0,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": block},
+    )
+    generator = torch.Generator().manual_seed(sum(block))
+    moe = DeepseekMoE(config, prefix="model.layers.1.mlp")
+    with torch.no_grad():
+        for name, tensor in (*moe.named_parameters(), *moe.named_buffers()):
+            values = torch.randn(tensor.shape, generator=generator)
+            if tensor.dtype == torch.float8_e4m3fn:
+                tensor.copy_(values.to(tensor.dtype))
+            elif "scale" in name:  # fp8 values of about +-1 to outputs of about +-1
+                tensor.copy_((0.5 + values.abs()) / (8 * HIDDEN**0.5))
+            else:  # the router
+                tensor.copy_(values * HIDDEN**-0.5)
+    return moe
+
+
+@pytest.mark.parametrize("block", [[16, 16], [24, 32]])  # 24: up rows start inside a block
+def test_deepseek_fp8_moe_cuda_path_reads_fp8_and_matches_cpu(block, monkeypatch):
+    """The layer's CUDA path under the interpreter (ATOM_INTERPRET_CUDA_PATH=1): the fused
+    kernels read the FP8 experts (no dequantized copy), output as the CPU path's (which
+    dequantizes the experts it routes to, then runs the reference)."""
+    from atom.models.quantization.experts import Fp8Experts
+
+    pytest.importorskip("triton")
+    moe = _fp8_deepseek_moe(block)
+    assert isinstance(moe.experts, Fp8Experts)
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "0")
+    with torch.no_grad():
+        expected = moe(x)
+        monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+        monkeypatch.setattr(Fp8Experts, "dense", None)  # the CUDA path must not call it
+        out = moe(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_deepseek_fp8_moe_on_cuda_makes_no_host_sync_and_matches_cpu():
+    """bf16 on CUDA (the fused FP8 kernels, a shared FP8 expert) against the CPU path in
+    bf16: within the bf16 MoE tests' tolerance."""
+    moe = _fp8_deepseek_moe([32, 32], num_shared=1)
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = moe(x.bfloat16())
+        moe, x = moe.cuda(), x.cuda().bfloat16()
+        moe(x)  # compile the kernels first
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = moe(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    scale = expected.float().abs().max()
+    assert (out.cpu().float() - expected.float()).abs().max() <= 2e-2 * scale
