@@ -28,6 +28,21 @@ Then, unless ``--no-tiles``, ``fused_graph_tiles``: the fused graph with other t
 (``default`` marks the one default_tiles picks). ``--prefill 2048`` (default) also runs
 ``per_expert_eager`` and ``fused_eager`` on 2048 tokens at once (no dense, no graphs). A
 last ``summary`` line.
+
+``--fp8`` (DeepSeek-V3's block FP8: routed and shared experts float8_e4m3fn with 128 x 128
+float32 block scales, ``--fp8-block`` to change), e.g. a DeepSeek-V3 expert shape on two
+layers (256 experts: 11.3 GB of FP8 per layer; the old path's fp32 and bf16 copies of one
+layer's experts peak at ~90 GB more: with less memory, fewer ``--experts``):
+
+    python -m benchmarks.moe_decode --fp8 --hidden 7168 --intermediate 2048 --experts 256 \
+        --top-k 8 --shared 1 --layers 2 --prefill 2048
+
+Paths there: ``dequantize_all_graph`` / ``dequantize_all_eager``, the CUDA path before the
+fused FP8 kernels (every routed expert dequantized to bf16 each step, then the bf16 fused
+MoE; ``Fp8Experts.dense``, what ``ATOM_QUANT_KERNELS=0`` runs), whose eager output is the
+reference; ``fused_eager`` / ``fused_graph``: the grouped kernels reading the FP8 experts.
+``speedup_vs_dense`` is against ``dequantize_all_graph`` (eager on CPU); bytes count one a
+weight.
 """
 
 from __future__ import annotations
@@ -44,7 +59,11 @@ from torch.nn import functional as F
 
 from atom.kernels.moe import MoeTiles, default_tiles, fused_moe, moe_align
 from atom.models.deepseek_v2 import DeepseekMoE
+from atom.models.quantization.experts import Fp8Experts
 from benchmarks.harness import emit
+
+# the path ``speedup_vs_dense`` divides by: the first of these a batch reports
+BASELINES = ("dense_graph", "dense_eager", "dequantize_all_graph", "dequantize_all_eager")
 
 TILES = [
     MoeTiles(16, 64, 128),
@@ -68,15 +87,42 @@ def make_layers(args, device, dtype) -> list[DeepseekMoE]:
         topk_method="greedy",
         norm_topk_prob=False,
     )
+    if args.fp8:
+        config.quantization_config = dict(
+            quant_method="fp8", fmt="e4m3", weight_block_size=list(args.fp8_block)
+        )
     generator = torch.Generator(device).manual_seed(0)
     layers = []
     with torch.device(device), torch.no_grad():
         for _ in range(args.layers):
             moe = DeepseekMoE(config)
+            if args.fp8:
+                fill_fp8(moe, generator)
+                moe.gate.to(dtype)  # the fp8 weights and float32 scales stay as they are
+                layers.append(moe.eval())
+                continue
             for param in moe.parameters():  # std 1/sqrt(fan_in): outputs of order 1
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
             layers.append(moe.to(dtype).eval())
     return layers
+
+
+def fill_fp8(moe: DeepseekMoE, generator: torch.Generator) -> None:
+    """FP8 weights of about N(0, 1) (one expert at a time: an fp32 stack of V3's would not
+    fit), each block scale 1/sqrt(fan_in) times a factor in [0.5, 1.5); the router as bf16."""
+    moe.gate.weight.normal_(0.0, moe.gate.weight.shape[-1] ** -0.5, generator=generator)
+    for module in moe.modules():
+        for weight_name, scale_name in (
+            ("gate_up_proj", "gate_up_scale"),
+            ("down_proj", "down_scale"),
+            ("weight", "weight_scale"),
+        ):
+            weight, scale = getattr(module, weight_name, None), getattr(module, scale_name, None)
+            if weight is None or scale is None:
+                continue
+            for part in weight.view(-1, *weight.shape[-2:]):
+                part.copy_(torch.randn(part.shape, generator=generator, device=part.device))
+            scale.uniform_(0.5, 1.5, generator=generator).mul_(weight.shape[-1] ** -0.5)
 
 
 # -- the old dispatch paths (deleted from DeepseekMoE; kept here to compare against) ----------
@@ -115,11 +161,26 @@ def per_expert_forward(moe: DeepseekMoE, x: torch.Tensor, hits: list | None = No
     return out + moe.shared_experts(x)
 
 
+def dequantize_all_forward(moe: DeepseekMoE, x: torch.Tensor, hits: list | None = None):
+    """The FP8 experts' old CUDA path: every expert dequantized to x's dtype each step (on
+    CPU only the routed ones), then the bf16 fused MoE. ``hits``: the experts hit are
+    appended (a host sync)."""
+    weights, ids = moe.gate(x)
+    if hits is not None:
+        hits.append(int(ids.unique().numel()))
+    gate_up, down, ids = moe.experts.dense(ids, x.dtype)
+    return fused_moe(x, weights, ids, gate_up, down) + moe.shared_experts(x)
+
+
 def fused_forward(tiles: MoeTiles):
     def forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
         weights, ids = moe.gate(x)
         experts = moe.experts
-        out = fused_moe(x, weights, ids, experts.gate_up_proj, experts.down_proj, tiles=tiles)
+        scales = experts.fp8_scales() if isinstance(experts, Fp8Experts) else None
+        out = fused_moe(
+            x, weights, ids, experts.gate_up_proj, experts.down_proj, tiles=tiles,
+            fp8_scales=scales,
+        )  # fmt: skip
         return out + moe.shared_experts(x)
 
     return forward
@@ -210,13 +271,17 @@ def run_batch(args, layers, batch: int, prefill: bool = False) -> list[dict]:
     """Every path at one batch size (``prefill``: T tokens at once, eager paths only): a
     list of records (also printed)."""
     device = layers[0].experts.down_proj.device
-    dtype = layers[0].experts.down_proj.dtype
+    dtype = getattr(torch, args.dtype)
     graphs = device.type == "cuda"
     generator = torch.Generator(device).manual_seed(batch)
     x = torch.randn(batch, args.hidden, device=device, dtype=dtype, generator=generator)
     hits: list[int] = []
-    reference = decode_step(layers, partial(per_expert_forward, hits=hits), x)()
-    expert_bytes = 3 * args.hidden * args.intermediate * dtype.itemsize
+    if args.fp8:  # the old path is the reference
+        reference = decode_step(layers, partial(dequantize_all_forward, hits=hits), x)()
+    else:
+        reference = decode_step(layers, partial(per_expert_forward, hits=hits), x)()
+    weight_bytes = 1 if args.fp8 else dtype.itemsize
+    expert_bytes = 3 * args.hidden * args.intermediate * weight_bytes
     routed_gb = sum(hits) * expert_bytes / 1e9
     read_gb = routed_gb + args.layers * args.shared * expert_bytes / 1e9
     base = dict(
@@ -228,7 +293,7 @@ def run_batch(args, layers, batch: int, prefill: bool = False) -> list[dict]:
     records = []
 
     def report(path, ms, out, **extra):
-        dense = next((r["ms"] for r in records if r["path"].startswith("dense")), None)
+        dense = next((r["ms"] for r in records if r["path"] in BASELINES), None)
         records.append(
             dict(
                 **base,
@@ -244,15 +309,21 @@ def run_batch(args, layers, batch: int, prefill: bool = False) -> list[dict]:
 
     if graphs:
         base["align_us"] = round(align_us(layers[0], x, args.top_k), 2)
-    step = decode_step(layers, dense_forward, x)
-    if prefill:
-        pass  # every expert on every one of T tokens: not worth timing
-    elif graphs:
-        report("dense_graph", *graph_ms(step, args.repeats))
-    else:  # no graphs on CPU: the dense path eager
-        report("dense_eager", eager_ms(step, device, args.min_seconds), step())
-    step = decode_step(layers, per_expert_forward, x)
-    report("per_expert_eager", eager_ms(step, device, args.min_seconds), step())
+    if args.fp8:
+        step = decode_step(layers, dequantize_all_forward, x)
+        if graphs and not prefill:
+            report("dequantize_all_graph", *graph_ms(step, args.repeats))
+        report("dequantize_all_eager", eager_ms(step, device, args.min_seconds), step())
+    else:
+        step = decode_step(layers, dense_forward, x)
+        if prefill:
+            pass  # every expert on every one of T tokens: not worth timing
+        elif graphs:
+            report("dense_graph", *graph_ms(step, args.repeats))
+        else:  # no graphs on CPU: the dense path eager
+            report("dense_eager", eager_ms(step, device, args.min_seconds), step())
+        step = decode_step(layers, per_expert_forward, x)
+        report("per_expert_eager", eager_ms(step, device, args.min_seconds), step())
     fused = decode_step(layers, DeepseekMoE.__call__, x)  # DeepseekMoE.forward as shipped
     report("fused_eager", eager_ms(fused, device, args.min_seconds), fused())
     if prefill or not graphs:
@@ -302,6 +373,12 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=20, help="graph replays timed")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="per eager path")
     parser.add_argument("--no-tiles", dest="tiles", action="store_false")
+    parser.add_argument(
+        "--fp8", action="store_true", help="block-FP8 experts (DeepSeek-V3's checkpoints)"
+    )
+    parser.add_argument(
+        "--fp8-block", type=int, nargs=2, default=[128, 128], help="rows, cols per scale"
+    )
     return parser.parse_args(argv)
 
 
