@@ -33,6 +33,8 @@ The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph ca
    the routing weight (rounded to x's dtype) and step 3 only runs the GEMM.
 4. The sum over k (torch), or with a shared expert's output ``moe_combine``: the sum, the
    shared expert's gate and the add in one launch.
+With few pairs (decode, ``use_decode_gemv``) steps 1-3 are instead one GEMV per pair and
+column tile, which reads its expert id from ``topk_ids`` (atom/kernels/moe_gemv.py).
 Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
 past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
 grid. Geometry (constexpr): H, I, E, k, tiles. Weight offsets are int64 (E * 2I * H passes
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from atom.kernels import moe_gemv
 from atom.kernels.fp8_linear import FP8_DTYPE, dequantize_fp8_reference, fp8_capable
 from atom.kernels.moe_combine import add_shared, moe_combine
 from atom.kernels.platform import dot_precision, use_triton
@@ -431,47 +434,34 @@ def fp8_block_k(block_k: int, cols_per_scale: int, cols: int) -> int | None:
     return block_k if block_k >= 16 else None
 
 
-def fused_moe(
+def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block):
+    """(scale, its expert and row strides, block) of one grouped GEMM's launch; without a
+    scale the weight and zeros, which FP8_WEIGHT=False compiles out of the kernel."""
+    if scale is None:
+        return weight, 0, 0, (1, 1)
+    experts, rows, cols = weight.shape
+    assert scale.shape == (experts, -(-rows // block[0]), -(-cols // block[1])), scale.shape
+    assert scale.dtype == torch.float32 and scale.stride(2) == 1, (scale.dtype, scale.stride())
+    return scale, scale.stride(0), scale.stride(1), block
+
+
+def _grouped_pairs(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
-    swiglu_limit: float | None = None,
-    tiles: MoeTiles | None = None,
-    weight_before_down: bool = False,
-    shared: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
+    swiglu_limit: float | None,
+    weight_before_down: bool,
+    tiles: MoeTiles,
     fp8_scales: Fp8Scales | None = None,
 ) -> torch.Tensor:
-    """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
-    torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
-    ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
-    ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
-    over k and that epilogue in one launch (atom/kernels/moe_combine.py). ``fp8_scales``:
-    the weights are float8_e4m3fn and the kernels dequantize each tile as they read it (the
-    reference dequantizes every expert first; so do the kernels where a scale block is
-    narrower than 16 columns or not a multiple of a power-of-2 chunk, or on a GPU without
-    e4m3 conversions)."""
-    if not use_triton(x):
-        if fp8_scales is not None:
-            gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
-        routed = routed_experts_reference(
-            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
-        )
-        return routed if shared is None else add_shared(routed, shared, x, shared_gate)
+    """[T * k, H] by pair, times its routing weight: align, then the two grouped GEMMs
+    (with ``fp8_scales``, on the FP8 weights; see ``fused_moe``)."""
     num_tokens, hidden = x.shape
-    num_experts, two_intermediate, _ = gate_up_proj.shape
-    intermediate = two_intermediate // 2
+    num_experts, intermediate = down_proj.shape[0], down_proj.shape[2]
     top_k = topk_ids.shape[1]
-    assert gate_up_proj.shape == (num_experts, 2 * intermediate, hidden), gate_up_proj.shape
-    assert down_proj.shape == (num_experts, hidden, intermediate), down_proj.shape
-    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
-    assert x.stride(1) == gate_up_proj.stride(2) == down_proj.stride(2) == 1
-    if num_tokens == 0:
-        return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
-    tiles = tiles or default_tiles(num_pairs, num_experts)
     gate_up_k = min(tiles.block_k, max(16, triton.next_power_of_2(hidden)))
     down_k = min(tiles.block_k, max(16, triton.next_power_of_2(intermediate)))
     if fp8_scales is not None:
@@ -483,28 +473,15 @@ def fused_moe(
             gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
             fp8_scales = None
     if fp8_scales is None:
-        assert gate_up_proj.dtype == down_proj.dtype == x.dtype
-        # unused: FP8_WEIGHT=False compiles the kernels without them
-        gate_up_scale, gate_up_strides, gate_up_block = gate_up_proj, (0, 0), (1, 1)
-        down_scale, down_strides, down_block = down_proj, (0, 0), (1, 1)
+        gate_up_scale, *gate_up_strides, gate_up_block = _scale_args(gate_up_proj, None, None)
+        down_scale, *down_strides, down_block = _scale_args(down_proj, None, None)
     else:
-        assert gate_up_proj.dtype == down_proj.dtype == FP8_DTYPE
-        gate_up_scale, down_scale = fp8_scales.gate_up, fp8_scales.down
-        gate_up_block, down_block = fp8_scales.gate_up_block, fp8_scales.down_block
-        assert gate_up_scale.shape == (
-            num_experts,
-            -(-2 * intermediate // gate_up_block[0]),
-            -(-hidden // gate_up_block[1]),
-        ), gate_up_scale.shape
-        assert down_scale.shape == (
-            num_experts,
-            -(-hidden // down_block[0]),
-            -(-intermediate // down_block[1]),
-        ), down_scale.shape
-        assert gate_up_scale.dtype == down_scale.dtype == torch.float32
-        assert gate_up_scale.stride(2) == down_scale.stride(2) == 1
-        gate_up_strides = gate_up_scale.stride(0), gate_up_scale.stride(1)
-        down_strides = down_scale.stride(0), down_scale.stride(1)
+        gate_up_scale, *gate_up_strides, gate_up_block = _scale_args(
+            gate_up_proj, fp8_scales.gate_up, fp8_scales.gate_up_block
+        )
+        down_scale, *down_strides, down_block = _scale_args(
+            down_proj, fp8_scales.down, fp8_scales.down_block
+        )
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, tiles.block_m)
     num_blocks = block_experts.numel()
     precision = dot_precision(x.dtype)
@@ -571,6 +548,76 @@ def fused_moe(
         BLOCK_K=down_k,
         **launch,
     )
+    return per_pair
+
+
+# Decode's choice: up to DECODE_GEMV_MAX_PAIRS (token, k) pairs run one GEMV per pair
+# (moe_gemv.py: no align, no rows padded to BLOCK_M), more the grouped GEMMs (weight tiles
+# reused across an expert's rows). 64 is a first guess (Qwen3-Next batch 6, V4 batch 10),
+# to be measured on the GPU: `--moe-gemv on off` of benchmarks.qwen3_next_decode and
+# benchmarks.deepseek_v4_decode.
+DECODE_GEMV_MAX_PAIRS = 64
+DECODE_GEMV_OVERRIDE: bool | None = None  # True / False: that path at every pair count (A/B)
+
+
+def use_decode_gemv(num_pairs: int) -> bool:
+    """Whether ``fused_moe`` runs ``num_pairs`` (token, k) pairs as one GEMV per pair."""
+    if DECODE_GEMV_OVERRIDE is not None:
+        return DECODE_GEMV_OVERRIDE
+    return num_pairs <= DECODE_GEMV_MAX_PAIRS
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    swiglu_limit: float | None = None,
+    tiles: MoeTiles | None = None,
+    weight_before_down: bool = False,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+    fp8_scales: Fp8Scales | None = None,
+) -> torch.Tensor:
+    """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
+    torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
+    ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
+    ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
+    over k and that epilogue in one launch (atom/kernels/moe_combine.py). Few pairs
+    (``use_decode_gemv``) run one GEMV per pair (atom/kernels/moe_gemv.py), more the
+    grouped GEMMs; given ``tiles`` (the grouped GEMMs'), always the grouped GEMMs.
+
+    ``fp8_scales``: the weights are float8_e4m3fn and the grouped GEMMs dequantize each tile
+    as they read it, at every pair count (the per-pair GEMV reads x's dtype only). The
+    reference dequantizes every expert first; so do the kernels where a scale block's
+    columns hold no power-of-2 chunk of 16 or more, or on a GPU without e4m3 conversions."""
+    if not use_triton(x):
+        if fp8_scales is not None:
+            gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
+        routed = routed_experts_reference(
+            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
+        )
+        return routed if shared is None else add_shared(routed, shared, x, shared_gate)
+    num_tokens, hidden = x.shape
+    num_experts, two_intermediate, _ = gate_up_proj.shape
+    intermediate = two_intermediate // 2
+    top_k = topk_ids.shape[1]
+    assert gate_up_proj.shape == (num_experts, 2 * intermediate, hidden), gate_up_proj.shape
+    assert down_proj.shape == (num_experts, hidden, intermediate), down_proj.shape
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    assert x.stride(1) == gate_up_proj.stride(2) == down_proj.stride(2) == 1
+    weight_dtype = x.dtype if fp8_scales is None else FP8_DTYPE
+    assert gate_up_proj.dtype == down_proj.dtype == weight_dtype
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    num_pairs = num_tokens * top_k
+    args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down)
+    if tiles is None and fp8_scales is None and use_decode_gemv(num_pairs):
+        per_pair = moe_gemv.routed_pairs(*args)
+    else:
+        tiles = tiles or default_tiles(num_pairs, num_experts)
+        per_pair = _grouped_pairs(*args, tiles, fp8_scales)
     if shared is not None:
         return moe_combine(per_pair.view(num_tokens, top_k, hidden), shared, x, shared_gate)
     if top_k == 1:

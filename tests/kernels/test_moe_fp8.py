@@ -65,6 +65,9 @@ BLOCKS = {
     # intermediate 32): one row high for gate_up; down keeps 24 x 32 (ragged: 48 = 2 x 24
     # rows, 32 columns in one block); gate_up's 48 columns span a block and a half
     "straddle_24x32": ((1, 32), (24, 32)),
+    # a gate_up block spanning the last gate and the first up rows (rows 24..47 across 32),
+    # which the kernels index as any other (Fp8Experts never builds one: see above)
+    "across_gate_up_24x16": ((24, 16), (24, 16)),
     # one scale per row over all columns (per-channel FP8)
     "per_row": ((1, 48), (1, 32)),
     # 24 columns a scale: no power-of-2 chunk of 16 or more stays in one scale column, so
@@ -126,6 +129,20 @@ def test_fused_moe_fp8_tiles_and_no_tokens():
         torch.testing.assert_close(out, expected)
     empty = [a[:0] for a in args]
     assert moe.fused_moe(*empty, *weights_fp8, fp8_scales=scales).shape == (0, 48)
+
+
+def test_fused_moe_fp8_takes_the_grouped_gemms_at_any_pair_count(monkeypatch):
+    """The per-pair decode GEMV reads weights in x's dtype only: FP8 experts keep the
+    grouped GEMMs even where the GEMV would run (forced here at every pair count)."""
+    from atom.kernels import moe_gemv
+
+    monkeypatch.setattr(moe, "DECODE_GEMV_OVERRIDE", True)
+    monkeypatch.setattr(moe_gemv, "routed_pairs", None)  # must not be called
+    args, weights_fp8, scales, dequantized = _fp8_inputs(
+        1, 8, 2, 48, 32, BLOCKS["16x16"], torch.float32, seed=6
+    )
+    out = moe.fused_moe(*args, *weights_fp8, fp8_scales=scales)
+    torch.testing.assert_close(out, moe.routed_experts_reference(*args, *dequantized))
 
 
 def test_routed_experts_reference_path_dequantizes_first(monkeypatch):
