@@ -34,7 +34,8 @@ The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph ca
 4. The sum over k (torch), or with a shared expert's output ``moe_combine``: the sum, the
    shared expert's gate and the add in one launch.
 With few pairs (decode, ``use_decode_gemv``) steps 1-3 are instead one GEMV per pair and
-column tile, which reads its expert id from ``topk_ids`` (atom/kernels/moe_gemv.py).
+column tile, which reads its expert id from ``topk_ids`` (atom/kernels/moe_gemv.py; weights
+in x's dtype only: FP8 experts keep steps 1-3).
 Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
 past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
 grid. Geometry (constexpr): H, I, E, k, tiles. Weight offsets are int64 (E * 2I * H passes
