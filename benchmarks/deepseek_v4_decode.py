@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import sys
 import tempfile
 import time
 
@@ -273,7 +275,11 @@ def kernels_per_step(engine, steps: int) -> float:
     from benchmarks.decode_profile import kernel_profile, print_top_kernels
 
     record = kernel_profile(engine, steps, TOP_KERNELS)
-    print_top_kernels(f"batch {len(engine.scheduler.running)}", dict(record, model="deepseek-v4"))
+    model = type(getattr(getattr(engine, "model_runner", None), "model", None)).__name__
+    print_top_kernels(f"batch {len(engine.scheduler.running)}", dict(record, model=model))
+    if os.environ.get("ATOM_BENCH_STEP_KERNELS") == "1":  # every kernel of one step, in order
+        for name, us in record["first_step"]:
+            print(f"    step kernel {us:8.1f} us  {name}", file=sys.stderr)
     return record["kernels_per_step"]
 
 
