@@ -168,17 +168,17 @@ def _hc_finish_serial_kernel(
 
 
 @triton.jit
-def _split_total(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexpr,
-                 SPLITS_P2: tl.constexpr):  # fmt: skip
-    """Sum over the splits of the partial values at ``offsets`` (< M + 1, 1-D): the splits
-    loaded as one [SPLITS, width] tile and reduced across threads, not a chain of loads."""
+def _split_tile(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexpr,
+                SPLITS_P2: tl.constexpr):  # fmt: skip
+    """The partial values at ``offsets`` (1-D, < M + 1) of every split: [SPLITS_P2, width],
+    zero past SPLITS. Summed over axis 0 by the caller after every load is issued (a load
+    after a reduction waits for its barrier)."""
     split = tl.arange(0, SPLITS_P2)
-    values = tl.load(
+    return tl.load(
         partial_ptr + split[:, None] * (M + 1) + offsets[None, :],
         mask=(split < SPLITS)[:, None] & mask[None, :],
         other=0.0,
     )
-    return tl.sum(values, axis=0)
 
 
 @triton.jit
@@ -207,15 +207,14 @@ def _hc_finish_kernel(
     HEAD: tl.constexpr,  # the head: pre only (M = N, one scale), one program a token
 ):
     # Program (token, 0): pre, the collapse and its RMSNorm. Program (token, 1) (block only):
-    # post and the Sinkhorn comb, which nothing in program 0 needs, so the two serial
-    # halves run side by side.
+    # post and the Sinkhorn comb, which program 0 does not need, so the two serial halves
+    # run side by side. Each program issues all its loads before its first reduction.
     token = tl.program_id(0).to(tl.int64)
     partial = partial_ptr + token * SPLITS * (M + 1)
+    split = tl.arange(0, SPLITS_P2)
     n = tl.arange(0, N_P2)
     in_n = n < N
-    last = tl.full([1], M, dtype=tl.int32)
     if tl.program_id(1) == 0:
-        # the streams first: their loads overlap the split sums'
         d = tl.arange(0, BLOCK_D)
         in_d = d < D
         rows = tl.load(
@@ -223,36 +222,42 @@ def _hc_finish_kernel(
             mask=in_n[:, None] & in_d[None, :],
             other=0.0,
         )
-        squares = tl.sum(_split_total(partial, last, last == M, M, SPLITS, SPLITS_P2), axis=0)
-        rms = tl.rsqrt(squares / (N * D) + mix_eps)
-        pre = _split_total(partial, n, in_n, M, SPLITS, SPLITS_P2) * rms
-        pre = pre * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=in_n)
+        norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0)
+        squares = tl.load(partial + split * (M + 1) + M, mask=split < SPLITS, other=0.0)
+        pre = _split_tile(partial, n, in_n, M, SPLITS, SPLITS_P2)
+        pre_scale = tl.load(scale_ptr)
+        pre_base = tl.load(base_ptr + n, mask=in_n)
+
+        rms = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + mix_eps)
+        pre = tl.sum(pre, axis=0) * rms * pre_scale + pre_base
         pre = tl.where(in_n, 1.0 / (1.0 + tl.exp(-pre)) + hc_eps, 0.0)
         # the collapse (summed over the streams), rounded, then the RMSNorm
         dtype = out_ptr.dtype.element_ty
         x = tl.sum(pre[:, None] * rows.to(tl.float32), axis=0).to(dtype).to(tl.float32)
-        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-        x = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0) * x
+        x = norm_weight * (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps))
         tl.store(out_ptr + token * stride_out_row + d, x.to(dtype), mask=in_d)
     else:
         if not HEAD:
-            squares = tl.sum(_split_total(partial, last, last == M, M, SPLITS, SPLITS_P2), axis=0)
-            rms = tl.rsqrt(squares / (N * D) + mix_eps)
-            post = _split_total(partial, N + n, in_n, M, SPLITS, SPLITS_P2) * rms
-            post = post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=in_n)
-            post = 2.0 / (1.0 + tl.exp(-post))
-            tl.store(post_ptr + token * N + n, post, mask=in_n)
-            # comb[a, b]: row a, column b (softmax over b, then Sinkhorn: columns, rows, ...),
-            # summed over the splits as the flat [N_P2 * N_P2] pairs, then made square
+            # comb[a, b]: row a, column b, loaded as the flat [N_P2 * N_P2] pairs
             flat = tl.arange(0, N_P2 * N_P2)
             in_flat = (flat // N_P2 < N) & (flat % N_P2 < N)
-            comb = _split_total(
-                partial, 2 * N + (flat // N_P2) * N + flat % N_P2, in_flat, M, SPLITS, SPLITS_P2
-            )
-            comb = tl.reshape(comb, (N_P2, N_P2)) * rms
             pair = n[:, None] * N + n[None, :]
             in_pair = in_n[:, None] & in_n[None, :]
-            comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + pair, mask=in_pair)
+            squares = tl.load(partial + split * (M + 1) + M, mask=split < SPLITS, other=0.0)
+            post = _split_tile(partial, N + n, in_n, M, SPLITS, SPLITS_P2)
+            comb = _split_tile(
+                partial, 2 * N + (flat // N_P2) * N + flat % N_P2, in_flat, M, SPLITS, SPLITS_P2
+            )
+            post_scale, comb_scale = tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+            post_base = tl.load(base_ptr + N + n, mask=in_n)
+            comb_base = tl.load(base_ptr + 2 * N + pair, mask=in_pair)
+
+            rms = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + mix_eps)
+            post = tl.sum(post, axis=0) * rms * post_scale + post_base
+            post = 2.0 / (1.0 + tl.exp(-post))
+            tl.store(post_ptr + token * N + n, post, mask=in_n)
+            # softmax over b, then Sinkhorn: columns, rows, ...
+            comb = tl.reshape(tl.sum(comb, axis=0), (N_P2, N_P2)) * rms * comb_scale + comb_base
             comb = tl.where(in_pair, comb, -1e30)  # padding (N not a power of two)
             comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
             comb = comb / tl.sum(comb, axis=1)[:, None]

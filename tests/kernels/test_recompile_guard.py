@@ -348,7 +348,7 @@ DEVICE_FUNCTIONS = {
     (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
     (v4_mhc, "_mix_sum"),
-    (v4_mhc, "_split_total"),
+    (v4_mhc, "_split_tile"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),
     (v41_quant, "_e4m3"),
