@@ -2,7 +2,8 @@
 
     python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf] [--max-model-lens 8320 65536 1048576]
-        [--decode-splits auto 1] [--shared-add combine separate] [--hc-finish split serial]
+        [--decode-splits auto 1] [--moe-gemv on off] [--shared-add combine separate]
+        [--hc-finish split serial]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
 window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
@@ -29,6 +30,9 @@ should agree: issue 32's "a 64K and a 1M max_model_len give the same step time".
 `--decode-splits auto 1 ...` (atom only): one engine per value of the decode attention's
 key splits (`v4_attention.SPLITS_OVERRIDE`; `auto`: the engine's own choice), each timed at
 every batch, in one run: the A/B of the split decode kernel.
+
+`--moe-gemv on off [auto]` (atom only): the same, one engine per MoE decode path
+(`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice).
 
 `--shared-add combine separate` and `--hc-finish split serial` (atom only, issue 32): the same,
 one engine per value of a module switch: the shared expert's output added in the routed
@@ -151,10 +155,12 @@ def build_engine(path: str, max_len: int, batches: list[int], context: int, memo
 
 
 def decode_per_setting(path: str, args, batches: list[int], vocab: int, settings: list,
-                       label: str, setup) -> None:  # fmt: skip
+                       label: str, setup, state_read=None) -> None:  # fmt: skip
     """One engine per value of `settings` (`setup(value)` applies it and returns the
     engine's max_model_len), decode steps at `--context` each: a `decode` line per batch
-    with `label`, then a `<label>_summary` line (each step time over the first value's)."""
+    with `label`, then a `<label>_summary` line (each step time over the first value's).
+    `state_read`: the family's state bytes a step reads (V4's by default)."""
+    state_read = state_read or v4_state_read
     times = {}
     for value in settings:
         max_len = setup(value)
@@ -162,7 +168,7 @@ def decode_per_setting(path: str, args, batches: list[int], vocab: int, settings
         for batch in batches:
             record = atom_decode(llm, batch, args.context, args.steps, vocab)
             times[(batch, value)] = record["ms_per_step"]
-            record = with_read_limit(record, llm, args.shape, args.stream_read, v4_state_read)
+            record = with_read_limit(record, llm, args.shape, args.stream_read, state_read)
             emit(dict(record, **{label: value}))
         llm.shutdown()
         del llm
@@ -354,6 +360,35 @@ def decode_by_splits(path: str, args, batches: list[int], vocab: int, max_len: i
         v4_attention.SPLITS_OVERRIDE = None
 
 
+MOE_GEMV = {"on": True, "off": False, "auto": None}  # --moe-gemv: moe.DECODE_GEMV_OVERRIDE
+
+
+def decode_by_moe_gemv(path: str, args, batches: list[int], vocab: int, max_len: int,
+                       state_read=None) -> None:  # fmt: skip
+    """One engine per `--moe-gemv` value (its graphs captured with it): `on` / `off` force
+    the routed experts' per-pair GEMV / grouped GEMMs at every batch, `auto` keeps
+    `moe.use_decode_gemv`'s rule."""
+    from atom.kernels import moe
+
+    def setup(value: str) -> int:
+        moe.DECODE_GEMV_OVERRIDE = MOE_GEMV[value]
+        return max_len
+
+    try:
+        decode_per_setting(path, args, batches, vocab, args.moe_gemv, "moe_gemv", setup,
+                           state_read)  # fmt: skip
+    finally:
+        moe.DECODE_GEMV_OVERRIDE = None
+
+
+def add_moe_gemv_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--moe-gemv", nargs="+", default=None, choices=list(MOE_GEMV),
+        help="atom only: one engine per MoE decode path (on: per-pair GEMV, off: grouped "
+        "GEMMs, auto: the rule), e.g. `--moe-gemv on off`",
+    )  # fmt: skip
+
+
 SWITCHES = {  # flag: (module, attribute, the attribute's value per flag value)
     "shared_add": ("atom.models.moe", "SHARED_IN_COMBINE", {"combine": True, "separate": False}),
     "hc_finish": ("atom.kernels.v4_mhc", "FINISH_SERIAL", {"split": False, "serial": True}),
@@ -395,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-splits", nargs="+", default=None,
         help="atom only: one engine per decode-attention split count (auto or an integer)",
     )  # fmt: skip
+    add_moe_gemv_option(parser)
     for flag, (_, attribute, values) in SWITCHES.items():
         parser.add_argument(
             "--" + flag.replace("_", "-"), nargs="+", default=None, choices=sorted(values),
@@ -429,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             torch.cuda.empty_cache()
             decode_by_splits(path, args, batches, vocab, max_len)
+            return 0
+        if args.moe_gemv:
+            del hf_model
+            gc.collect()
+            torch.cuda.empty_cache()
+            decode_by_moe_gemv(path, args, batches, vocab, max_len)
             return 0
         for flag in SWITCHES:
             if getattr(args, flag):

@@ -6,6 +6,7 @@
     python -m benchmarks.kernels --only-v4-topk      # the V4 indexer's top-k select geometry
     python -m benchmarks.kernels --only-v4-mhc       # the V4 mHC pre's two launches
     python -m benchmarks.kernels --only-moe-align    # the MoE align's geometry
+    python -m benchmarks.kernels --only-moe-gemv     # MoE decode: per-pair GEMV vs grouped
 
 One JSON line per measurement, on stdout:
 
@@ -37,6 +38,13 @@ One JSON line per measurement, on stdout:
   serial one-program finish (`serial`: `FINISH_SERIAL`, the A/B of issue 32's change).
 - ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
   the sequential kernel vs the torch reference (benchmarks/gdn_prefill.py).
+- ``moe_gemv``: `moe.fused_moe`'s routed experts (no shared expert, the sum over k
+  included) at Qwen3-Next's (64 experts of 512, top-10, hidden 2048) and DeepSeek-V4's
+  (16 of 2048, top-6, hidden 4096) bf16 shapes, 1, 2, 4 and 6 tokens: the grouped path
+  (align + grouped GEMMs) and the per-pair GEMV with `moe_gemv.gemv_tiles`' tiles
+  (``default``) and other (gate_up, down) tiles (`moe_gemv.TILES_OVERRIDE`); ``cold``: L2
+  flushed before each call (a decode step reads each layer's experts once). ``gb_s``: the
+  distinct experts' weight bytes / cold time; ``max_gap``: against the grouped path.
 
 Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
 15 replays after a warm-up.
@@ -420,6 +428,53 @@ def bench_moe_align() -> None:
         moe.ALIGN_OVERRIDE = None
 
 
+def bench_moe_gemv() -> None:
+    """The MoE decode paths at Qwen3-Next's and DeepSeek-V4's shapes (see the module doc)."""
+    from atom.kernels import moe, moe_gemv
+
+    Tiles = moe_gemv.MoeGemvTiles
+    candidates = [None]  # None: gemv_tiles' choice
+    for gate_up_n, down_n in ((4, 8), (4, 16), (8, 16), (16, 16)):
+        for block_k in (256, 512, 1024):
+            for stages in (1, 2):
+                candidates.append(
+                    (Tiles(gate_up_n, block_k, 4, stages), Tiles(down_n, block_k, 4, stages))
+                )
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda").zero_
+    try:
+        for name, experts, top_k, hidden, inter in (("qwen3-next", 64, 10, 2048, 512),
+                                                    ("deepseek-v4", 16, 6, 4096, 2048)):  # fmt: skip
+            generator = torch.Generator("cuda").manual_seed(0)
+            gate_up = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=generator)
+            down = torch.randn(experts, hidden, inter, device="cuda", generator=generator)
+            gate_up, down = (gate_up * hidden**-0.5).bfloat16(), (down * inter**-0.5).bfloat16()
+            for tokens in (1, 2, 4, 6):
+                scores = torch.rand(tokens, experts, device="cuda", generator=generator)
+                weights, ids = scores.topk(top_k, dim=-1)
+                x = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16()
+                hit = ids.unique().numel()
+                weight_bytes = hit * 3 * inter * hidden * 2
+
+                def run(x=x, weights=weights, ids=ids, gate_up=gate_up, down=down):
+                    return moe.fused_moe(x, weights, ids, gate_up, down)
+
+                record = dict(bench="moe_gemv", model=name, tokens=tokens, pairs=tokens * top_k)
+                moe.DECODE_GEMV_OVERRIDE = False
+                grouped = run()
+                for tiles in ["grouped", *candidates]:
+                    moe.DECODE_GEMV_OVERRIDE = tiles != "grouped"
+                    moe_gemv.TILES_OVERRIDE = None if tiles in ("grouped", None) else tiles
+                    gap = (run().float() - grouped.float()).abs().max().item()
+                    cold = device_us(run, flush=flush)
+                    label = {"grouped": "grouped", None: "default"}.get(tiles)
+                    emit(record, path="grouped" if tiles == "grouped" else "gemv",
+                         tiles=label or [vars(t) for t in tiles], us=round(device_us(run), 2),
+                         cold_us=round(cold, 2), gb_s=round(weight_bytes / cold / 1e3, 1),
+                         max_gap=round(gap, 5))  # fmt: skip
+    finally:
+        moe.DECODE_GEMV_OVERRIDE, moe_gemv.TILES_OVERRIDE = None, None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
@@ -427,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-v4-topk", action="store_true", help="the V4 top-k select only")
     parser.add_argument("--only-v4-mhc", action="store_true", help="the V4 mHC pre only")
     parser.add_argument("--only-moe-align", action="store_true", help="the MoE align only")
+    parser.add_argument("--only-moe-gemv", action="store_true", help="the MoE decode paths")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -446,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only_moe_align:
         bench_moe_align()
+        return 0
+    if args.only_moe_gemv:
+        bench_moe_gemv()
         return 0
     if args.only_v4_topk:
         bench_v4_topk()

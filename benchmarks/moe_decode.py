@@ -16,7 +16,8 @@ One JSON line per (batch, path) on stdout:
 - ``per_expert_eager``: the old eager path: one ``torch.where`` + ``index_add_`` per hit
   expert and layer (a host sync each). Its output is the reference (HF's numerics).
 - ``fused_eager`` / ``fused_graph``: ``DeepseekMoE.forward`` now (Triton align + gate_up +
-  down + sum over k), eager and replayed as a CUDA graph.
+  down + sum over k; at most ``moe.DECODE_GEMV_MAX_PAIRS`` pairs, one GEMV per pair
+  instead), eager and replayed as a CUDA graph.
 On CPU (``--device cpu``, for a smoke run) ``dense_eager`` replaces ``dense_graph`` and
 there are no graph paths.
 Fields: ``ms`` per decode step (median), ``speedup_vs_dense`` (dense_graph's ms / ms),
@@ -24,8 +25,9 @@ Fields: ``ms`` per decode step (median), ``speedup_vs_dense`` (dense_graph's ms 
 (routed + shared weight bytes / time), ``max_rel_err`` (max |out - reference| /
 max |reference|).
 ``align_us``: device time of the sort by expert alone (moe_align, one Triton program).
-Then, unless ``--no-tiles``, ``fused_graph_tiles``: the fused graph with other tile shapes
-(``default`` marks the one default_tiles picks). ``--prefill 2048`` (default) also runs
+Then, unless ``--no-tiles``, ``fused_graph_tiles``: the fused graph through the grouped
+GEMMs (given tiles: never the per-pair GEMV) with other tile shapes (``default`` marks the
+one default_tiles picks). ``--prefill 2048`` (default) also runs
 ``per_expert_eager`` and ``fused_eager`` on 2048 tokens at once (no dense, no graphs). A
 last ``summary`` line.
 """

@@ -483,8 +483,29 @@ def layer_bytes(layer) -> int:
     return sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
 
 
-def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush) -> dict[str, float]:
-    """Every candidate the one-row tuner measures for this layer, timed alone (us)."""
+def wide_fp8_grid(group: int) -> list:
+    """``--sweep-wide``: a grid of FP8 GEMV tiles beyond the tuner's five candidates (x
+    broadcast), 16..128 weight bytes per thread and chunk: BLOCK_N 1..16, BLOCK_K
+    256..4096, 4 or 8 warps, 1..4 stages."""
+    from atom.kernels.gemv_tiles import GemvConfig
+
+    grid = []
+    for block_n in (1, 2, 4, 8, 16):
+        for block_k in (256, 512, 1024, 2048, 4096):
+            for warps in (4, 8):
+                per_thread = block_n * block_k // (warps * 32)
+                if not 16 <= per_thread <= 128 or (group and block_k % group):
+                    continue
+                for stages in (1, 2, 3, 4):
+                    grid.append((GemvConfig(block_n, block_k, warps, stages), True))
+    return grid
+
+
+def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush,
+                     wide: bool = False) -> dict[str, float]:  # fmt: skip
+    """Every candidate the one-row tuner measures for this layer, timed alone (us); with
+    ``wide`` (FP8) the grid of ``wide_fp8_grid`` too, and torch._scaled_mm (x quantized per
+    row, w8a8) for a per-row scaled weight."""
     from atom.kernels import fp8_linear, int4_linear
     from atom.kernels.gemv_tiles import quant_gemv_candidates, quant_gemv_config
 
@@ -504,6 +525,8 @@ def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush) -> di
         tile_group = 0 if per_row else layer.weight_block[1]
         heuristic = quant_gemv_config(cols, rows, "fp8", tile_group, True, x.device)
         candidates = quant_gemv_candidates(heuristic, tile_group)
+        if wide:
+            candidates = list(dict.fromkeys(candidates + wide_fp8_grid(tile_group)))
 
         def launch(c):
             return fp8_linear.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
@@ -518,6 +541,12 @@ def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush) -> di
             timed[label] = round(time_us(call, device, flush), 2)
         except Exception as e:  # noqa: BLE001
             timed[label] = f"{type(e).__name__}"
+    if wide and fmt == "fp8" and x.is_cuda:
+        try:
+            call = functools.partial(fp8_linear.fp8_scaled_mm, x, layer.weight, layer.weight_scale)
+            timed["scaled_mm"] = round(time_us(call, device, flush), 2)
+        except Exception as e:  # noqa: BLE001
+            timed["scaled_mm"] = f"{type(e).__name__}"
     return timed
 
 
@@ -562,7 +591,9 @@ def run_kernels(args) -> list[dict]:
                                   max_rel_err=round(float(error), 5),
                                   quantization_err=round(float(quant_error), 4))  # fmt: skip
                     if args.sweep and batch == 1:
-                        record["candidates_us"] = sweep_candidates(fmt, layer, x, device, flush)
+                        record["candidates_us"] = sweep_candidates(
+                            fmt, layer, x, device, flush, wide=args.sweep_wide
+                        )
                     del layer
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc(file=sys.stderr)
@@ -574,8 +605,15 @@ def run_kernels(args) -> list[dict]:
     for key, choice in quant_gemv_choices().items():
         print(f"tuner: {key}: {choice}", file=sys.stderr)
     for r in records:
-        for label, us in r.get("candidates_us", {}).items():
-            print(f"candidate {r['format']} {r['layer']}: {label}: {us} us", file=sys.stderr)
+        timed = r.get("candidates_us", {})
+        ranked = sorted((us, label) for label, us in timed.items() if isinstance(us, float))
+        weight_bytes = r.get("gb_s", 0) * r.get("us", 0) * 1e3
+        for us, label in ranked[: 10 if args.sweep_wide else len(ranked)]:
+            print(f"candidate {r['format']} {r['layer']}: {label}: {us} us "
+                  f"{weight_bytes / us / 1e3:.0f} GB/s", file=sys.stderr)  # fmt: skip
+        if "scaled_mm" in timed:
+            print(f"candidate {r['format']} {r['layer']}: scaled_mm: {timed['scaled_mm']} us",
+                  file=sys.stderr)  # fmt: skip
     print(f"\nGEMV per layer, {args.shape} (us; x: bf16 time / this time)", file=sys.stderr)
     for r in records:
         if r["format"] == "bf16":
@@ -603,6 +641,8 @@ def parse_args(argv=None):
                         help="batch-1 decode: print the costliest kernels of a step")  # fmt: skip
     parser.add_argument("--sweep", action="store_true",
                         help="with --kernels: time every one-row tuner candidate")  # fmt: skip
+    parser.add_argument("--sweep-wide", action="store_true",
+                        help="with --sweep: FP8 also over a grid of tiles and torch._scaled_mm")  # fmt: skip
     parser.add_argument("--throughput", action="store_true", help="256-prompt throughput")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)

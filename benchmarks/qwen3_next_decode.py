@@ -1,7 +1,7 @@
 """Qwen3-Next decode speed, atom beside HF transformers in one run, and state bytes.
 
     python -m benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
-        [--batches 1,64] [--steps 32] [--skip-hf]
+        [--batches 1,64] [--steps 32] [--skip-hf] [--moe-gemv on off]
 
 Random bf16 weights in a Qwen3-Next-80B-A3B shape with few layers (hidden 2048, GDN with 16
 k heads / 32 v heads of 128, conv 4; gated attention 16 heads / 2 KV heads of 256 every
@@ -16,6 +16,11 @@ so both engines read the same weights. One JSON line each:
   argmax per step);
 - `logits`: atom bf16 greedy tokens against HF fp32 on the same weights: the largest gap
   between HF's best logit and the chosen token's, relative to the largest |logit|.
+
+`--moe-gemv on off [auto]` (atom only): one engine per MoE decode path
+(`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice),
+a `decode` line per batch each and a `moe_gemv_summary` line. `--moe-align ONE_HOT,WARPS`
+fixes the align kernel's geometry (the grouped path's) for every run.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import tempfile
 import torch
 
 from benchmarks.deepseek_v4_decode import (
+    add_moe_gemv_option,
     atom_decode,
+    decode_by_moe_gemv,
     decode_headroom,
     emit,
     logits_gap,
@@ -171,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "--moe-align", default=None, metavar="ONE_HOT,WARPS",
         help="a fixed geometry of the MoE align kernel (moe.ALIGN_OVERRIDE) for an A/B",
     )  # fmt: skip
+    add_moe_gemv_option(parser)
     args = parser.parse_args(argv)
     if args.moe_align:
         from atom.kernels import moe
@@ -184,9 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = shape["vocab_size"]
     stream_read = streaming_bandwidth()["stream_read"]  # the roofline, in this run
     emit(dict(case="stream_read", gb_s=round(stream_read / 1e9, 1)))
+    args.shape, args.stream_read = shape, stream_read
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
+        if args.moe_gemv:
+            del hf_model
+            gc.collect()
+            torch.cuda.empty_cache()
+            decode_by_moe_gemv(path, args, batches, vocab, max_len, gdn_state_read)
+            return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:
                 record = hf_decode(hf_model, batch, args.context, args.steps, vocab)

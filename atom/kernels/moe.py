@@ -29,6 +29,8 @@ The fused path (``fused_moe``, vLLM fused_moe style, no host sync, CUDA-graph ca
    the routing weight (rounded to x's dtype) and step 3 only runs the GEMM.
 4. The sum over k (torch), or with a shared expert's output ``moe_combine``: the sum, the
    shared expert's gate and the add in one launch.
+With few pairs (decode, ``use_decode_gemv``) steps 1-3 are instead one GEMV per pair and
+column tile, which reads its expert id from ``topk_ids`` (atom/kernels/moe_gemv.py).
 Work is proportional to T * k (plus at most BLOCK_M - 1 padding rows per expert); blocks
 past ``num_padded`` exit at once. Runtime lengths: ``num_pairs`` (do_not_specialize), the
 grid. Geometry (constexpr): H, I, E, k, tiles. Weight offsets are int64 (E * 2I * H passes
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from atom.kernels import moe_gemv
 from atom.kernels.moe_combine import add_shared, moe_combine
 from atom.kernels.platform import dot_precision, use_triton
 
@@ -368,41 +371,21 @@ def default_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
     return MoeTiles(64, 128, 64, num_warps=8)
 
 
-def fused_moe(
+def _grouped_pairs(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
-    swiglu_limit: float | None = None,
-    tiles: MoeTiles | None = None,
-    weight_before_down: bool = False,
-    shared: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
+    swiglu_limit: float | None,
+    weight_before_down: bool,
+    tiles: MoeTiles,
 ) -> torch.Tensor:
-    """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
-    torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
-    ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
-    ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
-    over k and that epilogue in one launch (atom/kernels/moe_combine.py)."""
-    if not use_triton(x):
-        routed = routed_experts_reference(
-            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
-        )
-        return routed if shared is None else add_shared(routed, shared, x, shared_gate)
+    """[T * k, H] by pair, times its routing weight: align, then the two grouped GEMMs."""
     num_tokens, hidden = x.shape
-    num_experts, two_intermediate, _ = gate_up_proj.shape
-    intermediate = two_intermediate // 2
+    num_experts, intermediate = down_proj.shape[0], down_proj.shape[2]
     top_k = topk_ids.shape[1]
-    assert gate_up_proj.shape == (num_experts, 2 * intermediate, hidden), gate_up_proj.shape
-    assert down_proj.shape == (num_experts, hidden, intermediate), down_proj.shape
-    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
-    assert x.stride(1) == gate_up_proj.stride(2) == down_proj.stride(2) == 1
-    assert gate_up_proj.dtype == down_proj.dtype == x.dtype
-    if num_tokens == 0:
-        return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
-    tiles = tiles or default_tiles(num_pairs, num_experts)
     sorted_pairs, block_experts, num_padded = moe_align(topk_ids, num_experts, tiles.block_m)
     num_blocks = block_experts.numel()
     precision = dot_precision(x.dtype)
@@ -459,6 +442,66 @@ def fused_moe(
         BLOCK_K=min(tiles.block_k, max(16, triton.next_power_of_2(intermediate))),
         **launch,
     )
+    return per_pair
+
+
+# Decode's choice: up to DECODE_GEMV_MAX_PAIRS (token, k) pairs run one GEMV per pair
+# (moe_gemv.py: no align, no rows padded to BLOCK_M), more the grouped GEMMs (weight tiles
+# reused across an expert's rows). 64 is a first guess (Qwen3-Next batch 6, V4 batch 10),
+# to be measured on the GPU: `--moe-gemv on off` of benchmarks.qwen3_next_decode and
+# benchmarks.deepseek_v4_decode.
+DECODE_GEMV_MAX_PAIRS = 64
+DECODE_GEMV_OVERRIDE: bool | None = None  # True / False: that path at every pair count (A/B)
+
+
+def use_decode_gemv(num_pairs: int) -> bool:
+    """Whether ``fused_moe`` runs ``num_pairs`` (token, k) pairs as one GEMV per pair."""
+    if DECODE_GEMV_OVERRIDE is not None:
+        return DECODE_GEMV_OVERRIDE
+    return num_pairs <= DECODE_GEMV_MAX_PAIRS
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    swiglu_limit: float | None = None,
+    tiles: MoeTiles | None = None,
+    weight_before_down: bool = False,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
+    torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
+    ``shared`` [T, H] (a shared expert's output) the result is ``routed + shared``, or
+    ``routed + sigmoid(x @ shared_gate.T) * shared`` with ``shared_gate`` [1, H]: the sum
+    over k and that epilogue in one launch (atom/kernels/moe_combine.py). Few pairs
+    (``use_decode_gemv``) run one GEMV per pair (atom/kernels/moe_gemv.py), more the
+    grouped GEMMs; given ``tiles`` (the grouped GEMMs'), always the grouped GEMMs."""
+    if not use_triton(x):
+        routed = routed_experts_reference(
+            x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
+        )
+        return routed if shared is None else add_shared(routed, shared, x, shared_gate)
+    num_tokens, hidden = x.shape
+    num_experts, two_intermediate, _ = gate_up_proj.shape
+    intermediate = two_intermediate // 2
+    top_k = topk_ids.shape[1]
+    assert gate_up_proj.shape == (num_experts, 2 * intermediate, hidden), gate_up_proj.shape
+    assert down_proj.shape == (num_experts, hidden, intermediate), down_proj.shape
+    assert topk_weights.shape == topk_ids.shape == (num_tokens, top_k)
+    assert x.stride(1) == gate_up_proj.stride(2) == down_proj.stride(2) == 1
+    assert gate_up_proj.dtype == down_proj.dtype == x.dtype
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    num_pairs = num_tokens * top_k
+    args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down)
+    if tiles is None and use_decode_gemv(num_pairs):
+        per_pair = moe_gemv.routed_pairs(*args)
+    else:
+        per_pair = _grouped_pairs(*args, tiles or default_tiles(num_pairs, num_experts))
     if shared is not None:
         return moe_combine(per_pair.view(num_tokens, top_k, hidden), shared, x, shared_gate)
     if top_k == 1:

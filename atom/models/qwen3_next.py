@@ -31,8 +31,11 @@ from atom.attention.family import AttentionFamily, FamilySupport
 from atom.attention.gdn import GatedDeltaNetState, GDNFamily
 from atom.attention.mha import MHAAttention
 from atom.distributed.tensor_parallel import ShardingError
+from atom.forward_context import current_fusions
 from atom.kernels.activation import clamped_silu_and_mul, sigmoid_gate
 from atom.kernels.gdn_gates import gated_rms_norm, gdn_split
+from atom.kernels.gemv import gemv_silu_and_mul
+from atom.kernels.gemv_policy import use_gemv
 from atom.kernels.moe_routing import softmax_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
@@ -50,6 +53,7 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MLP_HALF = re.compile(r"(.*\.(?:mlp|shared_expert))\.(gate_proj|up_proj)\.weight$")
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -214,14 +218,26 @@ class Qwen3NextGatedDeltaNet(nn.Module):
 
 
 class Qwen3NextMLP(nn.Module):
+    """SwiGLU MLP (the dense one and the MoE's shared expert). HF's gate_proj and up_proj
+    load into one weight, ``gate_up_proj`` [2I, H] (gate rows, then up rows), so that on a
+    GPU one GEMM serves both, and at one row the batch-1 GEMV policy may run both and
+    SiLU * up in one launch (atom/kernels/gemv.py ``gemv_silu_and_mul``). Elsewhere
+    (the CPU, the interpreter) the two halves are multiplied apart, as HF does."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, hidden))
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(x, self.gate_proj), _linear(x, self.up_proj)
+        weight = self.gate_up_proj
+        if x.is_cuda:
+            if current_fusions().gemv_silu and use_gemv(x, weight, True):
+                return _linear(gemv_silu_and_mul(x, weight), self.down_proj)
+            gate, up = linear(x, weight).chunk(2, dim=-1)
+            return _linear(clamped_silu_and_mul(gate, up, None), self.down_proj)
+        inter = weight.shape[0] // 2
+        gate, up = linear(x, weight[:inter]), linear(x, weight[inter:])
         if use_cuda_path(x):  # F.silu(gate) * up in one launch
             return _linear(clamped_silu_and_mul(gate, up, None), self.down_proj)
         return _linear(F.silu(gate) * up, self.down_proj)
@@ -377,6 +393,16 @@ class Qwen3NextForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             match = _EXPERT.match(name)
+            half = None if match is not None else _MLP_HALF.match(name)
+            if half is not None:  # a dense MLP's gate / up: its half of gate_up_proj
+                target, part = f"{half.group(1)}.gate_up_proj", half.group(2)
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                rows = param.shape[0] // 2
+                _copy(param.data.narrow(0, 0 if part == "gate_proj" else rows, rows), tensor, name)
+                loaded.add(f"{target}#{part}")
+                continue
             if match is None:
                 param = params.get(name)
                 if param is None:
@@ -397,7 +423,9 @@ class Qwen3NextForCausalLM(nn.Module):
         expected = set()
         per_expert = {n.split("#")[0] for n in loaded if "#" in n}
         for pname, param in params.items():
-            if pname.endswith("experts.gate_up_proj") and pname in per_expert:
+            if pname.endswith(".gate_up_proj") and not pname.endswith("experts.gate_up_proj"):
+                expected |= {f"{pname}#gate_proj", f"{pname}#up_proj"}  # a dense MLP's halves
+            elif pname.endswith("experts.gate_up_proj") and pname in per_expert:
                 parts = ("gate_proj", "up_proj")
                 expected |= {f"{pname}#{e}.{p}" for e in range(param.shape[0]) for p in parts}
             elif pname.endswith("experts.down_proj") and pname in per_expert:

@@ -16,3 +16,47 @@ def test_state_bytes_of_the_benchmark(qwen3_next_dirs):  # noqa: F811 (the fixtu
     delta = 4 * 8 * 16 * 4  # Hv x Dk x Dv, fp32
     assert record["gdn_state_per_sequence_bytes"] == 2 * (conv + delta)
     assert record["all_attention_kv_per_sequence_bytes"] == 3 * 2 * 2 * 16 * 4 * 1000
+
+
+def test_moe_gemv_ab_builds_one_engine_per_path(monkeypatch):
+    """`--moe-gemv on off auto` (both benchmarks): each engine is built, and its steps run,
+    with its path forced in moe.DECODE_GEMV_OVERRIDE; the override is reset after."""
+    import argparse
+    from types import SimpleNamespace
+
+    from atom.kernels import moe
+    from benchmarks import deepseek_v4_decode as v4
+
+    parser = argparse.ArgumentParser()
+    v4.add_moe_gemv_option(parser)
+    args = parser.parse_args(["--moe-gemv", "on", "off", "auto"])
+    args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
+    args.shape, args.stream_read = {}, None
+    seen, lines = [], []
+
+    class Engine:
+        def shutdown(self):
+            pass
+
+    def build_engine(path, max_len, batches, context, memory):
+        seen.append(("build", moe.DECODE_GEMV_OVERRIDE, max_len))
+        return Engine()
+
+    def atom_decode(llm, batch, context, steps, vocab):
+        seen.append(("decode", moe.DECODE_GEMV_OVERRIDE, batch))
+        return dict(case="decode", batch=batch, ms_per_step=1.0 + batch)
+
+    monkeypatch.setattr(v4, "build_engine", build_engine)
+    monkeypatch.setattr(v4, "atom_decode", atom_decode)
+    monkeypatch.setattr(v4, "with_read_limit", lambda record, *_: record)
+    monkeypatch.setattr(v4, "emit", lines.append)
+    monkeypatch.setattr(v4.torch.cuda, "empty_cache", lambda: None)
+    v4.decode_by_moe_gemv("path", args, [1, 4], 100, 999, state_read=SimpleNamespace())
+    assert seen == [
+        (step, override, value)
+        for override in (True, False, None)
+        for step, value in (("build", 999), ("decode", 1), ("decode", 4))
+    ]
+    assert [line["moe_gemv"] for line in lines[:-1]] == ["on", "on", "off", "off", "auto", "auto"]
+    assert lines[-1]["case"] == "moe_gemv_summary"
+    assert moe.DECODE_GEMV_OVERRIDE is None

@@ -2,7 +2,9 @@
 
 On CPU the kernels run under TRITON_INTERPRET=1 (conftest) on tiny shapes in fp32/fp16; on
 CUDA bf16 at DeepSeek-V2-Lite's expert shape, under CUDA-graph capture and replay, and with
-host syncs turned into errors.
+host syncs turned into errors. At up to ``moe.DECODE_GEMV_MAX_PAIRS`` pairs (and no tiles
+given) fused_moe runs the per-pair GEMV instead of align + grouped GEMMs: both paths side by
+side in test_moe_gemv.py.
 """
 
 import pytest

@@ -30,6 +30,7 @@ from atom.kernels import (
     mla,
     moe,
     moe_combine,
+    moe_gemv,
     moe_routing,
     page_table,
     pdl,
@@ -194,6 +195,15 @@ KERNELS = {
     ),
     (moe, "_moe_down_kernel"): (
         ["num_pairs"],
+        ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
+    ),
+    # MoE at decode, one GEMV per (token, k) pair: the pairs come from the grid
+    (moe_gemv, "_moe_gate_up_gemv_kernel"): (
+        [],
+        ["swiglu_limit", "stride_x", "stride_gate_up_expert", "stride_gate_up_row", "stride_out"],
+    ),
+    (moe_gemv, "_moe_down_gemv_kernel"): (
+        [],
         ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
     ),
     # the sum over k with the (gated) shared expert: tokens come from the grid
@@ -888,6 +898,22 @@ def test_fused_moe_one_variant(swiglu_limit):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swiglu_limit", [None, 10.0])
+def test_fused_moe_decode_gemv_one_variant(monkeypatch, swiglu_limit):
+    """The per-pair GEMVs (forced at every length: the pairs are the grid) and the default
+    rule, which runs them at the sweep's short lengths only: one variant each."""
+    x, weights, ids, gate_up, down = _moe_inputs(max(SWEEP))
+    kernels = ["_moe_gate_up_gemv_kernel", "_moe_down_gemv_kernel"]
+
+    def run(n):
+        moe.fused_moe(x[:n], weights[:n], ids[:n], gate_up, down, swiglu_limit)
+
+    assert_one_variant(moe_gemv, kernels, run)
+    monkeypatch.setattr(moe, "DECODE_GEMV_OVERRIDE", True)
+    assert_one_variant(moe_gemv, kernels, run)
+
+
+@pytest.mark.gpu
 def test_moe_combine_one_variant():
     """Tokens (the grid) swept with and without the shared expert's gate."""
     top_k, hidden = 10, 256
@@ -904,9 +930,10 @@ def test_moe_combine_one_variant():
 
 
 @pytest.mark.gpu
-def test_fused_moe_default_tiles_one_variant_per_tile_choice():
+def test_fused_moe_default_tiles_one_variant_per_tile_choice(monkeypatch):
     """The default tiles change with pairs per expert (decode vs prefill): one variant of
-    each GEMM per distinct choice, nothing more."""
+    each GEMM per distinct choice, nothing more (the grouped GEMMs at every length)."""
+    monkeypatch.setattr(moe, "DECODE_GEMV_OVERRIDE", False)
     x, weights, ids, gate_up, down = _moe_inputs(max(SWEEP))
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
     choices = len({moe.default_tiles(n * top_k, num_experts) for n in SWEEP})
