@@ -273,11 +273,10 @@ class DeepseekMoE(nn.Module):
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if isinstance(self.experts, Fp8Experts):
             gate_up, down, ids = self.experts.dense(ids, x.dtype)
-        # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync
-        out = routed_experts(x, weights, ids, gate_up, down)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync;
+        # routed + shared: on CUDA in the launch that sums the routed experts over k
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return routed_experts(x, weights, ids, gate_up, down, shared=shared)
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):

@@ -16,6 +16,11 @@ from atom.kernels.moe import fused_moe, routed_experts_reference
 from atom.kernels.moe_combine import add_shared
 from atom.kernels.platform import use_cuda_path
 
+# False: an ungated shared expert's output is added by a separate torch add after the routed
+# sum (before issue 32's change), for one A/B (benchmarks.deepseek_v4_decode --shared-add);
+# then deleted.
+SHARED_IN_COMBINE = True
+
 
 def routed_experts(
     x: torch.Tensor,
@@ -36,12 +41,14 @@ def routed_experts(
     ``swiglu_limit`` (DeepSeek-V4) gate is clamped to at most the limit and up to
     [-limit, limit] before the activation. ``weight_before_down`` (DeepSeek-V4.1): the weight
     multiplies the activation, the input of ``down`` (same result, other rounding points).
-    ``shared`` [T, H] (a shared expert's output) is added, scaled by
-    ``sigmoid(x @ shared_gate.T)`` with ``shared_gate`` [1, H] (Qwen3-Next): on CUDA in the
-    launch that sums over k.
+    ``shared`` [T, H] (a shared expert's output) is added (DeepSeek-V2/V3/V4/V4.1), or scaled
+    by ``sigmoid(x @ shared_gate.T)`` with ``shared_gate`` [1, H] (Qwen3-Next): on CUDA in
+    the launch that sums over k (the same rounding points as the separate add).
     """
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
     if use_cuda_path(x):
+        if shared is not None and shared_gate is None and not SHARED_IN_COMBINE:
+            return fused_moe(*args, weight_before_down=weight_before_down) + shared
         return fused_moe(
             *args, weight_before_down=weight_before_down, shared=shared, shared_gate=shared_gate
         )
