@@ -148,7 +148,17 @@ def kernel_profile(engine, steps: int, top: int) -> dict:
     record["top_kernels"] = [
         [name[:90], round(count / steps, 1), round(us / steps, 1)] for name, (count, us) in ranked
     ]
+    # the first step's kernels in launch order (each step replays the same ones)
+    ordered = sorted((_start_us(event), name, us) for event, (name, _, us) in
+                     zip(events, device_events, strict=False))  # fmt: skip
+    per_step = len(ordered) // steps if steps else 0
+    record["first_step"] = [[name[:60], round(us, 1)] for _, name, us in ordered[:per_step]]
     return record
+
+
+def _start_us(event) -> float:
+    time_range = getattr(event, "time_range", None)
+    return float(getattr(time_range, "start", 0.0)) if time_range is not None else 0.0
 
 
 def build_engine(model_dir: str, args, fusions: Fusions):

@@ -552,20 +552,23 @@ def _grouped_pairs(
     return per_pair
 
 
-# Decode's choice: up to DECODE_GEMV_MAX_PAIRS (token, k) pairs run one GEMV per pair
-# (moe_gemv.py: no align, no rows padded to BLOCK_M), more the grouped GEMMs (weight tiles
-# reused across an expert's rows). 64 is a first guess (Qwen3-Next batch 6, V4 batch 10),
-# to be measured on the GPU: `--moe-gemv on off` of benchmarks.qwen3_next_decode and
-# benchmarks.deepseek_v4_decode.
+# Decode's choice: at most min(DECODE_GEMV_MAX_PAIRS, experts) (token, k) pairs run one GEMV
+# per pair (moe_gemv.py: no align, no rows padded to BLOCK_M), more the grouped GEMMs (an
+# expert's weight tiles reused across its rows). H200, `benchmarks.kernels --only-moe-gemv`
+# (L2-cold): per-pair GEMVs won at Qwen3-Next's 64 experts up to 6 tokens of top-10 (60
+# pairs: 1.05x, 1.04-1.33x below), and at DeepSeek-V4's 16 experts at 1-2 tokens of top-6
+# (6-12 pairs, 1.03-1.14x) but lost at 4 and 6 tokens (24-36 pairs: 0.91x, 0.75x), where
+# pairs repeat experts: so no more pairs than experts.
 DECODE_GEMV_MAX_PAIRS = 64
 DECODE_GEMV_OVERRIDE: bool | None = None  # True / False: that path at every pair count (A/B)
 
 
-def use_decode_gemv(num_pairs: int) -> bool:
-    """Whether ``fused_moe`` runs ``num_pairs`` (token, k) pairs as one GEMV per pair."""
+def use_decode_gemv(num_pairs: int, num_experts: int) -> bool:
+    """Whether ``fused_moe`` runs ``num_pairs`` (token, k) pairs over ``num_experts``
+    experts as one GEMV per pair."""
     if DECODE_GEMV_OVERRIDE is not None:
         return DECODE_GEMV_OVERRIDE
-    return num_pairs <= DECODE_GEMV_MAX_PAIRS
+    return num_pairs <= min(DECODE_GEMV_MAX_PAIRS, num_experts)
 
 
 def fused_moe(
@@ -614,7 +617,7 @@ def fused_moe(
         return torch.zeros_like(x)
     num_pairs = num_tokens * top_k
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down)
-    if tiles is None and fp8_scales is None and use_decode_gemv(num_pairs):
+    if tiles is None and fp8_scales is None and use_decode_gemv(num_pairs, num_experts):
         per_pair = moe_gemv.routed_pairs(*args)
     else:
         tiles = tiles or default_tiles(num_pairs, num_experts)

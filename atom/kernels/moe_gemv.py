@@ -167,19 +167,17 @@ class MoeGemvTiles:
 TILES_OVERRIDE: tuple[MoeGemvTiles, MoeGemvTiles] | None = None
 
 
-def gemv_tiles(rows: int, reduction: int) -> MoeGemvTiles:
-    """Tiles from the shape alone (``rows`` output columns, ``reduction`` elements each),
-    after ``gemv.heuristic_config``: BLOCK_N from 16 down to 4 while a pair would get fewer
-    than 128 programs (about one an SM: a pair count of k or more fills the GPU several
-    times without a split-K pass), and ~4096 weight elements a tile (32 per thread of 4
-    warps; the gate/up kernel loads two such tiles a chunk), two stages when K loops.
-    Qwen3-Next (H 2048, I 512): gate_up 4 x 1024, down 16 x 256; DeepSeek-V4 (H 4096,
-    I 2048): 16 x 256 both. Not yet measured against other tiles: ``TILES_OVERRIDE``."""
-    block_n = 16
-    while block_n > 4 and rows // block_n < 128:
-        block_n //= 2
-    block_k = min(4096 // block_n, max(16, triton.next_power_of_2(reduction)))
-    return MoeGemvTiles(block_n, block_k, 4, 2 if reduction > block_k else 1)
+def gemv_tiles(rows: int, reduction: int, weight_tiles: int = 1) -> MoeGemvTiles:
+    """Tiles from the shape alone (``rows`` output columns of ``reduction`` elements each;
+    ``weight_tiles``: tiles a chunk loads, 2 for the gate and up rows): 16 rows a program
+    over the tiles of a chunk (8 for gate/up), chunks of 256, 4 warps, one stage (loads
+    into registers). H200, `benchmarks.kernels --only-moe-gemv`, 26 tile pairs: these were
+    the fastest (hot, and within 1.5% of the fastest L2-cold) at Qwen3-Next's (H 2048,
+    I 512) and DeepSeek-V4's (H 4096, I 2048) shapes at 1 and 2 tokens (docs/benchmarks.md);
+    wider chunks or 2 stages lost 1-25%. Fewer rows only where the layer has fewer."""
+    block_n = min(16 // weight_tiles, max(1, triton.next_power_of_2(rows)))
+    block_k = min(256, max(16, triton.next_power_of_2(reduction)))
+    return MoeGemvTiles(block_n, block_k, 4, 1)
 
 
 def routed_pairs(
@@ -200,7 +198,7 @@ def routed_pairs(
     num_pairs = num_tokens * top_k
     ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)  # views of topk's outputs
     gate_up_tiles, down_tiles = TILES_OVERRIDE or (
-        gemv_tiles(intermediate, hidden),
+        gemv_tiles(intermediate, hidden, weight_tiles=2),
         gemv_tiles(hidden, intermediate),
     )
 

@@ -19,9 +19,11 @@ Shapes and dtypes (T tokens, N = hc_mult streams, D hidden, K = N * D):
     post step: streams'[n] = post[n] * out + sum_j comb[j, n] * streams[j]
 
 Launches: `hc_pre` and `hc_head` two (a split-K GEMV of the mixes with the sum of squares,
-then one program per token for the rest); `hc_post` one. The split-K partial sums are
-added in a fixed order (deterministic). The mixes are scaled by the rms after the GEMV,
-not before (the same value up to fp32 rounding).
+then the finish); `hc_post` one. The finish runs two programs a token for a block: one
+collapses the streams (pre, the weighted sum, the RMSNorm), the other computes post and the
+Sinkhorn comb, so at one token the two serial halves overlap; the head has the first only.
+The split-K partial sums are added as one tile reduction (a fixed tree: deterministic). The
+mixes are scaled by the rms after the GEMV, not before (the same value up to fp32 rounding).
 
 Runtime lengths: none inside the kernels (tokens come from the grid). Geometry (constexpr):
 N, D, M, iters, tiles.
@@ -45,6 +47,10 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 MIX_BLOCK_K = 128  # columns of fn per iteration of the split-K GEMV
 MAX_SPLITS = 64
 FINISH_WARPS: int | None = None  # the finish launch's warps (None: from D; benchmarks sweep)
+# The finish before issue 32's two programs a token (one program doing the split sums as a
+# chain of loads, the Sinkhorn and the collapse in turn): kept for one A/B on the GPU
+# (benchmarks.kernels --only-v4-mhc, deepseek_v4_decode --hc-finish), then deleted.
+FINISH_SERIAL = False
 
 
 @triton.jit
@@ -92,7 +98,7 @@ def _mix_sum(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _hc_finish_kernel(
+def _hc_finish_serial_kernel(
     partial_ptr,  # [T, SPLITS, M + 1] fp32 from _hc_mix_partial_kernel
     streams_ptr,  # [T, N, D]
     base_ptr,  # [M] fp32
@@ -162,6 +168,108 @@ def _hc_finish_kernel(
 
 
 @triton.jit
+def _split_tile(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexpr,
+                SPLITS_P2: tl.constexpr):  # fmt: skip
+    """The partial values at ``offsets`` (1-D, < M + 1) of every split: [SPLITS_P2, width],
+    zero past SPLITS. Summed over axis 0 by the caller after every load is issued (a load
+    after a reduction waits for its barrier)."""
+    split = tl.arange(0, SPLITS_P2)
+    return tl.load(
+        partial_ptr + split[:, None] * (M + 1) + offsets[None, :],
+        mask=(split < SPLITS)[:, None] & mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _hc_finish_kernel(
+    partial_ptr,  # [T, SPLITS, M + 1] fp32 from _hc_mix_partial_kernel
+    streams_ptr,  # [T, N, D]
+    base_ptr,  # [M] fp32
+    scale_ptr,  # [3] or [1] fp32
+    norm_weight_ptr,  # [D] fp32
+    post_ptr,  # out [T, N] fp32 (block only)
+    comb_ptr,  # out [T, N, N] fp32 (block only)
+    out_ptr,  # out [T, D] streams' dtype: the normed collapse
+    stride_streams_row,
+    stride_out_row,
+    mix_eps,
+    hc_eps,
+    norm_eps,
+    N: tl.constexpr,
+    N_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    M: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    ITERS: tl.constexpr,
+    HEAD: tl.constexpr,  # the head: pre only (M = N, one scale), one program a token
+):
+    # Program (token, 0): pre, the collapse and its RMSNorm. Program (token, 1) (block only):
+    # post and the Sinkhorn comb, which program 0 does not need, so the two serial halves
+    # run side by side. Each program issues all its loads before its first reduction.
+    token = tl.program_id(0).to(tl.int64)
+    partial = partial_ptr + token * SPLITS * (M + 1)
+    split = tl.arange(0, SPLITS_P2)
+    n = tl.arange(0, N_P2)
+    in_n = n < N
+    if tl.program_id(1) == 0:
+        d = tl.arange(0, BLOCK_D)
+        in_d = d < D
+        rows = tl.load(
+            streams_ptr + token * stride_streams_row + n[:, None] * D + d[None, :],
+            mask=in_n[:, None] & in_d[None, :],
+            other=0.0,
+        )
+        norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0)
+        squares = tl.load(partial + split * (M + 1) + M, mask=split < SPLITS, other=0.0)
+        pre = _split_tile(partial, n, in_n, M, SPLITS, SPLITS_P2)
+        pre_scale = tl.load(scale_ptr)
+        pre_base = tl.load(base_ptr + n, mask=in_n)
+
+        rms = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + mix_eps)
+        pre = tl.sum(pre, axis=0) * rms * pre_scale + pre_base
+        pre = tl.where(in_n, 1.0 / (1.0 + tl.exp(-pre)) + hc_eps, 0.0)
+        # the collapse (summed over the streams), rounded, then the RMSNorm
+        dtype = out_ptr.dtype.element_ty
+        x = tl.sum(pre[:, None] * rows.to(tl.float32), axis=0).to(dtype).to(tl.float32)
+        x = norm_weight * (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps))
+        tl.store(out_ptr + token * stride_out_row + d, x.to(dtype), mask=in_d)
+    else:
+        if not HEAD:
+            # comb[a, b]: row a, column b, loaded as the flat [N_P2 * N_P2] pairs
+            flat = tl.arange(0, N_P2 * N_P2)
+            in_flat = (flat // N_P2 < N) & (flat % N_P2 < N)
+            pair = n[:, None] * N + n[None, :]
+            in_pair = in_n[:, None] & in_n[None, :]
+            squares = tl.load(partial + split * (M + 1) + M, mask=split < SPLITS, other=0.0)
+            post = _split_tile(partial, N + n, in_n, M, SPLITS, SPLITS_P2)
+            comb = _split_tile(
+                partial, 2 * N + (flat // N_P2) * N + flat % N_P2, in_flat, M, SPLITS, SPLITS_P2
+            )
+            post_scale, comb_scale = tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+            post_base = tl.load(base_ptr + N + n, mask=in_n)
+            comb_base = tl.load(base_ptr + 2 * N + pair, mask=in_pair)
+
+            rms = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + mix_eps)
+            post = tl.sum(post, axis=0) * rms * post_scale + post_base
+            post = 2.0 / (1.0 + tl.exp(-post))
+            tl.store(post_ptr + token * N + n, post, mask=in_n)
+            # softmax over b, then Sinkhorn: columns, rows, ...
+            comb = tl.reshape(tl.sum(comb, axis=0), (N_P2, N_P2)) * rms * comb_scale + comb_base
+            comb = tl.where(in_pair, comb, -1e30)  # padding (N not a power of two)
+            comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
+            comb = comb / tl.sum(comb, axis=1)[:, None]
+            comb = tl.where(in_pair, comb + hc_eps, 0.0)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            for _ in tl.static_range(ITERS - 1):
+                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + token * N * N + pair, comb, mask=in_pair)
+
+
+@triton.jit
 def _hc_post_kernel(
     out_ptr,  # [T, D] the block's output
     streams_ptr,  # [T, N, D]
@@ -227,15 +335,20 @@ def _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps,
     out = torch.empty(tokens, d, dtype=streams.dtype, device=streams.device)
     post = torch.empty(0 if head else tokens, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(0 if head else tokens, n, n, dtype=torch.float32, device=streams.device)
-    if tokens:
-        block_d = triton.next_power_of_2(d)
-        _hc_finish_kernel[(tokens,)](
-            partial, streams, base, scale, norm_weight, post, comb, out,
-            streams.stride(0), out.stride(0), float(mix_eps), float(hc_eps), float(norm_eps),
-            N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d, M=m, SPLITS=splits,
-            ITERS=iters, HEAD=head,
-            num_warps=FINISH_WARPS or min(16, max(4, block_d // 512)),
-        )  # fmt: skip
+    if not tokens:
+        return post, comb, out
+    block_d = triton.next_power_of_2(d)
+    args = (partial, streams, base, scale, norm_weight, post, comb, out, streams.stride(0),
+            out.stride(0), float(mix_eps), float(hc_eps), float(norm_eps))  # fmt: skip
+    geometry = dict(N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d, M=m,
+                    SPLITS=splits, ITERS=iters, HEAD=head,
+                    num_warps=FINISH_WARPS or min(16, max(4, block_d // 512)))  # fmt: skip
+    if FINISH_SERIAL:
+        _hc_finish_serial_kernel[(tokens,)](*args, **geometry)
+    else:
+        _hc_finish_kernel[(tokens, 1 if head else 2)](
+            *args, SPLITS_P2=triton.next_power_of_2(splits), **geometry
+        )
     return post, comb, out
 
 

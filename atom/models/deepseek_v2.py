@@ -278,11 +278,10 @@ class DeepseekMoE(nn.Module):
                 fp8_scales = experts.fp8_scales()  # the kernels read the FP8 weights
             else:  # the reference (CPU), or ATOM_QUANT_KERNELS=0's A/B runs on CUDA
                 gate_up, down, ids = experts.dense(ids, x.dtype)
-        # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync
-        out = routed_experts(x, weights, ids, gate_up, down, fp8_scales=fp8_scales)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # one path for eager and CUDA-graph capture: work ~ tokens * top_k, no host sync;
+        # routed + shared: on CUDA in the launch that sums the routed experts over k
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return routed_experts(x, weights, ids, gate_up, down, shared=shared, fp8_scales=fp8_scales)
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):

@@ -312,10 +312,11 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x, input_ids)
-        routed = routed_experts(
-            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit
-        )
-        return routed + self.shared_experts(x)
+        # routed + shared: on CUDA in the launch that sums the routed experts over k
+        return routed_experts(
+            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
+            shared=self.shared_experts(x),
+        )  # fmt: skip
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor):
         """(weights [T, k], expert ids [T, k]). The CUDA path in one launch after the gate's

@@ -227,11 +227,12 @@ class DeepseekV41MoE(nn.Module):
         if self.norm_topk and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
-        routed = routed_experts(
+        # routed + shared: on CUDA in the launch that sums the routed experts over k
+        return routed_experts(
             x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
             weight_before_down=True,  # the reference weights an expert's input to w2
+            shared=self.shared_experts(x),
         )  # fmt: skip
-        return routed + self.shared_experts(x)
 
 
 class Engram(nn.Module):

@@ -16,6 +16,11 @@ from atom.kernels.moe import Fp8Scales, fused_moe, routed_experts_reference
 from atom.kernels.moe_combine import add_shared
 from atom.kernels.platform import use_cuda_path
 
+# False: an ungated shared expert's output is added by a separate torch add after the routed
+# sum (before issue 32's change), for one A/B (benchmarks.deepseek_v4_decode --shared-add);
+# then deleted.
+SHARED_IN_COMBINE = True
+
 
 def routed_experts(
     x: torch.Tensor,
@@ -37,25 +42,19 @@ def routed_experts(
     ``swiglu_limit`` (DeepSeek-V4) gate is clamped to at most the limit and up to
     [-limit, limit] before the activation. ``weight_before_down`` (DeepSeek-V4.1): the weight
     multiplies the activation, the input of ``down`` (same result, other rounding points).
-    ``shared`` [T, H] (a shared expert's output) is added, scaled by
-    ``sigmoid(x @ shared_gate.T)`` with ``shared_gate`` [1, H] (Qwen3-Next): on CUDA in the
-    launch that sums over k. ``fp8_scales``: both weights are float8_e4m3fn with these block
-    scales (DeepSeek-V2/V3's FP8 experts), which the CUDA path's kernels read as they are;
-    the reference dequantizes every expert first.
+    ``shared`` [T, H] (a shared expert's output) is added (DeepSeek-V2/V3/V4/V4.1), or scaled
+    by ``sigmoid(x @ shared_gate.T)`` with ``shared_gate`` [1, H] (Qwen3-Next): on CUDA in
+    the launch that sums over k (the same rounding points as the separate add).
+    ``fp8_scales``: both weights are float8_e4m3fn with these block scales (DeepSeek-V2/V3's
+    FP8 experts), which the CUDA path's kernels read as they are; the reference dequantizes
+    every expert first.
     """
     if use_cuda_path(x):
-        return fused_moe(
-            x,
-            topk_weights,
-            topk_ids,
-            gate_up_proj,
-            down_proj,
-            swiglu_limit,
-            weight_before_down=weight_before_down,
-            shared=shared,
-            shared_gate=shared_gate,
-            fp8_scales=fp8_scales,
-        )
+        args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
+        options = dict(weight_before_down=weight_before_down, fp8_scales=fp8_scales)
+        if shared is not None and shared_gate is None and not SHARED_IN_COMBINE:
+            return fused_moe(*args, **options) + shared
+        return fused_moe(*args, **options, shared=shared, shared_gate=shared_gate)
     if fp8_scales is not None:
         gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)

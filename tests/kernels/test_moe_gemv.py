@@ -139,16 +139,17 @@ def test_gemv_tiles_override(monkeypatch):
 
 
 def test_gemv_tiles_follow_the_shape():
-    """BLOCK_N 4..16 and ~4096-element tiles, from the shape alone (documented values)."""
-    assert moe_gemv.gemv_tiles(512, 2048) == moe_gemv.MoeGemvTiles(4, 1024, 4, 2)
-    assert moe_gemv.gemv_tiles(2048, 512) == moe_gemv.MoeGemvTiles(16, 256, 4, 2)
-    assert moe_gemv.gemv_tiles(2048, 4096) == moe_gemv.MoeGemvTiles(16, 256, 4, 2)
-    assert moe_gemv.gemv_tiles(32, 64) == moe_gemv.MoeGemvTiles(4, 64, 4, 1)
+    """16 rows over a chunk's tiles (8 for gate/up's two), chunks of 256, one stage; fewer
+    only where the layer has fewer (the documented values)."""
+    assert moe_gemv.gemv_tiles(512, 2048, weight_tiles=2) == moe_gemv.MoeGemvTiles(8, 256, 4, 1)
+    assert moe_gemv.gemv_tiles(2048, 512) == moe_gemv.MoeGemvTiles(16, 256, 4, 1)
+    assert moe_gemv.gemv_tiles(2048, 4096, weight_tiles=2) == moe_gemv.MoeGemvTiles(8, 256, 4, 1)
+    assert moe_gemv.gemv_tiles(4, 64) == moe_gemv.MoeGemvTiles(4, 64, 4, 1)
 
 
 def test_the_rule_picks_the_path(monkeypatch):
-    """GEMV up to DECODE_GEMV_MAX_PAIRS pairs, the grouped GEMMs past it or with their
-    tiles given; the override forces either."""
+    """GEMV up to DECODE_GEMV_MAX_PAIRS pairs and no more pairs than experts, the grouped
+    GEMMs past either or with their tiles given; the override forces either."""
     calls = []
 
     def spy(name):
@@ -163,15 +164,19 @@ def test_the_rule_picks_the_path(monkeypatch):
     limit = moe.DECODE_GEMV_MAX_PAIRS
     ids = torch.zeros(limit + 1, 1, dtype=torch.long)
     x, weights = torch.zeros(limit + 1, 16), torch.ones(limit + 1, 1)
-    gate_up, down = torch.zeros(2, 16, 16), torch.zeros(2, 16, 8)
+    experts = limit + 16  # more experts than the cap: the cap decides
+    gate_up, down = torch.zeros(experts, 16, 16), torch.zeros(experts, 16, 8)
 
-    def path(tokens, **kwargs):
+    def path(tokens, experts=experts, **kwargs):
         calls.clear()
-        moe.fused_moe(x[:tokens], weights[:tokens], ids[:tokens], gate_up, down, **kwargs)
+        moe.fused_moe(x[:tokens], weights[:tokens], ids[:tokens], gate_up[:experts],
+                      down[:experts], **kwargs)  # fmt: skip
         return calls[0]
 
     assert path(1) == path(limit) == "gemv"
     assert path(limit + 1) == "grouped"
+    assert path(4, experts=4) == "gemv"  # fewer experts than the cap: they decide
+    assert path(5, experts=4) == "grouped"
     assert path(1, tiles=moe.MoeTiles(16, 16, 16)) == "grouped"
     monkeypatch.setattr(moe, "DECODE_GEMV_OVERRIDE", False)
     assert path(1) == "grouped"

@@ -4,6 +4,8 @@ On CPU it runs the torch reference: bit-identical to DeepseekV2Experts (fp32 and
 to DeepseekV4Experts with its swiglu_limit clamp (skipped where transformers has no V4).
 """
 
+import os
+
 import pytest
 import torch
 import transformers
@@ -115,6 +117,32 @@ def test_deepseek_moe_on_cuda_makes_no_host_sync_and_matches_cpu():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_shared_in_the_combine_equals_the_separate_add(monkeypatch):
+    """routed_experts(shared=...) without a gate (DeepSeek-V2/V3/V4/V4.1): the CUDA path
+    under the interpreter adds the shared output in the k-sum launch, bit-equal to the
+    separate add it replaced (`SHARED_IN_COMBINE = False`), close to the CPU reference. fp32
+    only: the interpreter's bf16 GEMMs are not CUDA's (bf16 runs in the `gpu` tests)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are decorated
+        pytest.skip("needs TRITON_INTERPRET=1 from the start")
+    from atom.models import moe
+
+    generator = torch.Generator().manual_seed(7)
+    gate_up = 0.2 * torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator)
+    down = 0.2 * torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=generator)
+    x = torch.randn(5, HIDDEN, generator=generator)
+    shared = torch.randn(5, HIDDEN, generator=generator)
+    weights, ids = _routing(5, generator)
+    args = (x, weights, ids, gate_up, down, 0.5)
+    expected = routed_experts(*args, shared=shared)  # the CPU reference + add_shared
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    combined = routed_experts(*args, shared=shared)
+    monkeypatch.setattr(moe, "SHARED_IN_COMBINE", False)
+    assert torch.equal(combined, routed_experts(*args, shared=shared))
+    # the interpreted GEMMs sum in another order than the reference's
+    torch.testing.assert_close(combined, expected, rtol=1e-5, atol=1e-5)
 
 
 def _fp8_deepseek_moe(block, num_shared=0):
