@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the reference checkpoint's widths")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument("--prefill-tokens", type=int, default=1024,
+                        help="prompt tokens a step (chunked prefill): V4.1's torch prefill "
+                             "holds every query's keys, 128 GiB for one 8K chunk")  # fmt: skip
     args = parser.parse_args(argv)
     if not os.path.isfile(os.path.join(REFERENCE, "config.json")):
         parser.error(f"needs the V4.1 reference data beside the checkout ({REFERENCE})")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(config, file)
         options = dict(
             skip_tokenizer_init=True, load_format="dummy", max_model_len=max_len,
-            max_num_seqs=max(batches), max_num_batched_tokens=args.context, device=args.device,
+            max_num_seqs=max(batches), max_num_batched_tokens=min(args.context, args.prefill_tokens), device=args.device,
         )  # fmt: skip
         if args.device == "cuda":
             options.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization,
