@@ -2,8 +2,7 @@
 
     python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf] [--max-model-lens 8320 65536 1048576]
-        [--decode-splits auto 1] [--moe-gemv on off] [--shared-add combine separate]
-        [--hc-finish split serial]
+        [--decode-splits auto 1] [--moe-gemv on off]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
 window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
@@ -33,18 +32,12 @@ every batch, in one run: the A/B of the split decode kernel.
 
 `--moe-gemv on off [auto]` (atom only): the same, one engine per MoE decode path
 (`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice).
-
-`--shared-add combine separate` and `--hc-finish split serial` (atom only, issue 32): the same,
-one engine per value of a module switch: the shared expert's output added in the routed
-experts' k-sum launch or by a torch add after it (`atom.models.moe.SHARED_IN_COMBINE`), and
-the mHC finish as two programs a token or the serial one (`v4_mhc.FINISH_SERIAL`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import sys
 import tempfile
@@ -395,30 +388,6 @@ def add_moe_gemv_option(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-SWITCHES = {  # flag: (module, attribute, the attribute's value per flag value)
-    "shared_add": ("atom.models.moe", "SHARED_IN_COMBINE", {"combine": True, "separate": False}),
-    "hc_finish": ("atom.kernels.v4_mhc", "FINISH_SERIAL", {"split": False, "serial": True}),
-}
-
-
-def decode_by_switch(path: str, args, batches: list[int], vocab: int, max_len: int,
-                     flag: str) -> None:  # fmt: skip
-    """One engine per value of a module switch (set before the engine captures its graphs),
-    restored afterwards."""
-    module_name, attribute, values = SWITCHES[flag]
-    module = importlib.import_module(module_name)
-    default = getattr(module, attribute)
-
-    def setup(value: str) -> int:
-        setattr(module, attribute, values[value])
-        return max_len
-
-    try:
-        decode_per_setting(path, args, batches, vocab, getattr(args, flag), flag, setup)
-    finally:
-        setattr(module, attribute, default)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -437,11 +406,6 @@ def main(argv: list[str] | None = None) -> int:
         help="atom only: one engine per decode-attention split count (auto or an integer)",
     )  # fmt: skip
     add_moe_gemv_option(parser)
-    for flag, (_, attribute, values) in SWITCHES.items():
-        parser.add_argument(
-            "--" + flag.replace("_", "-"), nargs="+", default=None, choices=sorted(values),
-            help=f"atom only: one engine per value of {attribute}",
-        )  # fmt: skip
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.context + decode_headroom(max(batches), args.steps) + 16
@@ -478,13 +442,6 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             decode_by_moe_gemv(path, args, batches, vocab, max_len)
             return 0
-        for flag in SWITCHES:
-            if getattr(args, flag):
-                del hf_model
-                gc.collect()
-                torch.cuda.empty_cache()
-                decode_by_switch(path, args, batches, vocab, max_len, flag)
-                return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:
                 record = hf_decode(hf_model, batch, args.context, args.steps, vocab)

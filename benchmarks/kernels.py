@@ -34,8 +34,7 @@ One JSON line per measurement, on stdout:
   2K / 16K / 64K visible entries; ``ratio`` = split / single.
 - ``v4_mhc``: `v4_mhc.hc_pre` at V4's shape (4 streams of 4,096, 20 Sinkhorn iterations)
   for 1 and 64 tokens: the mix GEMV per split count and the finish per warp count (and with
-  one Sinkhorn iteration, to show its share), two programs a token (the default) and the
-  serial one-program finish (`serial`: `FINISH_SERIAL`, the A/B of issue 32's change).
+  one Sinkhorn iteration, to show its share).
 - ``gdn_prefill`` / ``gdn_prefill_tile``: the GDN delta rule's prefill, chunked kernels vs
   the sequential kernel vs the torch reference (benchmarks/gdn_prefill.py).
 - ``moe_gemv``: `moe.fused_moe`'s routed experts (no shared expert, the sum over k
@@ -53,7 +52,6 @@ Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead)
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 import tempfile
@@ -368,7 +366,7 @@ def bench_v4_mhc() -> None:
     base = torch.randn(m, device="cuda", generator=generator)
     scale = torch.rand(3, device="cuda", generator=generator)
     norm_weight = torch.rand(d, device="cuda", generator=generator) + 0.5
-    defaults = (v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS, v4_mhc.FINISH_SERIAL)
+    defaults = (v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS)
     try:
         for tokens in (1, 64):
             streams = torch.randn(tokens, n, d, device="cuda", dtype=torch.bfloat16)
@@ -381,9 +379,8 @@ def bench_v4_mhc() -> None:
                 emit(bench="v4_mhc_mix", tokens=tokens, max_splits=splits, us=round(us, 2))
             v4_mhc.MAX_SPLITS = defaults[0]
             partial, used = v4_mhc._mix_partials(streams, fn)
-            # serial: the one-program-a-token finish before issue 32 (FINISH_SERIAL's A/B)
-            for serial, warps in itertools.product((False, True), (None, 1, 2, 4, 8, 16)):
-                v4_mhc.FINISH_SERIAL, v4_mhc.FINISH_WARPS = serial, warps
+            for warps in (None, 1, 2, 4, 8, 16):
+                v4_mhc.FINISH_WARPS = warps
                 for loops in (iters, 1):
 
                     def finish(loops=loops, streams=streams, partial=partial, used=used):
@@ -392,12 +389,12 @@ def bench_v4_mhc() -> None:
 
                     gap = max((a.float() - b.float()).abs().max().item()
                               for a, b in zip(finish(), expected, strict=True))  # fmt: skip
-                    emit(bench="v4_mhc_finish", tokens=tokens, serial=serial,
+                    emit(bench="v4_mhc_finish", tokens=tokens,
                          num_warps=warps or "default", iters=loops,
                          us=round(device_us(finish), 2),
                          max_gap=round(gap, 5) if loops == iters else None)  # fmt: skip
     finally:
-        v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS, v4_mhc.FINISH_SERIAL = defaults
+        v4_mhc.MAX_SPLITS, v4_mhc.FINISH_WARPS = defaults
 
 
 def bench_moe_align() -> None:

@@ -47,10 +47,6 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 MIX_BLOCK_K = 128  # columns of fn per iteration of the split-K GEMV
 MAX_SPLITS = 64
 FINISH_WARPS: int | None = None  # the finish launch's warps (None: from D; benchmarks sweep)
-# The finish before issue 32's two programs a token (one program doing the split sums as a
-# chain of loads, the Sinkhorn and the collapse in turn): kept for one A/B on the GPU
-# (benchmarks.kernels --only-v4-mhc, deepseek_v4_decode --hc-finish), then deleted.
-FINISH_SERIAL = False
 
 
 @triton.jit
@@ -86,85 +82,6 @@ def _hc_mix_partial_kernel(
     out = partial_ptr + (token * SPLITS + split) * (M + 1)
     tl.store(out + rows, acc, mask=rows < M)
     tl.store(out + M, tl.sum(squares, axis=0))
-
-
-@triton.jit
-def _mix_sum(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexpr):
-    """Sum over the splits (in order) of the partial dots at ``offsets`` (< M)."""
-    total = tl.load(partial_ptr + offsets, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLITS):
-        total += tl.load(partial_ptr + split * (M + 1) + offsets, mask=mask, other=0.0)
-    return total
-
-
-@triton.jit
-def _hc_finish_serial_kernel(
-    partial_ptr,  # [T, SPLITS, M + 1] fp32 from _hc_mix_partial_kernel
-    streams_ptr,  # [T, N, D]
-    base_ptr,  # [M] fp32
-    scale_ptr,  # [3] or [1] fp32
-    norm_weight_ptr,  # [D] fp32
-    post_ptr,  # out [T, N] fp32 (block only)
-    comb_ptr,  # out [T, N, N] fp32 (block only)
-    out_ptr,  # out [T, D] streams' dtype: the normed collapse
-    stride_streams_row,
-    stride_out_row,
-    mix_eps,
-    hc_eps,
-    norm_eps,
-    N: tl.constexpr,
-    N_P2: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    M: tl.constexpr,
-    SPLITS: tl.constexpr,
-    ITERS: tl.constexpr,
-    HEAD: tl.constexpr,  # the head: pre only (M = N, one scale)
-):
-    token = tl.program_id(0).to(tl.int64)
-    partial = partial_ptr + token * SPLITS * (M + 1)
-    squares = tl.load(partial + M)
-    for split in tl.static_range(1, SPLITS):
-        squares += tl.load(partial + split * (M + 1) + M)
-    rms = tl.rsqrt(squares / (N * D) + mix_eps)
-    n = tl.arange(0, N_P2)
-    in_n = n < N
-    pre_scale = tl.load(scale_ptr)
-    pre = _mix_sum(partial, n, in_n, M, SPLITS) * rms
-    pre = 1.0 / (1.0 + tl.exp(-(pre * pre_scale + tl.load(base_ptr + n, mask=in_n))))
-    pre = tl.where(in_n, pre + hc_eps, 0.0)
-    if not HEAD:
-        post = _mix_sum(partial, N + n, in_n, M, SPLITS) * rms
-        post = post * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=in_n)
-        post = 2.0 / (1.0 + tl.exp(-post))
-        tl.store(post_ptr + token * N + n, post, mask=in_n)
-        # comb[a, b]: row a, column b (softmax over b, then Sinkhorn: columns, rows, ...)
-        pair = n[:, None] * N + n[None, :]
-        in_pair = in_n[:, None] & in_n[None, :]
-        comb = _mix_sum(partial, 2 * N + pair, in_pair, M, SPLITS) * rms
-        comb = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + pair, mask=in_pair)
-        comb = tl.where(in_pair, comb, -1e30)  # padding (N not a power of two)
-        comb = tl.exp(comb - tl.max(comb, axis=1)[:, None])
-        comb = comb / tl.sum(comb, axis=1)[:, None]
-        comb = tl.where(in_pair, comb + hc_eps, 0.0)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in tl.static_range(ITERS - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + token * N * N + pair, comb, mask=in_pair)
-    # the collapse (sum over the streams in order), rounded, then the RMSNorm
-    dtype = out_ptr.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
-    in_d = d < D
-    row = streams_ptr + token * stride_streams_row
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for stream in tl.static_range(N):
-        weight = tl.sum(tl.where(n == stream, pre, 0.0), axis=0)
-        acc += weight * tl.load(row + stream * D + d, mask=in_d, other=0.0).to(tl.float32)
-    x = acc.to(dtype).to(tl.float32)
-    x = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    x = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0) * x
-    tl.store(out_ptr + token * stride_out_row + d, x.to(dtype), mask=in_d)
 
 
 @triton.jit
@@ -343,12 +260,9 @@ def _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps,
     geometry = dict(N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d, M=m,
                     SPLITS=splits, ITERS=iters, HEAD=head,
                     num_warps=FINISH_WARPS or min(16, max(4, block_d // 512)))  # fmt: skip
-    if FINISH_SERIAL:
-        _hc_finish_serial_kernel[(tokens,)](*args, **geometry)
-    else:
-        _hc_finish_kernel[(tokens, 1 if head else 2)](
-            *args, SPLITS_P2=triton.next_power_of_2(splits), **geometry
-        )
+    _hc_finish_kernel[(tokens, 1 if head else 2)](
+        *args, SPLITS_P2=triton.next_power_of_2(splits), **geometry
+    )
     return post, comb, out
 
 

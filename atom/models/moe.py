@@ -16,11 +16,6 @@ from atom.kernels.moe import Fp8Scales, fused_moe, routed_experts_reference
 from atom.kernels.moe_combine import add_shared
 from atom.kernels.platform import use_cuda_path
 
-# False: an ungated shared expert's output is added by a separate torch add after the routed
-# sum (before issue 32's change), for one A/B (benchmarks.deepseek_v4_decode --shared-add);
-# then deleted.
-SHARED_IN_COMBINE = True
-
 
 def routed_experts(
     x: torch.Tensor,
@@ -52,8 +47,6 @@ def routed_experts(
     if use_cuda_path(x):
         args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
         options = dict(weight_before_down=weight_before_down, fp8_scales=fp8_scales)
-        if shared is not None and shared_gate is None and not SHARED_IN_COMBINE:
-            return fused_moe(*args, **options) + shared
         return fused_moe(*args, **options, shared=shared, shared_gate=shared_gate)
     if fp8_scales is not None:
         gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)

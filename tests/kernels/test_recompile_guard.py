@@ -290,10 +290,6 @@ KERNELS = {
         [],
         ["stride_streams_row", "stride_out_row", "mix_eps", "hc_eps", "norm_eps"],
     ),
-    (v4_mhc, "_hc_finish_serial_kernel"): (
-        [],
-        ["stride_streams_row", "stride_out_row", "mix_eps", "hc_eps", "norm_eps"],
-    ),
     (v4_mhc, "_hc_post_kernel"): ([], ["stride_out_row", "stride_streams_row"]),
     (v4_rope, "_norm_rope_kernel"): ([], ["stride_x_row", "stride_x_head", "eps", "sign"]),
     # MoE routing (V4, softmax): tokens come from the grid; the scaling factor is the model's
@@ -372,7 +368,6 @@ DEVICE_FUNCTIONS = {
     (v4_topk, "_slice_bounds"),
     (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
-    (v4_mhc, "_mix_sum"),
     (v4_mhc, "_split_tile"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),

@@ -7,7 +7,6 @@ import types
 import pytest
 import torch
 
-from atom.kernels import v4_mhc
 from atom.kernels.v4_mhc import (
     hc_head,
     hc_head_reference,
@@ -55,25 +54,6 @@ def test_hc_pre_matches_reference(device, dtype, tokens, n, d):
     torch.testing.assert_close(x, ref_x, **_tolerance(dtype))
     # Sinkhorn: columns then rows sum to ~1
     torch.testing.assert_close(comb.sum(-2), torch.ones_like(comb.sum(-2)), rtol=0, atol=1e-3)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("head", [False, True])
-def test_serial_finish_matches_reference(device, head, monkeypatch):
-    """The finish kept for one A/B (`FINISH_SERIAL`): one program a token, as before."""
-    monkeypatch.setattr(v4_mhc, "FINISH_SERIAL", True)
-    tokens, n, d = 2, 3, 200  # 5 splits (not a power of two), N padded
-    fn, base, scale, weight = _block(n, d, device, head=head)
-    streams = _streams(tokens, n, d, torch.bfloat16, device)
-    if head:
-        got = hc_head(streams, fn, base, scale, weight, EPS, HC_EPS, EPS)
-        expected = hc_head_reference(streams, fn, base, scale, weight, EPS, HC_EPS, EPS)
-        torch.testing.assert_close(got, expected, **_tolerance(torch.bfloat16))
-        return
-    got = hc_pre(streams, fn, base, scale, weight, 5, EPS, HC_EPS, EPS)
-    expected = hc_pre_reference(streams, fn, base, scale, weight, 5, EPS, HC_EPS, EPS)
-    for a, b, tolerance in zip(got, expected, (1e-5, 1e-5, 2e-2), strict=True):
-        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -122,12 +122,11 @@ def test_deepseek_moe_on_cuda_makes_no_host_sync_and_matches_cpu():
 def test_shared_in_the_combine_equals_the_separate_add(monkeypatch):
     """routed_experts(shared=...) without a gate (DeepSeek-V2/V3/V4/V4.1): the CUDA path
     under the interpreter adds the shared output in the k-sum launch, bit-equal to the
-    separate add it replaced (`SHARED_IN_COMBINE = False`), close to the CPU reference. fp32
-    only: the interpreter's bf16 GEMMs are not CUDA's (bf16 runs in the `gpu` tests)."""
+    separate add it replaced (the routed sum, then + shared), close to the CPU reference.
+    fp32 only: the interpreter's bf16 GEMMs are not CUDA's (bf16 runs in the `gpu` tests)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are decorated
         pytest.skip("needs TRITON_INTERPRET=1 from the start")
-    from atom.models import moe
 
     generator = torch.Generator().manual_seed(7)
     gate_up = 0.2 * torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator)
@@ -139,8 +138,7 @@ def test_shared_in_the_combine_equals_the_separate_add(monkeypatch):
     expected = routed_experts(*args, shared=shared)  # the CPU reference + add_shared
     monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
     combined = routed_experts(*args, shared=shared)
-    monkeypatch.setattr(moe, "SHARED_IN_COMBINE", False)
-    assert torch.equal(combined, routed_experts(*args, shared=shared))
+    assert torch.equal(combined, routed_experts(*args) + shared)
     # the interpreted GEMMs sum in another order than the reference's
     torch.testing.assert_close(combined, expected, rtol=1e-5, atol=1e-5)
 
