@@ -2,6 +2,7 @@
 
     python -m benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf] [--moe-gemv on off]
+        [--attn-split-cap 32 128]
 
 Random bf16 weights in a Qwen3-Next-80B-A3B shape with few layers (hidden 2048, GDN with 16
 k heads / 32 v heads of 128, conv 4; gated attention 16 heads / 2 KV heads of 256 every
@@ -21,6 +22,9 @@ so both engines read the same weights. One JSON line each:
 (`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice),
 a `decode` line per batch each and a `moe_gemv_summary` line. `--moe-align ONE_HOT,WARPS`
 fixes the align kernel's geometry (the grouped path's) for every run.
+`--attn-split-cap 32 128` (atom only): one engine per split cap of the full-attention
+layers' paged decode (`decode_attention.MAX_SPLITS`, the merge kernel's tile): with 2 KV
+heads the default cap of 32 gives 64 programs at batch 1.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from benchmarks.deepseek_v4_decode import (
     atom_decode,
     decode_by_moe_gemv,
     decode_headroom,
+    decode_per_setting,
     emit,
     logits_gap,
     with_read_limit,
@@ -165,6 +170,23 @@ def hf_decode(model, batch: int, context: int, steps: int, vocab: int) -> dict:
                 tok_s=round(batch * steps / seconds, 1), ms_per_step=round(seconds / steps * 1e3, 3))  # fmt: skip
 
 
+def decode_by_split_cap(path: str, args, batches: list[int], vocab: int, max_len: int) -> None:
+    """One engine per `--attn-split-cap` value (its graphs captured with it)."""
+    from atom.kernels import decode_attention
+
+    default = decode_attention.MAX_SPLITS
+
+    def setup(value: int) -> int:
+        decode_attention.MAX_SPLITS = value
+        return max_len
+
+    try:
+        decode_per_setting(path, args, batches, vocab, args.attn_split_cap, "attn_split_cap",
+                           setup, gdn_state_read)  # fmt: skip
+    finally:
+        decode_attention.MAX_SPLITS = default
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -179,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a fixed geometry of the MoE align kernel (moe.ALIGN_OVERRIDE) for an A/B",
     )  # fmt: skip
     add_moe_gemv_option(parser)
+    parser.add_argument(
+        "--attn-split-cap", nargs="+", type=int, default=None, metavar="CAP",
+        help="atom only: one engine per paged-decode split cap (powers of 2), e.g. 32 128",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.moe_align:
         from atom.kernels import moe
@@ -196,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
+        if args.attn_split_cap:
+            del hf_model
+            gc.collect()
+            torch.cuda.empty_cache()
+            decode_by_split_cap(path, args, batches, vocab, max_len)
+            return 0
         if args.moe_gemv:
             del hf_model
             gc.collect()
