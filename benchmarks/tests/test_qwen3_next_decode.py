@@ -60,3 +60,39 @@ def test_moe_gemv_ab_builds_one_engine_per_path(monkeypatch):
     assert [line["moe_gemv"] for line in lines[:-1]] == ["on", "on", "off", "off", "auto", "auto"]
     assert lines[-1]["case"] == "moe_gemv_summary"
     assert moe.DECODE_GEMV_OVERRIDE is None
+
+
+def test_attn_split_cap_ab_builds_one_engine_per_cap(monkeypatch):
+    """`--attn-split-cap 128 32`: each engine is built, and its steps run, under its cap in
+    decode_attention.MAX_SPLITS; the module default is restored after."""
+    from atom.kernels import decode_attention
+    from benchmarks import deepseek_v4_decode as v4
+    from benchmarks import qwen3_next_decode as q3n
+
+    default = decode_attention.MAX_SPLITS
+    args = q3n.argparse.Namespace(attn_split_cap=[128, 32], context=64, steps=2)
+    args.gpu_memory_utilization, args.shape, args.stream_read = 0.5, {}, None
+    seen, lines = [], []
+
+    class Engine:
+        def shutdown(self):
+            pass
+
+    def build_engine(path, max_len, batches, context, memory):
+        seen.append(("build", decode_attention.MAX_SPLITS, max_len))
+        return Engine()
+
+    def atom_decode(llm, batch, context, steps, vocab):
+        seen.append(("decode", decode_attention.MAX_SPLITS, batch))
+        return dict(case="decode", batch=batch, ms_per_step=1.0 + batch)
+
+    monkeypatch.setattr(v4, "build_engine", build_engine)
+    monkeypatch.setattr(v4, "atom_decode", atom_decode)
+    monkeypatch.setattr(v4, "with_read_limit", lambda record, *_: record)
+    monkeypatch.setattr(v4, "emit", lines.append)
+    monkeypatch.setattr(v4.torch.cuda, "empty_cache", lambda: None)
+    q3n.decode_by_split_cap("path", args, [1], 100, 999)
+    assert seen == [("build", 128, 999), ("decode", 128, 1), ("build", 32, 999), ("decode", 32, 1)]
+    assert [line["attn_split_cap"] for line in lines[:-1]] == [128, 32]
+    assert lines[-1]["case"] == "attn_split_cap_summary"
+    assert decode_attention.MAX_SPLITS == default
