@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections import Counter
 from pathlib import Path
 
-from benchmarks.deepseek_v4_kernel_map import profile_decode  # sets the interpreter flags
-from benchmarks.harness import emit
+from benchmarks.deepseek_v4_kernel_map import emit_map, profile_decode  # sets the interpreter flags
 
 REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "deepseek_v41"
 
@@ -33,23 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-path", action="store_true", help="map the CPU references")
     args = parser.parse_args(argv)
     path = REFERENCE / args.model
+    if not (path / "config.json").is_file():
+        parser.error(f"no V4.1 reference checkpoint at {path} (../shared beside the checkout)")
     layer_types = json.loads((path / "config.json").read_text())["layer_types"]
     ranges = profile_decode(str(path), args.prompt_len)
-    path_name = "torch" if args.torch_path else "cuda (interpreted)"
-    names = [f"layer{i}" for i in range(len(layer_types))] + ["outside"]
-    for name in names:
-        counts = ranges.get(name, Counter())
-        triton = sum(v for k, v in counts.items() if k.endswith("[triton]"))
-        by_source = Counter()
-        for key, value in counts.items():
-            by_source[key.rsplit(" [", 1)[0]] += value
-        kind = layer_types[int(name[5:])] if name != "outside" else "rest of the step"
-        emit(case="kernel_map", model=args.model, path=path_name, range=name, layer_type=kind,
-             kernels=sum(counts.values()), triton=triton, torch=sum(counts.values()) - triton,
-             by_source=dict(by_source.most_common(args.top)))  # fmt: skip
-        print(f"{name} ({kind}): {sum(counts.values())} kernels ({triton} Triton)", file=sys.stderr)
-        for key, value in counts.most_common(args.top):
-            print(f"  {value:4d}  {key}", file=sys.stderr)
+    emit_map(ranges, layer_types, args.torch_path, args.top, model=args.model)
     return 0
 
 

@@ -177,6 +177,27 @@ def profile_decode(path: str, prompt_len: int):
     return kernel_map(prof.events())
 
 
+def emit_map(ranges: dict[str, Counter], layer_types: list[str], torch_path: bool, top: int,
+             **fields) -> None:  # fmt: skip
+    """One JSON line per layer and one for the rest of the step (with ``fields``), and the
+    costliest ``top`` sources of each on stderr."""
+    path_name = "torch" if torch_path else "cuda (interpreted)"
+    names = [f"layer{i}" for i in range(len(layer_types))] + ["outside"]
+    for name in names:
+        counts = ranges.get(name, Counter())
+        triton = sum(v for k, v in counts.items() if k.endswith("[triton]"))
+        by_source = Counter()
+        for key, value in counts.items():
+            by_source[key.rsplit(" [", 1)[0]] += value
+        kind = layer_types[int(name[5:])] if name != "outside" else "rest of the step"
+        emit(case="kernel_map", **fields, path=path_name, range=name, layer_type=kind,
+             kernels=sum(counts.values()), triton=triton, torch=sum(counts.values()) - triton,
+             by_source=dict(by_source.most_common(top)))  # fmt: skip
+        print(f"{name} ({kind}): {sum(counts.values())} kernels ({triton} Triton)", file=sys.stderr)
+        for key, value in counts.most_common(top):
+            print(f"  {value:4d}  {key}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hc-mult", type=int, default=4)
@@ -187,21 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as path:
         layer_types = save_model(path, args.hc_mult)
         ranges = profile_decode(path, args.prompt_len)
-    path_name = "torch" if args.torch_path else "cuda (interpreted)"
-    names = [f"layer{i}" for i in range(len(layer_types))] + ["outside"]
-    for name in names:
-        counts = ranges.get(name, Counter())
-        triton = sum(v for k, v in counts.items() if k.endswith("[triton]"))
-        by_source = Counter()
-        for key, value in counts.items():
-            by_source[key.rsplit(" [", 1)[0]] += value
-        kind = layer_types[int(name[5:])] if name != "outside" else "rest of the step"
-        emit(case="kernel_map", path=path_name, range=name, layer_type=kind,
-             kernels=sum(counts.values()), triton=triton, torch=sum(counts.values()) - triton,
-             by_source=dict(by_source.most_common(args.top)))  # fmt: skip
-        print(f"{name} ({kind}): {sum(counts.values())} kernels ({triton} Triton)", file=sys.stderr)
-        for key, value in counts.most_common(args.top):
-            print(f"  {value:4d}  {key}", file=sys.stderr)
+    emit_map(ranges, layer_types, args.torch_path, args.top)
     return 0
 
 

@@ -222,17 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
-        if args.attn_split_cap:
+        if args.attn_split_cap or args.moe_gemv:  # atom only: one engine per setting
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
-            decode_by_split_cap(path, args, batches, vocab, max_len)
-            return 0
-        if args.moe_gemv:
-            del hf_model
-            gc.collect()
-            torch.cuda.empty_cache()
-            decode_by_moe_gemv(path, args, batches, vocab, max_len, gdn_state_read)
+            if args.attn_split_cap:
+                decode_by_split_cap(path, args, batches, vocab, max_len)
+            else:
+                decode_by_moe_gemv(path, args, batches, vocab, max_len, gdn_state_read)
             return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:

@@ -5,6 +5,34 @@ from tests.engine_support import build_llm
 from tests.model_engine.test_qwen3_next_parity import COMMON, VARIANTS, qwen3_next_dirs  # noqa: F401
 
 
+def fake_engines(monkeypatch, setting):
+    """Engines that record `setting()` when built and at each decode: (kind, setting,
+    max_len or batch) in the first list returned; the benchmark's emitted lines in the
+    second."""
+    from benchmarks import deepseek_v4_decode as v4
+
+    seen, lines = [], []
+
+    class Engine:
+        def shutdown(self):
+            pass
+
+    def build_engine(path, max_len, batches, context, memory):
+        seen.append(("build", setting(), max_len))
+        return Engine()
+
+    def atom_decode(llm, batch, context, steps, vocab):
+        seen.append(("decode", setting(), batch))
+        return dict(case="decode", batch=batch, ms_per_step=1.0 + batch)
+
+    monkeypatch.setattr(v4, "build_engine", build_engine)
+    monkeypatch.setattr(v4, "atom_decode", atom_decode)
+    monkeypatch.setattr(v4, "with_read_limit", lambda record, *_: record)
+    monkeypatch.setattr(v4, "emit", lines.append)
+    monkeypatch.setattr(v4.torch.cuda, "empty_cache", lambda: None)
+    return seen, lines
+
+
 def test_state_bytes_of_the_benchmark(qwen3_next_dirs):  # noqa: F811 (the fixture)
     """The benchmark's state figure: conv + delta-rule rows of every GDN layer (hand count)."""
     from benchmarks.qwen3_next_decode import state_bytes
@@ -32,25 +60,7 @@ def test_moe_gemv_ab_builds_one_engine_per_path(monkeypatch):
     args = parser.parse_args(["--moe-gemv", "on", "off", "auto"])
     args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
     args.shape, args.stream_read = {}, None
-    seen, lines = [], []
-
-    class Engine:
-        def shutdown(self):
-            pass
-
-    def build_engine(path, max_len, batches, context, memory):
-        seen.append(("build", moe.DECODE_GEMV_OVERRIDE, max_len))
-        return Engine()
-
-    def atom_decode(llm, batch, context, steps, vocab):
-        seen.append(("decode", moe.DECODE_GEMV_OVERRIDE, batch))
-        return dict(case="decode", batch=batch, ms_per_step=1.0 + batch)
-
-    monkeypatch.setattr(v4, "build_engine", build_engine)
-    monkeypatch.setattr(v4, "atom_decode", atom_decode)
-    monkeypatch.setattr(v4, "with_read_limit", lambda record, *_: record)
-    monkeypatch.setattr(v4, "emit", lines.append)
-    monkeypatch.setattr(v4.torch.cuda, "empty_cache", lambda: None)
+    seen, lines = fake_engines(monkeypatch, lambda: moe.DECODE_GEMV_OVERRIDE)
     v4.decode_by_moe_gemv("path", args, [1, 4], 100, 999, state_read=SimpleNamespace())
     assert seen == [
         (step, override, value)
@@ -66,31 +76,12 @@ def test_attn_split_cap_ab_builds_one_engine_per_cap(monkeypatch):
     """`--attn-split-cap 128 32`: each engine is built, and its steps run, under its cap in
     decode_attention.MAX_SPLITS; the module default is restored after."""
     from atom.kernels import decode_attention
-    from benchmarks import deepseek_v4_decode as v4
     from benchmarks import qwen3_next_decode as q3n
 
     default = decode_attention.MAX_SPLITS
     args = q3n.argparse.Namespace(attn_split_cap=[128, 32], context=64, steps=2)
     args.gpu_memory_utilization, args.shape, args.stream_read = 0.5, {}, None
-    seen, lines = [], []
-
-    class Engine:
-        def shutdown(self):
-            pass
-
-    def build_engine(path, max_len, batches, context, memory):
-        seen.append(("build", decode_attention.MAX_SPLITS, max_len))
-        return Engine()
-
-    def atom_decode(llm, batch, context, steps, vocab):
-        seen.append(("decode", decode_attention.MAX_SPLITS, batch))
-        return dict(case="decode", batch=batch, ms_per_step=1.0 + batch)
-
-    monkeypatch.setattr(v4, "build_engine", build_engine)
-    monkeypatch.setattr(v4, "atom_decode", atom_decode)
-    monkeypatch.setattr(v4, "with_read_limit", lambda record, *_: record)
-    monkeypatch.setattr(v4, "emit", lines.append)
-    monkeypatch.setattr(v4.torch.cuda, "empty_cache", lambda: None)
+    seen, lines = fake_engines(monkeypatch, lambda: decode_attention.MAX_SPLITS)
     q3n.decode_by_split_cap("path", args, [1], 100, 999)
     assert seen == [("build", 128, 999), ("decode", 128, 1), ("build", 32, 999), ("decode", 32, 1)]
     assert [line["attn_split_cap"] for line in lines[:-1]] == [128, 32]
