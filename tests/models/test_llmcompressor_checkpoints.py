@@ -18,8 +18,10 @@ Bounds (fp32 CPU):
   layers, 1e-6-sized summation-order differences (atom fuses q | k | v and gate | up) flip
   a few roundings (one e4m3 step is 1/16 relative) and the flips compound: measured, the
   last-token logits drift by 0.06-0.11 of the logit scale. So the whole-model checks are the
-  argmax of every prompt's last logits, the first 8 greedy tokens, and logits within 0.25 of
-  the scale; with the rounding switched off atom equals the decompressed model (greedy
+  argmax of every prompt's last logits, logits within 0.25 of the scale, and HF's greedy
+  path fed back to atom: each HF token atom's argmax or a near-tie, atom's own greedy tokens
+  equal to HF's up to the first near-tie (a fixed token count broke when a fresh quantization
+  put a 0.003-of-scale tie at the third token); with the rounding switched off atom equals the decompressed model (greedy
   tokens, logits within 1e-4: the weights are exact).
 """
 
@@ -150,6 +152,20 @@ def _close(got, expected, bound):
     assert (got - expected).abs().max() <= bound * scale, (got - expected).abs().max() / scale
 
 
+def _greedy_within_near_ties(llm, ids, got, expected, tie=0.02):
+    """HF's greedy path, fed to atom (teacher forcing): at every step HF's token is atom's
+    argmax or a near-tie (within `tie` of the logit scale; measured up to 0.005). atom's own
+    greedy tokens (paged decode) equal HF's up to the first near-tie, where a drift of
+    0.003 of the scale may pick the other token and the two texts part."""
+    forced = prefill_logits(llm, ids + expected)[len(ids) - 1 : len(ids) - 1 + len(expected)]
+    picked = forced.gather(1, torch.tensor(expected)[:, None])[:, 0]
+    gap = (forced.max(-1).values - picked) / forced.abs().max()
+    assert gap.max() <= tie, gap
+    ties = (forced.argmax(-1) != torch.tensor(expected)).nonzero()
+    agree = int(ties[0]) if len(ties) else len(expected)
+    assert got[:agree] == expected[:agree]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
 def test_int4_checkpoint_matches_hf_and_the_decompressed_model(quantized_smollm2, scheme):
@@ -183,7 +199,8 @@ def test_fp8_dynamic_checkpoint_matches_hf(quantized_smollm2, monkeypatch):
     # the whole model: rounding flips make the logits drift (module docstring)
     _close(logits, compressed["logits"], 0.25)
     assert torch.equal(logits.argmax(-1), compressed["logits"].argmax(-1))
-    assert [t[:8] for t in tokens] == [t[:8] for t in compressed["tokens"]]
+    for ids, got, expected in zip(PROMPTS, tokens, compressed["tokens"]):
+        _greedy_within_near_ties(llm, ids, got, expected)
     # weight-only (activations left unrounded): the decompressed model's fp32 weights exactly
     monkeypatch.setattr("atom.models.quantization.fp8.fp8_round_per_token", lambda x: x)
     _, logits, tokens = _atom(out / "quantized")
