@@ -2,7 +2,7 @@
 
     python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf] [--max-model-lens 8320 65536 1048576]
-        [--decode-splits auto 1] [--moe-gemv on off]
+        [--decode-splits auto 1] [--moe-gemv on off | --shared-pair on off]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
 window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
@@ -32,6 +32,8 @@ every batch, in one run: the A/B of the split decode kernel.
 
 `--moe-gemv on off [auto]` (atom only): the same, one engine per MoE decode path
 (`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice).
+`--shared-pair on off`: one engine with the shared expert as one more pair of the per-pair
+decode GEMV (`moe.SHARED_PAIR`), one with its own launches.
 """
 
 from __future__ import annotations
@@ -359,32 +361,48 @@ def decode_by_splits(path: str, args, batches: list[int], vocab: int, max_len: i
         v4_attention.SPLITS_OVERRIDE = None
 
 
-MOE_GEMV = {"on": True, "off": False, "auto": None}  # --moe-gemv: moe.DECODE_GEMV_OVERRIDE
+# the MoE A/B switches (atom only): option -> (atom.kernels.moe attribute, value per choice)
+MOE_SWITCHES = {
+    # the routed experts' decode path: per-pair GEMV, grouped GEMMs, or the rule's choice
+    "moe_gemv": ("DECODE_GEMV_OVERRIDE", {"on": True, "off": False, "auto": None}),
+    # the shared expert as one more pair of the per-pair GEMV, or its own launches
+    "shared_pair": ("SHARED_PAIR", {"on": True, "off": False}),
+}
 
 
-def decode_by_moe_gemv(path: str, args, batches: list[int], vocab: int, max_len: int,
-                       state_read=None) -> None:  # fmt: skip
-    """One engine per `--moe-gemv` value (its graphs captured with it): `on` / `off` force
-    the routed experts' per-pair GEMV / grouped GEMMs at every batch, `auto` keeps
-    `moe.use_decode_gemv`'s rule."""
+def decode_by_moe_switch(path: str, args, batches: list[int], vocab: int, max_len: int,
+                         state_read=None) -> None:  # fmt: skip
+    """One engine per value of the MoE switch given (`--moe-gemv` or `--shared-pair`; its
+    graphs captured with it), the module attribute restored after."""
     from atom.kernels import moe
 
+    label = "moe_gemv" if args.moe_gemv else "shared_pair"
+    attribute, choices = MOE_SWITCHES[label]
+    default = getattr(moe, attribute)
+
     def setup(value: str) -> int:
-        moe.DECODE_GEMV_OVERRIDE = MOE_GEMV[value]
+        setattr(moe, attribute, choices[value])
         return max_len
 
     try:
-        decode_per_setting(path, args, batches, vocab, args.moe_gemv, "moe_gemv", setup,
+        decode_per_setting(path, args, batches, vocab, getattr(args, label), label, setup,
                            state_read)  # fmt: skip
     finally:
-        moe.DECODE_GEMV_OVERRIDE = None
+        setattr(moe, attribute, default)
 
 
 def add_moe_gemv_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--moe-gemv", nargs="+", default=None, choices=list(MOE_GEMV),
+    """`--moe-gemv` and `--shared-pair`: one engine per value (atom only)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--moe-gemv", nargs="+", default=None, choices=list(MOE_SWITCHES["moe_gemv"][1]),
         help="atom only: one engine per MoE decode path (on: per-pair GEMV, off: grouped "
         "GEMMs, auto: the rule), e.g. `--moe-gemv on off`",
+    )  # fmt: skip
+    group.add_argument(
+        "--shared-pair", nargs="+", default=None, choices=list(MOE_SWITCHES["shared_pair"][1]),
+        help="atom only: one engine with the shared expert as one more pair of the per-pair "
+        "decode GEMV (on) and one with its own launches (off), e.g. `--shared-pair on off`",
     )  # fmt: skip
 
 
@@ -436,11 +454,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             decode_by_splits(path, args, batches, vocab, max_len)
             return 0
-        if args.moe_gemv:
+        if args.moe_gemv or args.shared_pair:
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
-            decode_by_moe_gemv(path, args, batches, vocab, max_len)
+            decode_by_moe_switch(path, args, batches, vocab, max_len)
             return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:

@@ -1,7 +1,7 @@
 """Qwen3-Next decode speed, atom beside HF transformers in one run, and state bytes.
 
     python -m benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
-        [--batches 1,64] [--steps 32] [--skip-hf] [--moe-gemv on off]
+        [--batches 1,64] [--steps 32] [--skip-hf] [--moe-gemv on off | --shared-pair on off]
         [--attn-split-cap 32 128]
 
 Random bf16 weights in a Qwen3-Next-80B-A3B shape with few layers (hidden 2048, GDN with 16
@@ -21,7 +21,9 @@ so both engines read the same weights. One JSON line each:
 `--moe-gemv on off [auto]` (atom only): one engine per MoE decode path
 (`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice),
 a `decode` line per batch each and a `moe_gemv_summary` line. `--moe-align ONE_HOT,WARPS`
-fixes the align kernel's geometry (the grouped path's) for every run.
+fixes the align kernel's geometry (the grouped path's) for every run. `--shared-pair on
+off` (atom only): one engine with the shared expert as one more pair of the per-pair GEMV
+(`moe.SHARED_PAIR`), one with its own launches.
 `--attn-split-cap 32 128` (atom only): one engine per split cap of the full-attention
 layers' paged decode (`decode_attention.MAX_SPLITS`, the merge kernel's tile): with 2 KV
 heads the default cap of 32 gives 64 programs at batch 1.
@@ -38,7 +40,7 @@ import torch
 from benchmarks.deepseek_v4_decode import (
     add_moe_gemv_option,
     atom_decode,
-    decode_by_moe_gemv,
+    decode_by_moe_switch,
     decode_headroom,
     decode_per_setting,
     emit,
@@ -222,14 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
-        if args.attn_split_cap or args.moe_gemv:  # atom only: one engine per setting
+        if args.attn_split_cap or args.moe_gemv or args.shared_pair:  # atom only: per setting
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
             if args.attn_split_cap:
                 decode_by_split_cap(path, args, batches, vocab, max_len)
             else:
-                decode_by_moe_gemv(path, args, batches, vocab, max_len, gdn_state_read)
+                decode_by_moe_switch(path, args, batches, vocab, max_len, gdn_state_read)
             return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:

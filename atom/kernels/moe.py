@@ -50,6 +50,7 @@ sum the k contributions in fp32 and round once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -561,6 +562,20 @@ def _grouped_pairs(
 # pairs repeat experts: so no more pairs than experts.
 DECODE_GEMV_MAX_PAIRS = 64
 DECODE_GEMV_OVERRIDE: bool | None = None  # True / False: that path at every pair count (A/B)
+# The per-pair GEMV runs a shared expert whose math is a routed expert's as one more pair a
+# token (``SharedExpert.weights``): its own GEMV launches saved. False: always its forward (A/B).
+SHARED_PAIR = True
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """A shared expert: ``forward(x)`` its output [T, H]; ``weights`` (gate [I, H], up [I, H],
+    down [H, I]) where it computes what a routed expert would with them (SwiGLU, the same
+    limit), which lets the per-pair decode GEMV run it as one more pair (weight 1) when
+    ``moe_gemv.fits_shared``; None: always ``forward``."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    weights: moe_gemv.SharedWeights | None = None
 
 
 def use_decode_gemv(num_pairs: int, num_experts: int) -> bool:
@@ -583,6 +598,7 @@ def fused_moe(
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     fp8_scales: Fp8Scales | None = None,
+    shared_expert: SharedExpert | None = None,
 ) -> torch.Tensor:
     """Routed experts through the Triton kernels on CUDA (or under TRITON_INTERPRET=1), the
     torch reference otherwise. No host sync; fixed buffer sizes for a given T. With
@@ -591,17 +607,22 @@ def fused_moe(
     over k and that epilogue in one launch (atom/kernels/moe_combine.py). Few pairs
     (``use_decode_gemv``) run one GEMV per pair (atom/kernels/moe_gemv.py), more the
     grouped GEMMs; given ``tiles`` (the grouped GEMMs'), always the grouped GEMMs.
+    ``shared_expert`` (instead of ``shared``): the per-pair GEMV runs it as one more pair a
+    token where its weights fit (``SHARED_PAIR``), else its forward gives ``shared``.
 
     ``fp8_scales``: the weights are float8_e4m3fn and the grouped GEMMs dequantize each tile
     as they read it, at every pair count (the per-pair GEMV reads x's dtype only). The
     reference dequantizes every expert first; so do the kernels where a scale block's
     columns hold no power-of-2 chunk of 16 or more, or on a GPU without e4m3 conversions."""
+    assert shared is None or shared_expert is None, "shared or shared_expert, not both"
     if not use_triton(x):
         if fp8_scales is not None:
             gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
         routed = routed_experts_reference(
             x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down
         )
+        if shared_expert is not None:
+            shared = shared_expert.forward(x)
         return routed if shared is None else add_shared(routed, shared, x, shared_gate)
     num_tokens, hidden = x.shape
     num_experts, two_intermediate, _ = gate_up_proj.shape
@@ -618,10 +639,18 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit, weight_before_down)
     if tiles is None and fp8_scales is None and use_decode_gemv(num_pairs, num_experts):
+        weights = None if shared_expert is None else shared_expert.weights
+        if SHARED_PAIR and weights is not None and moe_gemv.fits_shared(weights, x, gate_up_proj):
+            # [T, k + 1, H]: each token's k routed rows, then its shared expert's
+            per_pair = moe_gemv.routed_pairs(*args, shared=weights)
+            per_pair = per_pair.view(num_tokens, top_k + 1, hidden)
+            return moe_combine(per_pair[:, :top_k], per_pair[:, top_k], x, shared_gate)
         per_pair = moe_gemv.routed_pairs(*args)
     else:
         tiles = tiles or default_tiles(num_pairs, num_experts)
         per_pair = _grouped_pairs(*args, tiles, fp8_scales)
+    if shared_expert is not None:
+        shared = shared_expert.forward(x)
     if shared is not None:
         return moe_combine(per_pair.view(num_tokens, top_k, hidden), shared, x, shared_gate)
     if top_k == 1:

@@ -3,7 +3,9 @@ plus the shared expert's output, optionally scaled by a sigmoid gate (Qwen3-Next
 ``sigmoid(shared_expert_gate(x)) * shared``).
 
 Shapes and dtypes (T tokens, k experts per token, hidden H):
-    per_pair     [T, k, H] x's dtype, contiguous (the down kernel's output, times its weight)
+    per_pair     [T, k, H] x's dtype, each token's k rows contiguous (the down kernel's output,
+                 times its weight; with the shared expert as one more pair, a [T, k + 1, H]
+                 buffer's first k rows, ``shared`` its last)
     shared       [T, H] x's dtype, unit stride inside a row
     x            [T, H] the layer's input (the gate's), unit stride inside a row
     shared_gate  [1, H] the gate's weight (``nn.Linear(H, 1)``), x's dtype, or None
@@ -39,11 +41,12 @@ except ImportError:  # no Triton (e.g. macOS): keep the module importable for th
 
 @triton.jit
 def _moe_combine_kernel(
-    per_pair_ptr,  # [T, K, H] contiguous
+    per_pair_ptr,  # [T, K, H], unit stride inside a token's K rows
     shared_ptr,  # [T, H]
     x_ptr,  # [T, H] (HAS_GATE)
     gate_ptr,  # [H] (HAS_GATE)
     out_ptr,  # out [T, H] contiguous
+    stride_pair_token,
     stride_shared,
     stride_x,
     HIDDEN: tl.constexpr,
@@ -59,7 +62,7 @@ def _moe_combine_kernel(
 
     routed = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
-        row = per_pair_ptr + (token * K + j) * HIDDEN
+        row = per_pair_ptr + token * stride_pair_token + j * HIDDEN
         routed += tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     routed = routed.to(dtype).to(tl.float32)
     shared = tl.load(shared_ptr + token * stride_shared + offs, mask=mask, other=0.0)
@@ -88,7 +91,8 @@ def moe_combine(
     if not use_triton(per_pair):
         return moe_combine_reference(per_pair, shared, x, shared_gate)
     tokens, top_k, hidden = per_pair.shape
-    assert per_pair.is_contiguous() and shared.stride(-1) == 1 and x.stride(-1) == 1
+    assert per_pair.stride(2) == 1 and per_pair.stride(1) == hidden
+    assert shared.stride(-1) == 1 and x.stride(-1) == 1
     out = torch.empty(tokens, hidden, dtype=per_pair.dtype, device=per_pair.device)
     if tokens == 0:
         return out
@@ -97,7 +101,7 @@ def moe_combine(
     block_h = min(512, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
         per_pair, shared, x, shared_gate if shared_gate is not None else x, out,
-        shared.stride(0), x.stride(0),
+        per_pair.stride(0), shared.stride(0), x.stride(0),
         HIDDEN=hidden, K=top_k, HAS_GATE=shared_gate is not None, BLOCK_H=block_h,
         BLOCK_D=min(1024, triton.next_power_of_2(hidden)), num_warps=4,
     )  # fmt: skip

@@ -53,34 +53,40 @@ def _moe_gate_up_gemv_kernel(
     out_ptr,  # out [T * k, I] act(gate | up) by pair
     topk_ids_ptr,  # [T * k]
     topk_weights_ptr,  # [T * k], read with WEIGHT_FIRST
+    shared_gate_ptr,  # SHARED: the shared expert's gate rows [I, H] (its own row stride)
+    shared_up_ptr,  # SHARED: its up rows [I, H]
     swiglu_limit,
     stride_x,
     stride_gate_up_expert,
     stride_gate_up_row,
     stride_out,
+    stride_shared_row,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
     TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,  # one more pair per token: the shared expert (weight 1)
     HAS_LIMIT: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,  # act * routing weight (then rounded), for the down GEMV
     BLOCK_N: tl.constexpr,  # out columns per program, of both the gate and the up half
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # > 1: the K loop's loads pipelined through shared memory
 ):
-    # Program (pair, n): out columns [n * BLOCK_N, ...) of pair p = t * k + j.
+    # Program (pair, n): out columns [n * BLOCK_N, ...) of pair p = t * k + j, or with
+    # SHARED p = t * (k + 1) + j, j == k the shared expert.
     pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    token = pair // TOP_K
+    token, routed, is_shared = _pair(pair, TOP_K, SHARED)
+    expert = tl.load(topk_ids_ptr + routed, mask=is_shared == 0, other=0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTERMEDIATE
     offs_k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + token * stride_x
-    gate_rows = (
-        gate_up_ptr
-        + expert * stride_gate_up_expert
-        + offs_n.to(tl.int64)[:, None] * stride_gate_up_row
-    )
+    rows = offs_n.to(tl.int64)[:, None]
+    gate_rows = gate_up_ptr + expert * stride_gate_up_expert + rows * stride_gate_up_row
     up_rows = gate_rows + INTERMEDIATE * stride_gate_up_row
+    if SHARED:
+        if is_shared:
+            gate_rows = shared_gate_ptr + rows * stride_shared_row
+            up_rows = shared_up_ptr + rows * stride_shared_row
 
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -102,10 +108,20 @@ def _moe_gate_up_gemv_kernel(
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     act = silu * up
-    if WEIGHT_FIRST:
-        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        act = act.to(dtype).to(tl.float32) * weight
+    if WEIGHT_FIRST:  # the shared expert's weight is 1: its act rounded once, as unweighted
+        weight = tl.load(topk_weights_ptr + routed, mask=is_shared == 0, other=1.0)
+        act = act.to(dtype).to(tl.float32) * weight.to(tl.float32)
     tl.store(out_ptr + pair * stride_out + offs_n, act.to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _pair(pair, TOP_K: tl.constexpr, SHARED: tl.constexpr):
+    """(token, index into topk_ids / topk_weights, whether the pair is the shared expert)."""
+    if SHARED:
+        token = pair // (TOP_K + 1)
+        j = pair % (TOP_K + 1)
+        return token, token * TOP_K + j, j == TOP_K
+    return pair // TOP_K, pair, pair < 0
 
 
 @triton.jit
@@ -115,12 +131,16 @@ def _moe_down_gemv_kernel(
     out_ptr,  # out [T * k, H] by pair, times its routing weight
     topk_ids_ptr,  # [T * k]
     topk_weights_ptr,  # [T * k]
+    shared_down_ptr,  # SHARED: the shared expert's down rows [H, I]
     stride_hidden,
     stride_down_expert,
     stride_down_row,
     stride_out,
+    stride_shared_row,
     HIDDEN: tl.constexpr,
     INTERMEDIATE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    SHARED: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr,  # the gate/up kernel applied the routing weight already
     BLOCK_N: tl.constexpr,  # out columns (rows of down) per program
     BLOCK_K: tl.constexpr,
@@ -128,14 +148,17 @@ def _moe_down_gemv_kernel(
 ):
     # Program (pair, n): out columns [n * BLOCK_N, ...) of pair p.
     pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    _, routed, is_shared = _pair(pair, TOP_K, SHARED)
+    expert = tl.load(topk_ids_ptr + routed, mask=is_shared == 0, other=0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < HIDDEN
     offs_k = tl.arange(0, BLOCK_K)
     hidden_row = hidden_ptr + pair * stride_hidden
-    down_rows = (
-        down_ptr + expert * stride_down_expert + offs_n.to(tl.int64)[:, None] * stride_down_row
-    )
+    rows = offs_n.to(tl.int64)[:, None]
+    down_rows = down_ptr + expert * stride_down_expert + rows * stride_down_row
+    if SHARED:
+        if is_shared:
+            down_rows = shared_down_ptr + rows * stride_shared_row
 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, INTERMEDIATE, BLOCK_K, num_stages=NUM_STAGES):
@@ -147,9 +170,9 @@ def _moe_down_gemv_kernel(
 
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=1)
-    if not WEIGHT_FIRST:
-        weight = tl.load(topk_weights_ptr + pair).to(tl.float32)
-        y = y.to(dtype).to(tl.float32) * weight
+    if not WEIGHT_FIRST:  # the shared expert's weight is 1 (its output rounded once)
+        weight = tl.load(topk_weights_ptr + routed, mask=is_shared == 0, other=1.0)
+        y = y.to(dtype).to(tl.float32) * weight.to(tl.float32)
     tl.store(out_ptr + pair * stride_out + offs_n, y.to(dtype), mask=n_mask)
 
 
@@ -188,19 +211,23 @@ def routed_pairs(
     down_proj: torch.Tensor,
     swiglu_limit: float | None = None,
     weight_before_down: bool = False,
+    shared: SharedWeights | None = None,
 ) -> torch.Tensor:
     """[T * k, H] in x's dtype: row t * k + j is expert ``topk_ids[t, j]`` of x[t] times
-    ``topk_weights[t, j]`` (two launches, no host sync). The caller (``moe.fused_moe``)
+    ``topk_weights[t, j]`` (two launches, no host sync). With ``shared`` (``fits_shared``)
+    [T * (k + 1), H]: row t * (k + 1) + k is the shared expert of x[t] (weight 1, the same
+    activation and rounding points as a routed expert). The caller (``moe.fused_moe``)
     checks the shapes and sums over k."""
     num_tokens, hidden = x.shape
     intermediate = down_proj.shape[2]
     top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
+    num_pairs = num_tokens * (top_k + (shared is not None))
     ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)  # views of topk's outputs
     gate_up_tiles, down_tiles = TILES_OVERRIDE or (
         gemv_tiles(intermediate, hidden, weight_tiles=2),
         gemv_tiles(hidden, intermediate),
     )
+    gate, up, down = (gate_up_proj, gate_up_proj, down_proj) if shared is None else shared
 
     hidden_states = torch.empty(num_pairs, intermediate, dtype=x.dtype, device=x.device)
     _moe_gate_up_gemv_kernel[(num_pairs, triton.cdiv(intermediate, gate_up_tiles.block_n))](
@@ -209,14 +236,18 @@ def routed_pairs(
         hidden_states,
         ids,
         weights,
+        gate,
+        up,
         0.0 if swiglu_limit is None else float(swiglu_limit),
         x.stride(0),
         gate_up_proj.stride(0),
         gate_up_proj.stride(1),
         hidden_states.stride(0),
+        gate.stride(-2),
         HIDDEN=hidden,
         INTERMEDIATE=intermediate,
         TOP_K=top_k,
+        SHARED=shared is not None,
         HAS_LIMIT=swiglu_limit is not None,
         WEIGHT_FIRST=weight_before_down,
         BLOCK_N=gate_up_tiles.block_n,
@@ -231,12 +262,16 @@ def routed_pairs(
         per_pair,
         ids,
         weights,
+        down,
         hidden_states.stride(0),
         down_proj.stride(0),
         down_proj.stride(1),
         per_pair.stride(0),
+        down.stride(-2),
         HIDDEN=hidden,
         INTERMEDIATE=intermediate,
+        TOP_K=top_k,
+        SHARED=shared is not None,
         WEIGHT_FIRST=weight_before_down,
         BLOCK_N=down_tiles.block_n,
         BLOCK_K=down_tiles.block_k,
@@ -244,3 +279,22 @@ def routed_pairs(
         num_warps=down_tiles.num_warps,
     )
     return per_pair
+
+
+SharedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate [I, H], up, down [H, I]
+
+
+def fits_shared(shared: SharedWeights, x: torch.Tensor, gate_up_proj: torch.Tensor) -> bool:
+    """Whether ``routed_pairs`` can run a shared expert as one more pair: gate and up [I, H],
+    down [H, I] with the routed experts' I and H, x's dtype, unit stride inside a row, and
+    gate and up with one row stride."""
+    gate, up, down = shared
+    _, two_intermediate, hidden = gate_up_proj.shape
+    rows = (two_intermediate // 2, hidden)
+    return (
+        tuple(gate.shape) == tuple(up.shape) == rows
+        and tuple(down.shape) == rows[::-1]
+        and gate.dtype == up.dtype == down.dtype == x.dtype
+        and gate.stride(-1) == up.stride(-1) == down.stride(-1) == 1
+        and gate.stride(-2) == up.stride(-2)
+    )

@@ -31,7 +31,7 @@ from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
-from atom.models.moe import routed_experts
+from atom.models.moe import SharedExpert, routed_experts
 from atom.models.parallel_layers import linear
 
 
@@ -312,10 +312,14 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x, input_ids)
-        # routed + shared: on CUDA in the launch that sums the routed experts over k
+        # routed + shared: on CUDA in the launch that sums the routed experts over k, and at
+        # decode the shared expert one more pair of their GEMVs (a routed expert's math:
+        # SwiGLU with the same clamp)
+        mlp = self.shared_experts
+        halves = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         return routed_experts(
             x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
-            shared=self.shared_experts(x),
+            shared_expert=SharedExpert(mlp, halves),
         )  # fmt: skip
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor):

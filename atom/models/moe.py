@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels.moe import Fp8Scales, fused_moe, routed_experts_reference
+from atom.kernels.moe import Fp8Scales, SharedExpert, fused_moe, routed_experts_reference
 from atom.kernels.moe_combine import add_shared
 from atom.kernels.platform import use_cuda_path
 
@@ -28,6 +28,7 @@ def routed_experts(
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     fp8_scales: Fp8Scales | None = None,
+    shared_expert: SharedExpert | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])`` as ``[T, H]`` in x's dtype.
 
@@ -42,12 +43,17 @@ def routed_experts(
     the launch that sums over k (the same rounding points as the separate add).
     ``fp8_scales``: both weights are float8_e4m3fn with these block scales (DeepSeek-V2/V3's
     FP8 experts), which the CUDA path's kernels read as they are; the reference dequantizes
-    every expert first.
+    every expert first. ``shared_expert`` (instead of ``shared``): the shared expert's
+    forward and, where it is a routed expert's math, its weights, which the per-pair decode
+    GEMV on CUDA runs as one more pair a token (``atom.kernels.moe.SharedExpert``).
     """
     if use_cuda_path(x):
         args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)
         options = dict(weight_before_down=weight_before_down, fp8_scales=fp8_scales)
-        return fused_moe(*args, **options, shared=shared, shared_gate=shared_gate)
+        shared_options = dict(shared=shared, shared_gate=shared_gate, shared_expert=shared_expert)
+        return fused_moe(*args, **options, **shared_options)
+    if shared_expert is not None:
+        shared = shared_expert.forward(x)
     if fp8_scales is not None:
         gate_up_proj, down_proj = fp8_scales.dequantize(gate_up_proj, down_proj, x.dtype)
     args = (x, topk_weights, topk_ids, gate_up_proj, down_proj, swiglu_limit)

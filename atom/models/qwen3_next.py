@@ -42,7 +42,7 @@ from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.kernels.rotary import apply_rotary
 from atom.models.layers import RMSNorm, rope_parameters
 from atom.models.loader import ModelLoadError
-from atom.models.moe import routed_experts
+from atom.models.moe import SharedExpert, routed_experts
 from atom.models.parallel_layers import linear
 
 
@@ -261,13 +261,16 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_expert(x)
         weights, ids = self.route(x)
         # routed + sigmoid(shared_expert_gate(x)) * shared: on CUDA in the launch that sums
-        # the routed experts over k
+        # the routed experts over k, and at decode the shared expert one more pair of their
+        # GEMVs (a routed expert's math: SwiGLU, no clamp)
+        mlp = self.shared_expert
+        inter = mlp.gate_up_proj.shape[0] // 2
+        halves = (mlp.gate_up_proj[:inter], mlp.gate_up_proj[inter:], mlp.down_proj.weight)
         return routed_experts(
             x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj,
-            shared=shared, shared_gate=self.shared_expert_gate.weight,
+            shared_gate=self.shared_expert_gate.weight, shared_expert=SharedExpert(mlp, halves),
         )  # fmt: skip
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,7 +61,7 @@ def test_moe_gemv_ab_builds_one_engine_per_path(monkeypatch):
     args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
     args.shape, args.stream_read = {}, None
     seen, lines = fake_engines(monkeypatch, lambda: moe.DECODE_GEMV_OVERRIDE)
-    v4.decode_by_moe_gemv("path", args, [1, 4], 100, 999, state_read=SimpleNamespace())
+    v4.decode_by_moe_switch("path", args, [1, 4], 100, 999, state_read=SimpleNamespace())
     assert seen == [
         (step, override, value)
         for override in (True, False, None)
@@ -70,6 +70,28 @@ def test_moe_gemv_ab_builds_one_engine_per_path(monkeypatch):
     assert [line["moe_gemv"] for line in lines[:-1]] == ["on", "on", "off", "off", "auto", "auto"]
     assert lines[-1]["case"] == "moe_gemv_summary"
     assert moe.DECODE_GEMV_OVERRIDE is None
+
+
+def test_shared_pair_ab_builds_one_engine_per_value(monkeypatch):
+    """`--shared-pair off on`: each engine is built, and its steps run, with moe.SHARED_PAIR
+    as asked; the default (on) is restored after."""
+    import argparse
+
+    from atom.kernels import moe
+    from benchmarks import deepseek_v4_decode as v4
+
+    parser = argparse.ArgumentParser()
+    v4.add_moe_gemv_option(parser)
+    args = parser.parse_args(["--shared-pair", "off", "on"])
+    args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
+    args.shape, args.stream_read = {}, None
+    seen, lines = fake_engines(monkeypatch, lambda: moe.SHARED_PAIR)
+    v4.decode_by_moe_switch("path", args, [1], 100, 999)
+    assert seen == [("build", False, 999), ("decode", False, 1), ("build", True, 999),
+                    ("decode", True, 1)]  # fmt: skip
+    assert [line["shared_pair"] for line in lines[:-1]] == ["off", "on"]
+    assert lines[-1]["case"] == "shared_pair_summary"
+    assert moe.SHARED_PAIR is True
 
 
 def test_attn_split_cap_ab_builds_one_engine_per_cap(monkeypatch):

@@ -128,6 +128,92 @@ def test_gemv_with_shared_expert(monkeypatch, gated):
     torch.testing.assert_close(out, grouped, rtol=1e-5, atol=1e-5)
 
 
+def _shared_expert(hidden, intermediate, dtype, seed, limit=None, weight_before_down=False):
+    """A shared expert with a routed expert's math (SwiGLU, the same clamp) and its own
+    weights; its forward is the reference's expert 0 with weight 1 (what the models run)."""
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(1, 2 * intermediate, hidden, generator=generator) * hidden**-0.5
+    down = torch.randn(1, hidden, intermediate, generator=generator) * intermediate**-0.5
+    gate_up, down = gate_up.to(DEVICE, dtype), down.to(DEVICE, dtype)
+
+    def forward(x):
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        ones = torch.ones(x.shape[0], 1, device=x.device)
+        return moe.routed_experts_reference(x, ones, ids, gate_up, down, limit, weight_before_down)
+
+    halves = (gate_up[0, :intermediate], gate_up[0, intermediate:], down[0])
+    return moe.SharedExpert(forward, halves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weight_before_down", [False, True])
+@pytest.mark.parametrize("swiglu_limit", [None, 0.5])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (3, 1), (2, 3)])
+def test_shared_expert_as_one_more_pair(
+    monkeypatch, num_tokens, top_k, gated, swiglu_limit, weight_before_down, dtype
+):
+    """The shared expert run as pair t * (k + 1) + k of the GEMVs equals its forward added
+    by moe_combine (the separate path), and the reference's ops; the pair path launches
+    neither of the forward's GEMMs (it is never called)."""
+    args = _inputs(num_tokens, 8, top_k, 64, 32, dtype, 7)
+    options = dict(swiglu_limit=swiglu_limit, weight_before_down=weight_before_down)
+    shared = _shared_expert(64, 32, dtype, 8, swiglu_limit, weight_before_down)
+    generator = torch.Generator().manual_seed(9)
+    gate = (torch.randn(1, 64, generator=generator) / 8).to(DEVICE, dtype) if gated else None
+    separate = _fused(monkeypatch, True, *args, **options, shared=shared.forward(args[0]),
+                      shared_gate=gate)  # fmt: skip
+    calls = []
+    counted = moe.SharedExpert(lambda x: calls.append(x) or shared.forward(x), shared.weights)
+    out = _fused(monkeypatch, True, *args, **options, shared_gate=gate, shared_expert=counted)
+    assert calls == []
+    routed = moe.routed_experts_reference(*args, **options)
+    expected = moe_combine_reference(routed[:, None], shared.forward(args[0]), args[0], gate)
+    torch.testing.assert_close(out, separate, **_tolerance(dtype))
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+    # the grouped GEMMs (and a pair count past the rule) call the forward instead
+    grouped = _fused(monkeypatch, False, *args, **options, shared_gate=gate, shared_expert=counted)
+    assert len(calls) == 1
+    torch.testing.assert_close(grouped, expected, **_tolerance(dtype))
+
+
+def test_shared_pair_exact_in_fp32(monkeypatch):
+    """Integer inputs (every sum exact in any order): the shared pair equals its forward
+    plus the routed sum to the bit."""
+    args = _integer_inputs([[0, 3], [3, 5]], num_experts=6)
+    shared = moe.SharedExpert(
+        lambda x: moe.routed_experts_reference(
+            x, torch.ones(x.shape[0], 1, device=x.device),
+            torch.full((x.shape[0], 1), 1, device=x.device), *args[3:],
+        ),
+        (args[3][1, :32], args[3][1, 32:], args[4][1]),  # expert 1's weights, no pair's
+    )
+    out = _fused(monkeypatch, True, *args, shared_expert=shared)
+    assert torch.equal(out, moe.routed_experts_reference(*args) + shared.forward(args[0]))
+
+
+def test_shared_weights_that_do_not_fit_run_the_forward(monkeypatch):
+    """Another intermediate size, dtype or a transposed weight: the forward runs (and the
+    switch SHARED_PAIR off does the same)."""
+    args = _inputs(1, 8, 2, 64, 32, torch.float32, 7)
+    base = _shared_expert(64, 32, torch.float32, 8)
+    gate, up, down = base.weights
+    wide = _shared_expert(64, 48, torch.float32, 8)
+    for weights in (wide.weights, (gate.half(), up.half(), down.half()), (gate, up, down.t())):
+        assert not moe_gemv.fits_shared(weights, args[0], args[3])
+    assert moe_gemv.fits_shared(base.weights, args[0], args[3])
+    calls = []
+    for forward_of, weights in ((wide, wide.weights), (base, (gate, up, down.t()))):
+        expert = moe.SharedExpert(lambda x, f=forward_of: calls.append(1) or f.forward(x), weights)
+        out = _fused(monkeypatch, True, *args, shared_expert=expert)
+        expected = moe.routed_experts_reference(*args) + forward_of.forward(args[0])
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(moe, "SHARED_PAIR", False)
+    _fused(monkeypatch, True, *args, shared_expert=moe.SharedExpert(
+        lambda x: calls.append(1) or base.forward(x), base.weights))  # fmt: skip
+    assert len(calls) == 3
+
+
 def test_gemv_tiles_override(monkeypatch):
     """Fixed tiles: several K chunks (pipelined) with a masked tail, column tiles past the
     end of I and H."""
@@ -204,6 +290,22 @@ def test_gemv_bf16_cuda(monkeypatch, shape, num_tokens, swiglu_limit):
     scale = expected.float().abs().max()
     assert (out.float() - expected.float()).abs().max() <= 2e-2 * scale
     assert (out.float() - grouped.float()).abs().max() <= 2e-2 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_shared_pair_bf16_cuda(monkeypatch, shape, num_tokens):
+    """The shared expert as one more pair against its forward added apart (V4's clamp on
+    its shape), at the models' shapes."""
+    limit = 10.0 if shape == "deepseek-v4" else None
+    dims = SHAPES[shape]
+    args = _inputs(num_tokens, **dims, dtype=torch.bfloat16, seed=4)
+    shared = _shared_expert(dims["hidden"], dims["intermediate"], torch.bfloat16, 5, limit)
+    out = _fused(monkeypatch, True, *args, limit, shared_expert=shared)
+    expected = moe.routed_experts_reference(*args, limit) + shared.forward(args[0])
+    scale = expected.float().abs().max()
+    assert (out.float() - expected.float()).abs().max() <= 2e-2 * scale
 
 
 @pytest.mark.gpu

@@ -215,14 +215,21 @@ KERNELS = {
     # MoE at decode, one GEMV per (token, k) pair: the pairs come from the grid
     (moe_gemv, "_moe_gate_up_gemv_kernel"): (
         [],
-        ["swiglu_limit", "stride_x", "stride_gate_up_expert", "stride_gate_up_row", "stride_out"],
+        [
+            "swiglu_limit",
+            "stride_x",
+            "stride_gate_up_expert",
+            "stride_gate_up_row",
+            "stride_out",
+            "stride_shared_row",
+        ],
     ),
     (moe_gemv, "_moe_down_gemv_kernel"): (
         [],
-        ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out"],
+        ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out", "stride_shared_row"],
     ),
     # the sum over k with the (gated) shared expert: tokens come from the grid
-    (moe_combine, "_moe_combine_kernel"): ([], ["stride_shared", "stride_x"]),
+    (moe_combine, "_moe_combine_kernel"): ([], ["stride_pair_token", "stride_shared", "stride_x"]),
     # GDN: rows come from the grid, sequence bounds from cu_seqlens in device memory;
     # the scratch slot is the state-slot count (fixed by the engine's configuration).
     (gdn_conv, "_conv1d_update_kernel"): ([], ["stride_x", "stride_out", "scratch_slot"]),
@@ -369,6 +376,7 @@ DEVICE_FUNCTIONS = {
     (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
     (v4_mhc, "_split_tile"),
+    (moe_gemv, "_pair"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),
     (v41_quant, "_e4m3"),
@@ -946,6 +954,16 @@ def test_fused_moe_decode_gemv_one_variant(monkeypatch, swiglu_limit):
     assert_one_variant(moe_gemv, kernels, run)
     monkeypatch.setattr(moe, "DECODE_GEMV_OVERRIDE", True)
     assert_one_variant(moe_gemv, kernels, run)
+    # the shared expert as one more pair a token: one more variant of each, for every length
+    intermediate = down.shape[2]
+    halves = (gate_up[0, :intermediate], gate_up[0, intermediate:], down[0])
+    shared = moe.SharedExpert(lambda t: torch.zeros_like(t), halves)
+
+    def run_shared(n):
+        moe.fused_moe(x[:n], weights[:n], ids[:n], gate_up, down, swiglu_limit,
+                      shared_expert=shared)  # fmt: skip
+
+    assert_one_variant(moe_gemv, kernels, run_shared)
 
 
 @pytest.mark.gpu
