@@ -7,8 +7,8 @@ a `save_pretrained` directory loads; per-expert checkpoint names load too).
   linear layer runs on the mha backend (no state).
 - gated attention: q_proj yields per head the query and an output gate (sigmoid); q/k
   RMSNorm over the head dim; partial neox rope (`partial_rotary_factor`).
-- GDN: in_proj_qkvz / in_proj_ba in HF's per-k-head grouped order, causal depthwise conv
-  (SiLU) over the mixed q|k|v, gated delta rule with g = -exp(A_log) * softplus(a + dt_bias)
+- GDN: in_proj_qkvz / in_proj_ba (loaded into one weight, `in_proj`: one GEMV at batch 1) in
+  HF's per-k-head grouped order, causal depthwise conv (SiLU) over the mixed q|k|v, gated delta rule with g = -exp(A_log) * softplus(a + dt_bias)
   and beta = sigmoid(b), gated RMSNorm (silu(z)) on the output.
 - MoE: softmax top-k router (renormalised with `norm_topk_prob`), experts through
   atom/models/moe.py `routed_experts`, a shared expert scaled by sigmoid(shared_expert_gate).
@@ -54,6 +54,7 @@ def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MLP_HALF = re.compile(r"(.*\.(?:mlp|shared_expert))\.(gate_proj|up_proj)\.weight$")
+_IN_PROJ = re.compile(r"(.*\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight$")
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -171,8 +172,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             2 * key_dim + value_dim, 2 * key_dim + value_dim, kernel, bias=False,
             groups=2 * key_dim + value_dim, padding=kernel - 1,
         )  # fmt: skip
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * key_dim + 2 * value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        # HF's in_proj_qkvz and in_proj_ba as one weight (their rows in that order): one
+        # GEMV at batch 1 where HF runs two; `qkvz_rows` splits the output
+        self.qkvz_rows = 2 * key_dim + 2 * value_dim
+        self.in_proj = nn.Parameter(torch.empty(self.qkvz_rows + 2 * self.num_v_heads, hidden))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
@@ -186,13 +189,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             return self._forward_fused(hidden)
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
-        qkvz = _linear(hidden, self.in_proj_qkvz).view(count, self.num_k_heads, -1)
+        qkvz_weight, ba_weight = self.in_proj.split([self.qkvz_rows, len(self.A_log) * 2])
+        qkvz = linear(hidden, qkvz_weight).view(count, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([dk, dk, ratio * dv, ratio * dv], dim=-1)
-        b, a = (
-            _linear(hidden, self.in_proj_ba)
-            .view(count, self.num_k_heads, -1)
-            .split([ratio, ratio], -1)
-        )
+        b, a = linear(hidden, ba_weight).view(count, self.num_k_heads, -1).split([ratio, ratio], -1)
         mixed = torch.cat([q.reshape(count, -1), k.reshape(count, -1), v.reshape(count, -1)], -1)
         beta = b.reshape(count, -1).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(count, -1).float() + self.dt_bias)
@@ -205,10 +205,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         the split into the conv's input, g and beta; the gated norm reading z in place."""
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
-        qkvz = _linear(hidden, self.in_proj_qkvz)
+        qkvz, ba = linear(hidden, self.in_proj).split([self.qkvz_rows, len(self.A_log) * 2], -1)
         mixed, g, beta = gdn_split(
-            qkvz, _linear(hidden, self.in_proj_ba), self.A_log, self.dt_bias,
-            self.num_k_heads, dk, dv,
+            qkvz, ba, self.A_log, self.dt_bias, self.num_k_heads, dk, dv
         )  # fmt: skip
         out = self.attn(mixed, self.conv1d.weight[:, 0], g, beta)  # [T, Hv, Dv]
         z = qkvz.view(count, self.num_k_heads, -1)[..., 2 * dk + ratio * dv :]
@@ -395,6 +394,17 @@ class Qwen3NextForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            in_proj = _IN_PROJ.match(name)
+            if in_proj is not None:  # a GDN projection: its rows of in_proj
+                target, part = f"{in_proj.group(1)}.in_proj", in_proj.group(2)
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                rows = self.get_submodule(in_proj.group(1)).qkvz_rows
+                dest = param.data[:rows] if part == "in_proj_qkvz" else param.data[rows:]
+                _copy(dest, tensor, name)
+                loaded.add(f"{target}#{part}")
+                continue
             match = _EXPERT.match(name)
             half = None if match is not None else _MLP_HALF.match(name)
             if half is not None:  # a dense MLP's gate / up: its half of gate_up_proj
@@ -431,6 +441,8 @@ class Qwen3NextForCausalLM(nn.Module):
             elif pname.endswith("experts.gate_up_proj") and pname in per_expert:
                 parts = ("gate_proj", "up_proj")
                 expected |= {f"{pname}#{e}.{p}" for e in range(param.shape[0]) for p in parts}
+            elif pname.endswith(".linear_attn.in_proj"):
+                expected |= {f"{pname}#in_proj_qkvz", f"{pname}#in_proj_ba"}
             elif pname.endswith("experts.down_proj") and pname in per_expert:
                 expected |= {f"{pname}#{e}.down_proj" for e in range(param.shape[0])}
             elif not (pname == "lm_head.weight" and self.tie_word_embeddings):
