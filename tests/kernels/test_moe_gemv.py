@@ -183,8 +183,10 @@ def test_shared_pair_exact_in_fp32(monkeypatch):
     args = _integer_inputs([[0, 3], [3, 5]], num_experts=6)
     shared = moe.SharedExpert(
         lambda x: moe.routed_experts_reference(
-            x, torch.ones(x.shape[0], 1, device=x.device),
-            torch.full((x.shape[0], 1), 1, device=x.device), *args[3:],
+            x,
+            torch.ones(x.shape[0], 1, device=x.device),
+            torch.full((x.shape[0], 1), 1, device=x.device),
+            *args[3:],
         ),
         (args[3][1, :32], args[3][1, 32:], args[4][1]),  # expert 1's weights, no pair's
     )

@@ -226,7 +226,13 @@ KERNELS = {
     ),
     (moe_gemv, "_moe_down_gemv_kernel"): (
         [],
-        ["stride_hidden", "stride_down_expert", "stride_down_row", "stride_out", "stride_shared_row"],
+        [
+            "stride_hidden",
+            "stride_down_expert",
+            "stride_down_row",
+            "stride_out",
+            "stride_shared_row",
+        ],
     ),
     # the sum over k with the (gated) shared expert: tokens come from the grid
     (moe_combine, "_moe_combine_kernel"): ([], ["stride_pair_token", "stride_shared", "stride_x"]),

@@ -309,3 +309,26 @@ def test_memory_profiling_forward_runs_without_a_cache(qwen3_next_dirs):
     with torch.no_grad():
         expected = hf(ids[None], output_hidden_states=True).hidden_states[-1][0]
     torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gdn_projections_load_into_their_rows_and_a_missing_one_is_named(qwen3_next_dirs):
+    """HF's in_proj_qkvz and in_proj_ba fill their row ranges of the one `in_proj` weight;
+    a checkpoint without in_proj_ba is refused naming it."""
+    from safetensors.torch import load_file
+
+    from atom.models.qwen3_next import Qwen3NextForCausalLM
+
+    path = qwen3_next_dirs["a"]
+    config = transformers.AutoConfig.from_pretrained(path)
+    tensors = load_file(f"{path}/model.safetensors")
+    model = Qwen3NextForCausalLM(config)
+    model.load_weights(tensors.items())
+    prefix = next(n for n in tensors if n.endswith("in_proj_qkvz.weight"))[
+        : -len("in_proj_qkvz.weight")
+    ]
+    gdn = model.get_submodule(prefix.rstrip("."))
+    qkvz, ba = tensors[f"{prefix}in_proj_qkvz.weight"], tensors[f"{prefix}in_proj_ba.weight"]
+    assert torch.equal(gdn.in_proj.data, torch.cat([qkvz, ba]))
+    partial = {n: t for n, t in tensors.items() if n != f"{prefix}in_proj_ba.weight"}
+    with pytest.raises(ValueError, match="in_proj#in_proj_ba"):
+        Qwen3NextForCausalLM(config).load_weights(partial.items())

@@ -199,7 +199,7 @@ def test_fp8_dynamic_checkpoint_matches_hf(quantized_smollm2, monkeypatch):
     # the whole model: rounding flips make the logits drift (module docstring)
     _close(logits, compressed["logits"], 0.25)
     assert torch.equal(logits.argmax(-1), compressed["logits"].argmax(-1))
-    for ids, got, expected in zip(PROMPTS, tokens, compressed["tokens"]):
+    for ids, got, expected in zip(PROMPTS, tokens, compressed["tokens"], strict=True):
         _greedy_within_near_ties(llm, ids, got, expected)
     # weight-only (activations left unrounded): the decompressed model's fp32 weights exactly
     monkeypatch.setattr("atom.models.quantization.fp8.fp8_round_per_token", lambda x: x)
