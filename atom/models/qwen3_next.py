@@ -156,6 +156,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
+    # the CUDA path multiplies by in_proj in one GEMM; False: by its qkvz and ba rows apart,
+    # as before they were one weight (benchmarks.qwen3_next_decode --in-proj's A/B)
+    ONE_IN_PROJ = True
+
     def __init__(self, config):
         super().__init__()
         self.num_k_heads, self.num_v_heads = (
@@ -205,7 +209,12 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         the split into the conv's input, g and beta; the gated norm reading z in place."""
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
-        qkvz, ba = linear(hidden, self.in_proj).split([self.qkvz_rows, len(self.A_log) * 2], -1)
+        if self.ONE_IN_PROJ:
+            qkvz, ba = linear(hidden, self.in_proj).split([self.qkvz_rows, len(self.A_log) * 2], -1)
+        else:
+            qkvz, ba = (
+                linear(hidden, w) for w in self.in_proj.split([self.qkvz_rows, len(self.A_log) * 2])
+            )
         mixed, g, beta = gdn_split(
             qkvz, ba, self.A_log, self.dt_bias, self.num_k_heads, dk, dv
         )  # fmt: skip

@@ -53,8 +53,11 @@ VARIANTS = {
         linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
     ),
-    # full first, then GDN, GDN, full; 1 k head / 1 v head; conv 3; dense MLP on layer 1
+    # full first, then GDN, GDN, full; 1 k head / 1 v head; conv 3; dense MLP on layer 1; a
+    # shared expert as wide as the routed ones (at decode on the CUDA path: one more pair of
+    # their GEMVs; "a"'s wider one runs apart)
     "b": dict(
+        shared_expert_intermediate_size=16,
         num_hidden_layers=4,
         layer_types=[FULL, LIN, LIN, FULL],
         num_attention_heads=2,
@@ -85,7 +88,7 @@ VARIANTS = {
 
 def _make(kind: str, root) -> str:
     torch.manual_seed(5)
-    config = transformers.Qwen3NextConfig(**COMMON, **VARIANTS[kind])
+    config = transformers.Qwen3NextConfig(**dict(COMMON, **VARIANTS[kind]))
     model = transformers.Qwen3NextForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
