@@ -2,7 +2,7 @@
 
     python -m benchmarks.deepseek_v4_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf] [--max-model-lens 8320 65536 1048576]
-        [--decode-splits auto 1] [--moe-gemv on off | --shared-pair on off]
+        [--decode-splits auto 1] [--moe-gemv on off | --shared-pair on off | --pdl-chain on off]
 
 Random bf16 weights in a V4 shape with few layers (hidden 4096, 64 heads, head_dim 512,
 window 128, CSA 4 / HCA 128, index_topk 512, 16 experts), saved once with HF's
@@ -33,7 +33,8 @@ every batch, in one run: the A/B of the split decode kernel.
 `--moe-gemv on off [auto]` (atom only): the same, one engine per MoE decode path
 (`moe.DECODE_GEMV_OVERRIDE`: the per-pair GEMV, the grouped GEMMs, or the rule's choice).
 `--shared-pair on off`: one engine with the shared expert as one more pair of the per-pair
-decode GEMV (`moe.SHARED_PAIR`), one with its own launches.
+decode GEMV (`moe.SHARED_PAIR`), one with its own launches. `--pdl-chain on off`: one
+engine with the MoE / GDN decode chain's small kernels under PDL (`pdl.CHAIN`), one without.
 """
 
 from __future__ import annotations
@@ -361,49 +362,63 @@ def decode_by_splits(path: str, args, batches: list[int], vocab: int, max_len: i
         v4_attention.SPLITS_OVERRIDE = None
 
 
-# the MoE A/B switches (atom only): option -> (atom.kernels.moe attribute, value per choice)
-MOE_SWITCHES = {
+# the decode A/B switches (atom only): option -> (module, attribute, value per choice)
+SWITCHES = {
     # the routed experts' decode path: per-pair GEMV, grouped GEMMs, or the rule's choice
-    "moe_gemv": ("DECODE_GEMV_OVERRIDE", {"on": True, "off": False, "auto": None}),
+    "moe_gemv": (
+        "atom.kernels.moe",
+        "DECODE_GEMV_OVERRIDE",
+        {"on": True, "off": False, "auto": None},
+    ),
     # the shared expert as one more pair of the per-pair GEMV, or its own launches
-    "shared_pair": ("SHARED_PAIR", {"on": True, "off": False}),
+    "shared_pair": ("atom.kernels.moe", "SHARED_PAIR", {"on": True, "off": False}),
+    # the MoE / GDN chain's small kernels under PDL, or launched without it
+    "pdl_chain": ("atom.kernels.pdl", "CHAIN", {"on": True, "off": False}),
+}
+SWITCH_HELP = {
+    "moe_gemv": "one engine per MoE decode path (on: per-pair GEMV, off: grouped GEMMs, "
+    "auto: the rule), e.g. `--moe-gemv on off`",
+    "shared_pair": "one engine with the shared expert as one more pair of the per-pair decode "
+    "GEMV (on), one with its own launches (off)",
+    "pdl_chain": "one engine with the MoE / GDN decode chain's small kernels under PDL (on), "
+    "one without (off)",
 }
 
 
-def decode_by_moe_switch(path: str, args, batches: list[int], vocab: int, max_len: int,
-                         state_read=None) -> None:  # fmt: skip
-    """One engine per value of the MoE switch given (`--moe-gemv` or `--shared-pair`; its
-    graphs captured with it), the module attribute restored after."""
-    from atom.kernels import moe
+def decode_by_switch(path: str, args, batches: list[int], vocab: int, max_len: int,
+                     state_read=None) -> None:  # fmt: skip
+    """One engine per value of the switch given (`--moe-gemv`, `--shared-pair` or
+    `--pdl-chain`; its graphs captured with it), the module attribute restored after."""
+    import importlib
 
-    label = "moe_gemv" if args.moe_gemv else "shared_pair"
-    attribute, choices = MOE_SWITCHES[label]
-    default = getattr(moe, attribute)
+    label = next(name for name in SWITCHES if getattr(args, name, None))
+    module_name, attribute, choices = SWITCHES[label]
+    module = importlib.import_module(module_name)
+    default = getattr(module, attribute)
 
     def setup(value: str) -> int:
-        setattr(moe, attribute, choices[value])
+        setattr(module, attribute, choices[value])
         return max_len
 
     try:
         decode_per_setting(path, args, batches, vocab, getattr(args, label), label, setup,
                            state_read)  # fmt: skip
     finally:
-        setattr(moe, attribute, default)
+        setattr(module, attribute, default)
 
 
-def add_moe_gemv_option(parser: argparse.ArgumentParser) -> None:
-    """`--moe-gemv` and `--shared-pair`: one engine per value (atom only)."""
+def add_switch_options(parser: argparse.ArgumentParser) -> None:
+    """`--moe-gemv`, `--shared-pair`, `--pdl-chain`: one engine per value (atom only)."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--moe-gemv", nargs="+", default=None, choices=list(MOE_SWITCHES["moe_gemv"][1]),
-        help="atom only: one engine per MoE decode path (on: per-pair GEMV, off: grouped "
-        "GEMMs, auto: the rule), e.g. `--moe-gemv on off`",
-    )  # fmt: skip
-    group.add_argument(
-        "--shared-pair", nargs="+", default=None, choices=list(MOE_SWITCHES["shared_pair"][1]),
-        help="atom only: one engine with the shared expert as one more pair of the per-pair "
-        "decode GEMV (on) and one with its own launches (off), e.g. `--shared-pair on off`",
-    )  # fmt: skip
+    for name, (_, _, choices) in SWITCHES.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"), nargs="+", default=None, choices=list(choices),
+            help="atom only: " + SWITCH_HELP[name],
+        )  # fmt: skip
+
+
+def any_switch(args) -> bool:
+    return any(getattr(args, name, None) for name in SWITCHES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-splits", nargs="+", default=None,
         help="atom only: one engine per decode-attention split count (auto or an integer)",
     )  # fmt: skip
-    add_moe_gemv_option(parser)
+    add_switch_options(parser)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     max_len = args.context + decode_headroom(max(batches), args.steps) + 16
@@ -454,11 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             decode_by_splits(path, args, batches, vocab, max_len)
             return 0
-        if args.moe_gemv or args.shared_pair:
+        if any_switch(args):
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
-            decode_by_moe_switch(path, args, batches, vocab, max_len)
+            decode_by_switch(path, args, batches, vocab, max_len)
             return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:

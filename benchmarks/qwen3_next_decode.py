@@ -1,7 +1,8 @@
 """Qwen3-Next decode speed, atom beside HF transformers in one run, and state bytes.
 
     python -m benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
-        [--batches 1,64] [--steps 32] [--skip-hf] [--moe-gemv on off | --shared-pair on off]
+        [--batches 1,64] [--steps 32] [--skip-hf]
+        [--moe-gemv on off | --shared-pair on off | --pdl-chain on off]
         [--attn-split-cap 32 128] [--in-proj one two]
 
 Random bf16 weights in a Qwen3-Next-80B-A3B shape with few layers (hidden 2048, GDN with 16
@@ -23,7 +24,8 @@ so both engines read the same weights. One JSON line each:
 a `decode` line per batch each and a `moe_gemv_summary` line. `--moe-align ONE_HOT,WARPS`
 fixes the align kernel's geometry (the grouped path's) for every run. `--shared-pair on
 off` (atom only): one engine with the shared expert as one more pair of the per-pair GEMV
-(`moe.SHARED_PAIR`), one with its own launches.
+(`moe.SHARED_PAIR`), one with its own launches; `--pdl-chain on off` likewise for the MoE /
+GDN chain's small kernels under PDL (`pdl.CHAIN`).
 `--attn-split-cap 32 128` (atom only): one engine per split cap of the full-attention
 layers' paged decode (`decode_attention.MAX_SPLITS`, the merge kernel's tile): with 2 KV
 heads the default cap of 32 gives 64 programs at batch 1. `--in-proj one two` (atom only):
@@ -39,9 +41,10 @@ import tempfile
 import torch
 
 from benchmarks.deepseek_v4_decode import (
-    add_moe_gemv_option,
+    add_switch_options,
+    any_switch,
     atom_decode,
-    decode_by_moe_switch,
+    decode_by_switch,
     decode_headroom,
     decode_per_setting,
     emit,
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "--moe-align", default=None, metavar="ONE_HOT,WARPS",
         help="a fixed geometry of the MoE align kernel (moe.ALIGN_OVERRIDE) for an A/B",
     )  # fmt: skip
-    add_moe_gemv_option(parser)
+    add_switch_options(parser)
     parser.add_argument(
         "--in-proj", nargs="+", default=None, choices=["one", "two"],
         help="atom only: one engine per GDN input projection (one: in_proj in one GEMM, two: "
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
-        if args.attn_split_cap or args.moe_gemv or args.shared_pair or args.in_proj:  # per setting
+        if args.attn_split_cap or args.in_proj or any_switch(args):  # atom only: per setting
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.in_proj:
                 decode_by_in_proj(path, args, batches, vocab, max_len)
             else:
-                decode_by_moe_switch(path, args, batches, vocab, max_len, gdn_state_read)
+                decode_by_switch(path, args, batches, vocab, max_len, gdn_state_read)
             return 0
         if not args.skip_hf:  # before atom sizes its cache from the free memory
             for batch in batches:

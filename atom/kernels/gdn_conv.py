@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from atom.kernels.gdn_chunk import CHUNK, chunk_bounds
+from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 
 try:
@@ -98,9 +99,12 @@ def _conv1d_update_kernel(
     WIDTH: tl.constexpr,  # K
     BLOCK_K: tl.constexpr,  # next power of two >= K
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
     # Program (b, c): row b, channels [c * BLOCK_C, ...). Window row j < K - 1 comes from the
     # state, row K - 1 is the new input; the state then keeps rows 1..K-1 of the window.
+    # Under PDL the step's metadata, the weight and the state (earlier steps', no kernel of
+    # this forward writes it before this one) load before the wait, the input after it.
     row = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_j = tl.arange(0, BLOCK_K)
@@ -109,21 +113,22 @@ def _conv1d_update_kernel(
     slot = tl.where(slot < 0, scratch_slot, slot).to(tl.int64)
     keep = (tl.load(fresh_ptr + row + offs_j * 0) == 0)[:, None]  # as a column: a mask
     state = state_ptr + slot * (WIDTH - 1) * CHANNELS
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs_c, mask=mask_c, other=0.0)
-
     past_mask = (offs_j < WIDTH - 1)[:, None] & mask_c[None, :] & keep
     past = tl.load(state + offs_j[:, None] * CHANNELS + offs_c[None, :], mask=past_mask, other=0.0)
-    window = tl.where((offs_j == WIDTH - 1)[:, None], x[None, :], past)
     w_mask = (offs_j < WIDTH)[:, None] & mask_c[None, :]
     w = tl.load(weight_ptr + offs_c[None, :] * WIDTH + offs_j[:, None], mask=w_mask, other=0.0)
-    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=0)
-    acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs_c, acc.to(x.dtype), mask=mask_c)
-
     shift_mask = (offs_j < WIDTH - 2)[:, None] & mask_c[None, :] & keep
     shifted = tl.load(
         state + (offs_j + 1)[:, None] * CHANNELS + offs_c[None, :], mask=shift_mask, other=0.0
     )
+    pdl_wait_and_release(PDL)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs_c, mask=mask_c, other=0.0)
+
+    window = tl.where((offs_j == WIDTH - 1)[:, None], x[None, :], past)
+    acc = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=0)
+    acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + offs_c, acc.to(x.dtype), mask=mask_c)
+
     shifted = tl.where((offs_j == WIDTH - 2)[:, None], x[None, :].to(shifted.dtype), shifted)
     # Row j is written with row j + 1, which other warps of this program may still be
     # reading (a [BLOCK_K, BLOCK_C] tile can spread its rows over warps): all reads first.
@@ -245,10 +250,11 @@ def causal_conv1d_update(x, conv_state, weight, state_slots, fresh) -> torch.Ten
     if x.shape[0] == 0:
         return out
     grid = (x.shape[0], triton.cdiv(channels, block_c))
+    pdl, launch = pdl_chain_launch(x)
     _conv1d_update_kernel[grid](
         x, conv_state, weight, out, state_slots, fresh, x.stride(0), out.stride(0),
         conv_state.shape[0] - 1, CHANNELS=channels, WIDTH=width, BLOCK_K=block_k,
-        BLOCK_C=block_c,
+        BLOCK_C=block_c, PDL=pdl, **launch,
     )  # fmt: skip
     return out
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 
 try:
@@ -187,6 +188,7 @@ def _gated_delta_rule_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     VARLEN: tl.constexpr,
+    PDL: tl.constexpr = 0,  # decode: programmatic dependent launch (atom/kernels/pdl.py)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -207,7 +209,10 @@ def _gated_delta_rule_kernel(
         state_ptr + (slot * NUM_V_HEADS + head) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     )
     state_mask = mask_k[:, None] & mask_v[None, :]
+    # the state: earlier steps' (no kernel of this forward writes it before this one), so
+    # under PDL it loads before the wait; q, k, v, g and beta after it
     s = tl.load(state_ptrs, mask=state_mask & keep, other=0.0)
+    pdl_wait_and_release(PDL)
     k_head = head // GROUP
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_q_token + k_head * DK + offs_k, mask=mask_k, other=0.0)
@@ -246,11 +251,12 @@ def _launch(q, k, v, g, beta, state, cu_seqlens, state_slots, fresh, num_rows, v
         return out
     block_v = min(32, triton.next_power_of_2(dv))
     grid = (num_rows, num_v_heads, triton.cdiv(dv, block_v))
+    pdl, launch = (0, {}) if varlen else pdl_chain_launch(v)  # decode's chain only
     _gated_delta_rule_kernel[grid](
         q, k, v, g, beta, state, out, cu_seqlens if varlen else state_slots, state_slots, fresh,
         q.stride(0), k.stride(0), v.stride(0), out.stride(0), state.shape[0] - 1, dk**-0.5,
         NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv,
-        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, VARLEN=varlen,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, VARLEN=varlen, PDL=pdl, **launch,
     )  # fmt: skip
     return out
 

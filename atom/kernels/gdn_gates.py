@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 
 try:
@@ -56,9 +57,11 @@ def _gdn_split_kernel(
     DV: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_HV: tl.constexpr,  # next power of two >= Hv
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
     # Program (t, c): channels [c * BLOCK_C, ...) of token t's mixed row; program (t, 0)
     # also writes the token's g and beta.
+    pdl_wait_and_release(PDL)  # qkvz and ba: the projection's, just before
     token = tl.program_id(0).to(tl.int64)
     key_dim: tl.constexpr = NUM_K_HEADS * DK
     value_width: tl.constexpr = RATIO * DV  # one key head's v (or z) channels
@@ -126,10 +129,11 @@ def gdn_split(
     if tokens == 0:
         return mixed, g, beta
     block_c = min(1024, triton.next_power_of_2(channels))
+    pdl, launch = pdl_chain_launch(qkvz)
     _gdn_split_kernel[(tokens, triton.cdiv(channels, block_c))](
         qkvz, ba, a_log, dt_bias, mixed, g, beta, qkvz.stride(0), ba.stride(0),
         NUM_K_HEADS=num_k_heads, RATIO=ratio, DK=dk, DV=dv, BLOCK_C=block_c,
-        BLOCK_HV=triton.next_power_of_2(num_v_heads), num_warps=4,
+        BLOCK_HV=triton.next_power_of_2(num_v_heads), PDL=pdl, num_warps=4, **launch,
     )  # fmt: skip
     return mixed, g, beta
 
@@ -159,6 +163,7 @@ def _gated_rms_norm_kernel(
     RATIO: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     row = tl.program_id(0).to(tl.int64)  # token * Hv + value head
     token = row // NUM_V_HEADS
@@ -166,10 +171,11 @@ def _gated_rms_norm_kernel(
     d = tl.arange(0, BLOCK_V)
     mask = d < DV
     dtype = out_ptr.dtype.element_ty
+    weight = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)  # a parameter
+    pdl_wait_and_release(PDL)  # x: the delta rule's, just before
     x = tl.load(x_ptr + row * DV + d, mask=mask, other=0.0).to(tl.float32)
     z_row = z_ptr + token * stride_z_token + (head // RATIO) * stride_z_head
     z = tl.load(z_row + (head % RATIO) * DV + d, mask=mask, other=0.0).to(tl.float32)
-    weight = tl.load(weight_ptr + d, mask=mask, other=0.0).to(tl.float32)
     h = x * tl.rsqrt(tl.sum(x * x, axis=0) / DV + eps)
     h = (weight * h.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     out = h * (z / (1.0 + tl.exp(-z)))
@@ -191,10 +197,11 @@ def gated_rms_norm(
     out = torch.empty(tokens, num_v_heads * dv, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
+    pdl, launch = pdl_chain_launch(x)
     _gated_rms_norm_kernel[(tokens * num_v_heads,)](
         x, z, weight, out, z.stride(0), z.stride(1), float(eps),
         NUM_V_HEADS=num_v_heads, RATIO=ratio, DV=dv, BLOCK_V=triton.next_power_of_2(dv),
-        num_warps=1 if dv <= 256 else 4,
+        PDL=pdl, num_warps=1 if dv <= 256 else 4, **launch,
     )  # fmt: skip
     return out
 

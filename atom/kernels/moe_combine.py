@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 
 try:
@@ -54,7 +55,9 @@ def _moe_combine_kernel(
     HAS_GATE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,  # the gate's dot, per step
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
+    pdl_wait_and_release(PDL)  # the per-pair rows: the down GEMV's, just before
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < HIDDEN
@@ -99,11 +102,12 @@ def moe_combine(
     if shared_gate is not None:
         assert shared_gate.shape == (1, hidden) and shared_gate.is_contiguous()
     block_h = min(512, triton.next_power_of_2(hidden))
+    pdl, launch = pdl_chain_launch(per_pair)
     _moe_combine_kernel[(tokens, triton.cdiv(hidden, block_h))](
         per_pair, shared, x, shared_gate if shared_gate is not None else x, out,
         per_pair.stride(0), shared.stride(0), x.stride(0),
         HIDDEN=hidden, K=top_k, HAS_GATE=shared_gate is not None, BLOCK_H=block_h,
-        BLOCK_D=min(1024, triton.next_power_of_2(hidden)), num_warps=4,
+        BLOCK_D=min(1024, triton.next_power_of_2(hidden)), PDL=pdl, num_warps=4, **launch,
     )  # fmt: skip
     return out
 

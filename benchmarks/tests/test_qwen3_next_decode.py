@@ -56,12 +56,12 @@ def test_moe_gemv_ab_builds_one_engine_per_path(monkeypatch):
     from benchmarks import deepseek_v4_decode as v4
 
     parser = argparse.ArgumentParser()
-    v4.add_moe_gemv_option(parser)
+    v4.add_switch_options(parser)
     args = parser.parse_args(["--moe-gemv", "on", "off", "auto"])
     args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
     args.shape, args.stream_read = {}, None
     seen, lines = fake_engines(monkeypatch, lambda: moe.DECODE_GEMV_OVERRIDE)
-    v4.decode_by_moe_switch("path", args, [1, 4], 100, 999, state_read=SimpleNamespace())
+    v4.decode_by_switch("path", args, [1, 4], 100, 999, state_read=SimpleNamespace())
     assert seen == [
         (step, override, value)
         for override in (True, False, None)
@@ -81,12 +81,12 @@ def test_shared_pair_ab_builds_one_engine_per_value(monkeypatch):
     from benchmarks import deepseek_v4_decode as v4
 
     parser = argparse.ArgumentParser()
-    v4.add_moe_gemv_option(parser)
+    v4.add_switch_options(parser)
     args = parser.parse_args(["--shared-pair", "off", "on"])
     args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
     args.shape, args.stream_read = {}, None
     seen, lines = fake_engines(monkeypatch, lambda: moe.SHARED_PAIR)
-    v4.decode_by_moe_switch("path", args, [1], 100, 999)
+    v4.decode_by_switch("path", args, [1], 100, 999)
     assert seen == [("build", False, 999), ("decode", False, 1), ("build", True, 999),
                     ("decode", True, 1)]  # fmt: skip
     assert [line["shared_pair"] for line in lines[:-1]] == ["off", "on"]
@@ -125,3 +125,24 @@ def test_in_proj_ab_builds_one_engine_per_value(monkeypatch):
                     ("decode", True, 1)]  # fmt: skip
     assert [line["in_proj"] for line in lines[:-1]] == ["two", "one"]
     assert Qwen3NextGatedDeltaNet.ONE_IN_PROJ is True
+
+
+def test_pdl_chain_ab_builds_one_engine_per_value(monkeypatch):
+    """`--pdl-chain off on`: each engine built and stepped with pdl.CHAIN as asked, the
+    default restored after."""
+    import argparse
+
+    from atom.kernels import pdl
+    from benchmarks import deepseek_v4_decode as v4
+
+    parser = argparse.ArgumentParser()
+    v4.add_switch_options(parser)
+    args = parser.parse_args(["--pdl-chain", "off", "on"])
+    args.context, args.steps, args.gpu_memory_utilization = 64, 2, 0.5
+    args.shape, args.stream_read = {}, None
+    assert v4.any_switch(args)
+    seen, lines = fake_engines(monkeypatch, lambda: pdl.CHAIN)
+    v4.decode_by_switch("path", args, [1], 100, 999)
+    assert [s[1] for s in seen] == [False, False, True, True]
+    assert [line["pdl_chain"] for line in lines[:-1]] == ["off", "on"]
+    assert pdl.CHAIN is True

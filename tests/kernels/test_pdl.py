@@ -9,7 +9,15 @@ import torch
 
 from atom.fusions import Fusions
 from atom.kernels import pdl
-from tests.kernels import test_decode_attention, test_gemv, test_gemv_fp8, test_gemv_rope_kv
+from tests.kernels import (
+    test_decode_attention,
+    test_gdn,
+    test_gdn_gates,
+    test_gemv,
+    test_gemv_fp8,
+    test_gemv_rope_kv,
+    test_moe_combine,
+)
 
 ON = (1, {"launch_pdl": True})
 
@@ -97,6 +105,17 @@ def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
     assert pdl.pdl_launch(_on_cuda(1)) == (0, {})
 
 
+def test_the_decode_chain_kernels_follow_the_switch(hopper):
+    """The MoE / GDN chain's small kernels take PDL as the norms do, unless CHAIN is off."""
+    assert pdl.pdl_chain_launch(_on_cuda(1)) == ON
+    assert pdl.pdl_chain_launch(_on_cuda(64)) == ON
+    hopper.setattr(pdl, "CHAIN", False)
+    assert pdl.pdl_chain_launch(_on_cuda(1)) == (0, {})
+    hopper.setattr(pdl, "CHAIN", True)
+    _knobs(hopper, pdl=False)
+    assert pdl.pdl_chain_launch(_on_cuda(1)) == (0, {})
+
+
 # The kernels' PDL code paths (the one-row GEMV's first weight chunk, paged decode's block
 # ids and K / V of its first tile, all loaded before the wait; the last token's K / V after
 # it) against the same references as without PDL, under the interpreter: EMULATED runs
@@ -139,3 +158,24 @@ def test_paged_decode_pdl_paths(emulated, case, num_splits, kv_cache_dtype, earl
         *case, torch.float32, test_decode_attention.DEVICE, num_splits, kv_cache_dtype,
         early_kv=early_kv,
     )  # fmt: skip
+
+
+@pytest.fixture
+def emulated_chain(monkeypatch):
+    from atom.kernels import gdn_conv, gdn_delta_rule, gdn_gates, moe_combine
+
+    for module in (gdn_conv, gdn_delta_rule, gdn_gates, moe_combine):
+        monkeypatch.setattr(module, "pdl_chain_launch", lambda *_: (pdl.EMULATED, {}))
+
+
+def test_gdn_conv_and_delta_rule_pdl_paths(emulated_chain):
+    """The conv's state and weight, the delta rule's state, loaded before the wait."""
+    test_gdn.test_conv_kernels_match_reference(4, 40)
+    test_gdn.test_delta_rule_kernels_match_reference()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_split_gated_norm_and_combine_pdl_paths(emulated_chain, dtype):
+    test_gdn_gates.test_split_matches_reference("cpu", dtype, 2, 2, 8, 16)
+    test_gdn_gates.test_gated_norm_matches_model_norm("cpu", dtype, 2, 2, 8, 16)
+    test_moe_combine.test_combine_matches_model_ops("cpu", dtype, 3, 4, 64, True)
