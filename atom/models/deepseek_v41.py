@@ -41,7 +41,6 @@ from atom.kernels import v41_quant
 from atom.kernels.moe_routing import v4_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_collapse, hc_post, hc_pre_carried
-from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
 from atom.kernels.v4_rope import rope_tables
 from atom.kernels.v41_engram import (
     compressed_token_map,
@@ -187,15 +186,18 @@ class DeepseekV41Attention(nn.Module):
 
     def _finish(self, latent: torch.Tensor, group_positions: torch.Tensor):
         """Pre-RoPE latents [G, D] at their groups' first positions -> (entries, keys)."""
-        cos, sin = (t[group_positions] for t in self.tables["compress"])
+        tables, fused = self.tables["compress"], use_cuda_path(latent)
         # pooled in fp32: cast to the model's dtype before the norm, as the reference does
+        # (the module's call: its input dtype is checked in tests/model_engine)
         latent = self.compressor.norm(latent.to(self.wkv.weight.dtype))
-        entries = rope(latent[:, None, :], cos, sin)[:, 0]
+        entries = norm_then_rope(latent[:, None, :], group_positions, tables, fused)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
-            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)
-            keys = keys[:, 0]
+            keys = self.indexer.wk(latent)[:, None, :]
+            keys = norm_then_rope(
+                keys, group_positions, tables, fused, self.indexer.k_norm, round_normed=True
+            )[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
 
