@@ -13,10 +13,9 @@ What counts as a kernel (what the step would launch on a GPU):
 - a Triton launch: one kernel (torch ops the interpreter runs inside it are not counted);
 - a torch op with no torch op under it that is not a view, an allocation or a no-op
   (`aten::mm`, `aten::add`, `aten::copy_` of `.to(dtype)`, ...).
-Cost: the profiler's Python stacks (``with_stack``, for the sources) also record every
-call inside the interpreted kernels: on the CUDA path one step takes several minutes and
-about 20 GB of memory (it was OOM-killed on a 24 GB machine beside other work); run it
-alone. ``--torch-path`` is light.
+Cost: the profiler's Python stacks (``with_stack``, for the sources) would also record every
+call inside the interpreted kernels (over 20 GB); each interpreted launch runs on a thread
+the profiler does not trace, so a step takes under a minute and about 0.6 GB.
 One JSON line per layer (`kernels`, `triton`, `torch`, `by_source`: source function ->
 kernels) and one for the rest of the step (embedding, head, LM head, sampler).
 """
