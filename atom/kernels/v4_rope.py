@@ -143,7 +143,7 @@ def _norm_rope_kernel(
 
 def norm_rope(
     x: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     cos_table: torch.Tensor | None,
     sin_table: torch.Tensor | None,
     weight: torch.Tensor | None = None,
@@ -153,8 +153,9 @@ def norm_rope(
 ) -> torch.Tensor:
     """x [T, H, D] -> [T, H, D]: RMSNorm (``eps`` None: none; ``weight`` None: the
     unweighted one; ``round_normed``: V4.1's ``weight * normed.to(dtype)``), then the
-    interleaved rope at ``positions`` (``cos_table`` None: none; ``inverse``: the inverse
-    rotation). One Triton launch; the torch reference where Triton does not run."""
+    interleaved rope at ``positions`` (``cos_table`` None: none, and ``positions`` may be
+    None; ``inverse``: the inverse rotation). One Triton launch; the torch reference where
+    Triton does not run."""
     if not use_triton(x):
         return norm_rope_reference(
             x, positions, cos_table, sin_table, weight, eps, inverse, round_normed
@@ -169,6 +170,7 @@ def norm_rope(
     dim_p2 = triton.next_power_of_2(dim)
     block_h = max(1, min(triton.next_power_of_2(heads), 4096 // dim_p2))
     table = cos_table if cos_table is not None else x  # unused pointers when there is no rope
+    positions = positions if positions is not None else x
     _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, out, weight if weight is not None else x, positions, table,
         sin_table if sin_table is not None else table, x.stride(0), x.stride(1),

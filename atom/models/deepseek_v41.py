@@ -41,7 +41,7 @@ from atom.kernels import v41_quant
 from atom.kernels.moe_routing import v4_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_collapse, hc_post, hc_pre_carried
-from atom.kernels.v4_rope import rope_tables
+from atom.kernels.v4_rope import norm_rope, rope_tables
 from atom.kernels.v41_engram import (
     compressed_token_map,
     engram_hash,
@@ -96,7 +96,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: the CUDA path's one launch (v4_rope.norm_rope, `round_normed`)."""
+        if fused:
+            rows = x.reshape(-1, 1, x.shape[-1])
+            out = norm_rope(rows, None, None, None, self.weight, self.eps, round_normed=True)
+            return out.view(x.shape)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
@@ -188,8 +193,7 @@ class DeepseekV41Attention(nn.Module):
         """Pre-RoPE latents [G, D] at their groups' first positions -> (entries, keys)."""
         tables, fused = self.tables["compress"], use_cuda_path(latent)
         # pooled in fp32: cast to the model's dtype before the norm, as the reference does
-        # (the module's call: its input dtype is checked in tests/model_engine)
-        latent = self.compressor.norm(latent.to(self.wkv.weight.dtype))
+        latent = self.compressor.norm(latent.to(self.wkv.weight.dtype), fused)
         entries = norm_then_rope(latent[:, None, :], group_positions, tables, fused)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None

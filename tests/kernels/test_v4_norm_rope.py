@@ -117,3 +117,20 @@ def test_round_normed_reference_is_the_v41_norm():
     got = norm_rope_reference(x, positions, cos_table, sin_table, norm.weight, EPS,
                               round_normed=True)  # fmt: skip
     assert torch.equal(got, roped)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_v41_norm_fused_matches_module(device):
+    """V4.1's `RMSNorm(x, fused=True)` (norm_rope without a rope: no positions) against the
+    module's torch ops, on [T, D] rows (the compressor's latents)."""
+    from atom.models.deepseek_v41 import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(40, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(40, generator=g) + 0.5)
+    norm = norm.to(device)
+    x = (torch.randn(7, 40, generator=g) * 3).to(device)
+    got = norm(x, fused=True)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, norm(x), rtol=1e-5, atol=1e-5)
