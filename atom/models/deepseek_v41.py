@@ -15,6 +15,9 @@ Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
   (atom/kernels/v41_engram.py: Triton hashing on CUDA; the lookup is the torch reference,
   which a Triton lookup lost to: docs/benchmarks.md); its history is the sequence's state (the first layer's
   `engram_tokens` state rows), read and written in `EngramHashes`.
+On the CUDA path (and on CPU under `ATOM_INTERPRET_CUDA_PATH=1`) the mHC sites, the norms +
+ropes, the final norm and the routing run V4's fused kernels in V4.1's variants (carried
+`pre`, `round_normed`, `round_once`, `temperature`); the torch ops stay the CPU path.
 DSpark draft layers (`mtp.*`) and vision weights are skipped with one log line.
 """
 
