@@ -9,8 +9,8 @@ Shapes and dtypes (T tokens, E routed experts, k = num_experts_per_tok):
     weights   [T, k] out, logits' dtype
     ids       [T, k] out, int64, in choice order (best first; hash layers: tid2eid's order)
 
-DeepSeek-V4 (``v4_route``):
-    scores  = sqrt(softplus(logits))                     (rounded to the dtype after each op)
+DeepSeek-V4 (``v4_route``; DeepSeek-V4.1 with ``temperature``, its fp32 logits / gate_temp):
+    scores  = sqrt(softplus(logits / temperature))       (rounded to the dtype after each op)
     ids     = top-k of scores + bias  (score layers)  |  tid2eid[input_ids]  (hash layers)
     weights = scores[ids] / (sum_j scores[ids_j] + 1e-20) * routed_scaling_factor
 Softmax (``softmax_route``, Qwen3-Next's `Qwen3NextSparseMoeBlock`):
@@ -66,6 +66,7 @@ def _route_kernel(
     ids_ptr,  # out [T, K] int64, contiguous
     stride_logits_row,
     scale,  # routed_scaling_factor (V4)
+    temperature,  # the logits' divisor (V4.1's gate_temp; 1.0: V4, softmax)
     E: tl.constexpr,
     E_P2: tl.constexpr,
     K: tl.constexpr,
@@ -79,7 +80,7 @@ def _route_kernel(
     experts = tl.arange(0, E_P2)
     in_e = experts < E
     x = tl.load(logits_ptr + token * stride_logits_row + experts, mask=in_e, other=0.0)
-    x = x.to(tl.float32)
+    x = tl.div_rn(x.to(tl.float32), temperature)  # IEEE division, as torch's (x / 1.0 == x)
     if SCORING == 1:  # SOFTMAX, in fp32 (torch.softmax(dtype=float) divides by the sum)
         x = tl.where(in_e, x, float("-inf"))
         exp = tl.where(in_e, tl.exp(x - tl.max(x, axis=0)), 0.0)
@@ -140,12 +141,14 @@ def v4_route(
     bias: torch.Tensor | None = None,
     input_ids: torch.Tensor | None = None,
     tid2eid: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in the logits' dtype, ids [T, k] int64) from logits [T, E]: with
     ``bias`` the top-k choice (score layers), with ``input_ids`` and ``tid2eid`` the hash
-    layers' experts. One Triton launch; the torch reference where Triton does not run."""
+    layers' experts; the logits divided by ``temperature`` first (DeepSeek-V4.1's gate_temp,
+    on fp32 logits). One Triton launch; the torch reference where Triton does not run."""
     if not use_triton(logits):
-        return v4_route_reference(logits, top_k, scale, bias, input_ids, tid2eid)
+        return v4_route_reference(logits, top_k, scale, bias, input_ids, tid2eid, temperature)
     tokens, experts = logits.shape
     hashed = tid2eid is not None
     if hashed == (bias is not None):
@@ -161,24 +164,28 @@ def v4_route(
     _launch(
         logits, bias if bias is not None else logits,
         input_ids if hashed else logits, tid2eid if hashed else logits,
-        weights, ids, float(scale), hashed, SQRT_SOFTPLUS, False,
+        weights, ids, float(scale), float(temperature), hashed, SQRT_SOFTPLUS, False,
     )  # fmt: skip
     return weights, ids
 
 
-def _launch(logits, bias, input_ids, tid2eid, weights, ids, scale, hashed, scoring, renormalize):
+def _launch(logits, bias, input_ids, tid2eid, weights, ids, scale, temperature, hashed, scoring,
+            renormalize):  # fmt: skip
     tokens, experts = logits.shape
     top_k = weights.shape[1]
     _route_kernel[(tokens,)](
-        logits, bias, input_ids, tid2eid, weights, ids, logits.stride(0), scale,
+        logits, bias, input_ids, tid2eid, weights, ids, logits.stride(0), scale, temperature,
         E=experts, E_P2=triton.next_power_of_2(experts), K=top_k,
         K_P2=triton.next_power_of_2(top_k), HASH=hashed, SCORING=scoring,
         RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4,
     )  # fmt: skip
 
 
-def v4_route_reference(logits, top_k, scale, bias=None, input_ids=None, tid2eid=None):
+def v4_route_reference(logits, top_k, scale, bias=None, input_ids=None, tid2eid=None,
+                       temperature=1.0):  # fmt: skip
     """The model's torch ops, the choice by a stable descending sort (the tie rule)."""
+    if temperature != 1.0:
+        logits = logits / temperature
     scores = F.softplus(logits).sqrt()
     if tid2eid is not None:
         ids = tid2eid[input_ids].long()
@@ -205,7 +212,7 @@ def softmax_route(
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens == 0:
         return weights, ids
-    _launch(logits, logits, logits, logits, weights, ids, 1.0, False, SOFTMAX, renormalize)
+    _launch(logits, logits, logits, logits, weights, ids, 1.0, 1.0, False, SOFTMAX, renormalize)
     return weights, ids
 
 

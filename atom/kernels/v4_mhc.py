@@ -99,12 +99,59 @@ def _split_tile(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexp
 
 
 @triton.jit
+def _collapse_norm(rows, pre, norm_weight, norm_eps, D: tl.constexpr, dtype: tl.constexpr,
+                   ROUND_NORMED: tl.constexpr):  # fmt: skip
+    """rows [N_P2, BLOCK_D] (zero past N and D), pre [N_P2] fp32 -> the RMSNorm of
+    sum_n pre[n] * rows[n] (the sum rounded to ``dtype``), in ``dtype``: V4's norm multiplies
+    the weight in fp32 (``FP32RMSNorm``), V4.1's (``ROUND_NORMED``) rounds the normed value
+    to ``dtype`` first (``weight * normed.to(dtype)``)."""
+    x = tl.sum(pre[:, None] * rows.to(tl.float32), axis=0).to(dtype).to(tl.float32)
+    x = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
+    if ROUND_NORMED:
+        x = x.to(dtype).to(tl.float32)
+    return (norm_weight * x).to(dtype)
+
+
+@triton.jit
+def _hc_collapse_kernel(
+    streams_ptr,  # [T, N, D]
+    pre_ptr,  # [T, N] fp32
+    norm_weight_ptr,  # [D] the model dtype
+    out_ptr,  # out [T, D] streams' dtype
+    stride_streams_row,
+    stride_out_row,
+    norm_eps,
+    N: tl.constexpr,
+    N_P2: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # V4.1's final norm: the streams collapsed by the last site's pre, then its RMSNorm
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, N_P2)
+    in_n = n < N
+    d = tl.arange(0, BLOCK_D)
+    in_d = d < D
+    rows = tl.load(
+        streams_ptr + token * stride_streams_row + n[:, None] * D + d[None, :],
+        mask=in_n[:, None] & in_d[None, :],
+        other=0.0,
+    )
+    pre = tl.load(pre_ptr + token * N + n, mask=in_n, other=0.0)
+    norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0).to(tl.float32)
+    x = _collapse_norm(rows, pre, norm_weight, norm_eps, D, out_ptr.dtype.element_ty, True)
+    tl.store(out_ptr + token * stride_out_row + d, x, mask=in_d)
+
+
+@triton.jit
 def _hc_finish_kernel(
     partial_ptr,  # [T, SPLITS, M + 1] fp32 from _hc_mix_partial_kernel
     streams_ptr,  # [T, N, D]
     base_ptr,  # [M] fp32
     scale_ptr,  # [3] or [1] fp32
-    norm_weight_ptr,  # [D] fp32
+    norm_weight_ptr,  # [D] fp32 (V4) or the model dtype (V4.1)
+    carried_pre_ptr,  # [T, N] fp32: the previous site's pre (CARRIED only)
+    pre_ptr,  # out [T, N] fp32: this site's pre (CARRIED only)
     post_ptr,  # out [T, N] fp32 (block only)
     comb_ptr,  # out [T, N, N] fp32 (block only)
     out_ptr,  # out [T, D] streams' dtype: the normed collapse
@@ -122,6 +169,8 @@ def _hc_finish_kernel(
     SPLITS_P2: tl.constexpr,
     ITERS: tl.constexpr,
     HEAD: tl.constexpr,  # the head: pre only (M = N, one scale), one program a token
+    CARRIED: tl.constexpr,  # V4.1: collapse with carried_pre, store this site's pre
+    ROUND_NORMED: tl.constexpr,  # V4.1's RMSNorm: weight * normed.to(dtype)
 ):
     # Program (token, 0): pre, the collapse and its RMSNorm. Program (token, 1) (block only):
     # post and the Sinkhorn comb, which program 0 does not need, so the two serial halves
@@ -139,20 +188,24 @@ def _hc_finish_kernel(
             mask=in_n[:, None] & in_d[None, :],
             other=0.0,
         )
-        norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0)
+        norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0).to(tl.float32)
         squares = tl.load(partial + split * (M + 1) + M, mask=split < SPLITS, other=0.0)
         pre = _split_tile(partial, n, in_n, M, SPLITS, SPLITS_P2)
         pre_scale = tl.load(scale_ptr)
         pre_base = tl.load(base_ptr + n, mask=in_n)
 
+        if CARRIED:
+            carried = tl.load(carried_pre_ptr + token * N + n, mask=in_n, other=0.0)
+
         rms = tl.rsqrt(tl.sum(squares, axis=0) / (N * D) + mix_eps)
         pre = tl.sum(pre, axis=0) * rms * pre_scale + pre_base
         pre = tl.where(in_n, 1.0 / (1.0 + tl.exp(-pre)) + hc_eps, 0.0)
-        # the collapse (summed over the streams), rounded, then the RMSNorm
-        dtype = out_ptr.dtype.element_ty
-        x = tl.sum(pre[:, None] * rows.to(tl.float32), axis=0).to(dtype).to(tl.float32)
-        x = norm_weight * (x * tl.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps))
-        tl.store(out_ptr + token * stride_out_row + d, x.to(dtype), mask=in_d)
+        if CARRIED:  # this site's pre goes to the next site; the carried one collapses here
+            tl.store(pre_ptr + token * N + n, pre, mask=in_n)
+            pre = carried
+        x = _collapse_norm(rows, pre, norm_weight, norm_eps, D, out_ptr.dtype.element_ty,
+                           ROUND_NORMED)  # fmt: skip
+        tl.store(out_ptr + token * stride_out_row + d, x, mask=in_d)
     else:
         if not HEAD:
             # comb[a, b]: row a, column b, loaded as the flat [N_P2 * N_P2] pairs
@@ -199,9 +252,11 @@ def _hc_post_kernel(
     N_P2: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROUND_ONCE: tl.constexpr,  # V4.1: everything in fp32, rounded to dtype once
 ):
-    # Rounded as the torch reference: post (in dtype) * out, comb (in dtype) @ streams
-    # summed in fp32, each rounded to dtype, then added.
+    # Rounded as the torch reference: V4 post (in dtype) * out, comb (in dtype) @ streams
+    # summed in fp32, each rounded to dtype, then added; V4.1 (ROUND_ONCE) the same sum with
+    # post and comb in fp32 and no rounding before the store.
     token = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_d = d < D
@@ -215,11 +270,15 @@ def _hc_post_kernel(
     ).to(tl.float32)
     out = tl.load(out_ptr + token * stride_out_row + d, mask=in_d, other=0.0).to(tl.float32)
     for stream in tl.static_range(N):
-        post = tl.load(post_ptr + token * N + stream).to(dtype).to(tl.float32)
+        post = tl.load(post_ptr + token * N + stream)
         comb = tl.load(comb_ptr + token * N * N + j * N + stream, mask=in_j, other=0.0)
-        comb = comb.to(dtype).to(tl.float32)
-        mixed = tl.sum(comb[:, None] * streams, axis=0).to(dtype).to(tl.float32)
-        value = (post * out).to(dtype).to(tl.float32) + mixed
+        if ROUND_ONCE:
+            value = post * out + tl.sum(comb[:, None] * streams, axis=0)
+        else:
+            post = post.to(dtype).to(tl.float32)
+            comb = comb.to(dtype).to(tl.float32)
+            mixed = tl.sum(comb[:, None] * streams, axis=0).to(dtype).to(tl.float32)
+            value = (post * out).to(dtype).to(tl.float32) + mixed
         tl.store(new_ptr + (token * N + stream) * D + d, value.to(dtype), mask=in_d)
 
 
@@ -246,24 +305,33 @@ def _check(streams: torch.Tensor, fn: torch.Tensor) -> None:
 
 
 def _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps, norm_eps,
-            iters, head):  # fmt: skip
+            iters, head, carried_pre=None):  # fmt: skip
+    """(post, comb, out); with ``carried_pre`` (V4.1) (pre, post, comb, out)."""
     tokens, n, d = streams.shape
     m = base.shape[0]
+    carried = carried_pre is not None
     out = torch.empty(tokens, d, dtype=streams.dtype, device=streams.device)
+    pre = torch.empty(tokens if carried else 0, n, dtype=torch.float32, device=streams.device)
     post = torch.empty(0 if head else tokens, n, dtype=torch.float32, device=streams.device)
     comb = torch.empty(0 if head else tokens, n, n, dtype=torch.float32, device=streams.device)
+    outputs = (pre, post, comb, out) if carried else (post, comb, out)
     if not tokens:
-        return post, comb, out
+        return outputs
+    if carried:
+        assert carried_pre.dtype == torch.float32 and carried_pre.shape == (tokens, n)
+        carried_pre = carried_pre.contiguous()
     block_d = triton.next_power_of_2(d)
-    args = (partial, streams, base, scale, norm_weight, post, comb, out, streams.stride(0),
-            out.stride(0), float(mix_eps), float(hc_eps), float(norm_eps))  # fmt: skip
+    args = (partial, streams, base, scale, norm_weight, carried_pre if carried else post, pre,
+            post, comb, out, streams.stride(0), out.stride(0), float(mix_eps), float(hc_eps),
+            float(norm_eps))  # fmt: skip
     geometry = dict(N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d, M=m,
-                    SPLITS=splits, ITERS=iters, HEAD=head,
+                    SPLITS=splits, ITERS=iters, HEAD=head, CARRIED=carried,
+                    ROUND_NORMED=carried,
                     num_warps=FINISH_WARPS or min(16, max(4, block_d // 512)))  # fmt: skip
     _hc_finish_kernel[(tokens, 1 if head else 2)](
         *args, SPLITS_P2=triton.next_power_of_2(splits), **geometry
     )
-    return post, comb, out
+    return outputs
 
 
 def hc_pre(streams, fn, base, scale, norm_weight, iters: int, mix_eps: float, hc_eps: float,
@@ -281,6 +349,41 @@ def hc_pre(streams, fn, base, scale, norm_weight, iters: int, mix_eps: float, hc
                    norm_eps, iters, head=False)  # fmt: skip
 
 
+def hc_pre_carried(streams, carried_pre, fn, base, scale, norm_weight, iters: int,
+                   mix_eps: float, hc_eps: float, norm_eps: float):  # fmt: skip
+    """DeepSeek-V4.1's site: (pre [T, N] fp32, post, comb, x [T, D] streams' dtype), where
+    x collapses the streams with ``carried_pre`` [T, N] fp32 (the previous site's pre) and
+    normalizes as V4.1's RMSNorm (``weight * normed.to(dtype)``, ``norm_weight`` in the
+    model's dtype), and pre is this site's, for the next. Two launches, as `hc_pre`."""
+    if not use_triton(streams):
+        return hc_pre_carried_reference(streams, carried_pre, fn, base, scale, norm_weight,
+                                        iters, mix_eps, hc_eps, norm_eps)  # fmt: skip
+    _check(streams, fn)
+    partial, splits = _mix_partials(streams, fn)
+    return _finish(streams, partial, splits, base, scale, norm_weight, mix_eps, hc_eps,
+                   norm_eps, iters, head=False, carried_pre=carried_pre)  # fmt: skip
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor,
+                norm_eps: float) -> torch.Tensor:  # fmt: skip
+    """DeepSeek-V4.1's final norm: the streams [T, N, D] collapsed by ``pre`` [T, N] fp32 (the
+    last site's), then V4.1's RMSNorm -> [T, D]. One launch."""
+    if not use_triton(streams):
+        return hc_collapse_reference(streams, pre, norm_weight, norm_eps)
+    tokens, n, d = streams.shape
+    assert streams.stride(2) == 1 and streams.stride(1) == d
+    assert pre.dtype == torch.float32 and pre.shape == (tokens, n)
+    out = torch.empty(tokens, d, dtype=streams.dtype, device=streams.device)
+    if tokens:
+        block_d = triton.next_power_of_2(d)
+        _hc_collapse_kernel[(tokens,)](
+            streams, pre.contiguous(), norm_weight, out, streams.stride(0), out.stride(0),
+            float(norm_eps), N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d,
+            num_warps=min(16, max(4, block_d // 512)),
+        )  # fmt: skip
+    return out
+
+
 def hc_head(streams, fn, base, scale, norm_weight, mix_eps: float, hc_eps: float,
             norm_eps: float) -> torch.Tensor:  # fmt: skip
     """The mHC head collapsing the streams [T, N, D] -> [T, D], then the final RMSNorm."""
@@ -292,10 +395,12 @@ def hc_head(streams, fn, base, scale, norm_weight, mix_eps: float, hc_eps: float
                    norm_eps, 1, head=True)[2]  # fmt: skip
 
 
-def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-    """streams' [T, N, D] = post[:, n] * out + sum_j comb[:, j, n] * streams[:, j]."""
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            round_once: bool = False):  # fmt: skip
+    """streams' [T, N, D] = post[:, n] * out + sum_j comb[:, j, n] * streams[:, j]: V4 rounds
+    each product to the streams' dtype, ``round_once`` (V4.1's `expand`) the fp32 sum only."""
     if not use_triton(streams):
-        return hc_post_reference(out, streams, post, comb)
+        return hc_post_reference(out, streams, post, comb, round_once)
     tokens, n, d = streams.shape
     assert streams.stride(2) == 1 and streams.stride(1) == d and out.stride(-1) == 1
     new = torch.empty(tokens, n, d, dtype=streams.dtype, device=streams.device)
@@ -304,7 +409,7 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
         _hc_post_kernel[(tokens, triton.cdiv(d, block_d))](
             out, streams, post.contiguous(), comb.contiguous(), new, out.stride(0),
             streams.stride(0), N=n, N_P2=triton.next_power_of_2(n), D=d, BLOCK_D=block_d,
-            num_warps=4,
+            ROUND_ONCE=round_once, num_warps=4,
         )  # fmt: skip
     return new
 
@@ -325,6 +430,12 @@ def _mixes_reference(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> tor
 
 
 def hc_pre_reference(streams, fn, base, scale, norm_weight, iters, mix_eps, hc_eps, norm_eps):
+    pre, post, comb, _ = _mixes_to_weights(streams, fn, base, scale, iters, mix_eps, hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, _rms_norm_fp32(collapsed, norm_weight, norm_eps)
+
+
+def _mixes_to_weights(streams, fn, base, scale, iters, mix_eps, hc_eps):
     n = streams.shape[1]
     mixes = _mixes_reference(streams, fn, mix_eps)
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
@@ -338,8 +449,25 @@ def hc_pre_reference(streams, fn, base, scale, norm_weight, iters, mix_eps, hc_e
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb, mixes
+
+
+def _rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """V4.1's RMSNorm: normed in fp32, rounded to x's dtype, times the weight."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * y.to(x.dtype)).to(x.dtype)
+
+
+def hc_pre_carried_reference(streams, carried_pre, fn, base, scale, norm_weight, iters,
+                             mix_eps, hc_eps, norm_eps):  # fmt: skip
+    pre, post, comb, _ = _mixes_to_weights(streams, fn, base, scale, iters, mix_eps, hc_eps)
+    return pre, post, comb, hc_collapse_reference(streams, carried_pre, norm_weight, norm_eps)
+
+
+def hc_collapse_reference(streams, pre, norm_weight, norm_eps):
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, _rms_norm_fp32(collapsed, norm_weight, norm_eps)
+    return _rms_norm_rounded(collapsed, norm_weight, norm_eps)
 
 
 def hc_head_reference(streams, fn, base, scale, norm_weight, mix_eps, hc_eps, norm_eps):
@@ -349,8 +477,11 @@ def hc_head_reference(streams, fn, base, scale, norm_weight, mix_eps, hc_eps, no
     return _rms_norm_fp32(collapsed, norm_weight, norm_eps)
 
 
-def hc_post_reference(out, streams, post, comb):
+def hc_post_reference(out, streams, post, comb, round_once=False):
     dtype = streams.dtype
+    if round_once:  # V4.1's `expand`
+        mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
+        return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(dtype)
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), streams
     )

@@ -50,7 +50,9 @@ def apply_interleaved_rope_reference(
 #   norm "none":       y = x
 #   norm "unweighted": y = x * rsqrt(mean(x^2) + eps) (the factor rounded to x's dtype, the
 #                      product in x's dtype: the model's `unweighted_rms_norm`, q's per-head)
-#   norm "weighted":   y = (weight * (x * rsqrt(mean(x^2) + eps))).to(dtype) (`FP32RMSNorm`)
+#   norm "weighted":   y = (weight * (x * rsqrt(mean(x^2) + eps))).to(dtype) (`FP32RMSNorm`);
+#                      `round_normed` (V4.1's RMSNorm, the weight in x's dtype): the normed
+#                      value rounded to x's dtype before the weight multiply
 # then the interleaved rope on y's trailing R channels at each token's position (cos/sin read
 # from the [max_position, R // 2] fp32 tables, rounded to x's dtype as the reference does;
 # `inverse`: -sin). R = 0: the norm only. Runtime lengths: none (tokens from the grid);
@@ -60,10 +62,18 @@ NORM_NONE, NORM_UNWEIGHTED, NORM_WEIGHTED = 0, 1, 2
 
 
 @triton.jit
+def _weighted(weight, normed, dtype: tl.constexpr, ROUND_NORMED: tl.constexpr):
+    """weight * normed (fp32 both) in ``dtype``; ``ROUND_NORMED``: normed rounded first."""
+    if ROUND_NORMED:
+        normed = normed.to(dtype).to(tl.float32)
+    return (weight * normed).to(dtype)
+
+
+@triton.jit
 def _norm_rope_kernel(
     x_ptr,
     out_ptr,  # [T, H, D] contiguous
-    weight_ptr,  # [D] fp32 (NORM == 2)
+    weight_ptr,  # [D] fp32, or x's dtype with ROUND_NORMED (NORM == 2)
     positions_ptr,  # [T]
     cos_ptr,  # [max_position, R // 2] fp32
     sin_ptr,
@@ -77,6 +87,7 @@ def _norm_rope_kernel(
     HALF_R: tl.constexpr,  # R // 2 (0: no rope)
     HALF_R_P2: tl.constexpr,
     NORM: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,  # NORM == 2: weight * normed.to(dtype) (V4.1)
     BLOCK_H: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -97,8 +108,8 @@ def _norm_rope_kernel(
     if NORM == 1:
         y = (x * factor[:, None]).to(dtype)
     elif NORM == 2:
-        w = tl.load(weight_ptr + cols, mask=in_d, other=0.0)
-        y = (w[None, :] * (x * factor[:, None])).to(dtype)
+        w = tl.load(weight_ptr + cols, mask=in_d, other=0.0).to(tl.float32)
+        y = _weighted(w[None, :], x * factor[:, None], dtype, ROUND_NORMED)
     else:
         y = x.to(dtype)
     tl.store(out_row + cols[None, :], y, mask=in_h[:, None] & (cols < D - 2 * HALF_R)[None, :])
@@ -118,10 +129,10 @@ def _norm_rope_kernel(
             x1 = (x1 * factor[:, None]).to(dtype)
             x2 = (x2 * factor[:, None]).to(dtype)
         elif NORM == 2:
-            w1 = tl.load(weight_ptr + even, mask=in_p, other=0.0)[None, :]
-            w2 = tl.load(weight_ptr + even + 1, mask=in_p, other=0.0)[None, :]
-            x1 = (w1 * (x1 * factor[:, None])).to(dtype)
-            x2 = (w2 * (x2 * factor[:, None])).to(dtype)
+            w1 = tl.load(weight_ptr + even, mask=in_p, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(weight_ptr + even + 1, mask=in_p, other=0.0).to(tl.float32)[None, :]
+            x1 = _weighted(w1, x1 * factor[:, None], dtype, ROUND_NORMED)
+            x2 = _weighted(w2, x2 * factor[:, None], dtype, ROUND_NORMED)
         x1 = x1.to(tl.float32)
         x2 = x2.to(tl.float32)
         first = x1 * cos + (-x2) * sin
@@ -132,19 +143,23 @@ def _norm_rope_kernel(
 
 def norm_rope(
     x: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     cos_table: torch.Tensor | None,
     sin_table: torch.Tensor | None,
     weight: torch.Tensor | None = None,
     eps: float | None = None,
     inverse: bool = False,
+    round_normed: bool = False,
 ) -> torch.Tensor:
     """x [T, H, D] -> [T, H, D]: RMSNorm (``eps`` None: none; ``weight`` None: the
-    unweighted one), then the interleaved rope at ``positions`` (``cos_table`` None: none;
-    ``inverse``: the inverse rotation). One Triton launch; the torch reference where Triton
-    does not run."""
+    unweighted one; ``round_normed``: V4.1's ``weight * normed.to(dtype)``), then the
+    interleaved rope at ``positions`` (``cos_table`` None: none, and ``positions`` may be
+    None; ``inverse``: the inverse rotation). One Triton launch; the torch reference where
+    Triton does not run."""
     if not use_triton(x):
-        return norm_rope_reference(x, positions, cos_table, sin_table, weight, eps, inverse)
+        return norm_rope_reference(
+            x, positions, cos_table, sin_table, weight, eps, inverse, round_normed
+        )
     tokens, heads, dim = x.shape
     assert x.stride(-1) == 1, "a head's channels must be unit-stride"
     half = 0 if cos_table is None else cos_table.shape[-1]
@@ -155,27 +170,30 @@ def norm_rope(
     dim_p2 = triton.next_power_of_2(dim)
     block_h = max(1, min(triton.next_power_of_2(heads), 4096 // dim_p2))
     table = cos_table if cos_table is not None else x  # unused pointers when there is no rope
+    positions = positions if positions is not None else x
     _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, out, weight if weight is not None else x, positions, table,
         sin_table if sin_table is not None else table, x.stride(0), x.stride(1),
         0.0 if eps is None else float(eps), -1.0 if inverse else 1.0,
         H=heads, D=dim, D_P2=dim_p2, HALF_R=half, HALF_R_P2=triton.next_power_of_2(max(half, 1)),
-        NORM=norm, BLOCK_H=block_h, num_warps=4 if block_h * dim_p2 <= 2048 else 8,
+        NORM=norm, ROUND_NORMED=round_normed and norm == NORM_WEIGHTED, BLOCK_H=block_h,
+        num_warps=4 if block_h * dim_p2 <= 2048 else 8,
     )  # fmt: skip
     return out
 
 
 def norm_rope_reference(x, positions, cos_table, sin_table, weight=None, eps=None,
-                        inverse=False):  # fmt: skip
-    """The model's torch ops: `unweighted_rms_norm` / `FP32RMSNorm`, then
-    `apply_interleaved_rope_reference` with the tables' rows at ``positions``."""
+                        inverse=False, round_normed=False):  # fmt: skip
+    """The model's torch ops: `unweighted_rms_norm` / `FP32RMSNorm` (``round_normed``:
+    V4.1's `RMSNorm`), then `apply_interleaved_rope_reference` with the tables' rows at
+    ``positions``."""
     if eps is not None:
         if weight is None:
             x = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
         else:
             y = x.float()
             y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-            x = (weight * y).to(x.dtype)
+            x = (weight * (y.to(x.dtype) if round_normed else y)).to(x.dtype)
     if cos_table is None:
         return x
     cos, sin = cos_table[positions], sin_table[positions]

@@ -155,14 +155,16 @@ class DeepseekV4Attention(nn.Module):
         return grouped_output(out, self.o_groups, self.o_a_proj.weight, self.o_b_proj)
 
 
-def norm_then_rope(x, positions, tables, fused: bool, norm=None, eps=None, inverse=False):
-    """x [T, H, D]: `norm` (an FP32RMSNorm; `eps` alone: the unweighted per-head norm; neither:
-    none), then the interleaved rope at `positions` with `tables` (cos, sin) (None: none;
-    `inverse`: -sin). `fused`: one launch (v4_rope.norm_rope), else the torch ops."""
+def norm_then_rope(x, positions, tables, fused: bool, norm=None, eps=None, inverse=False,
+                   round_normed=False):  # fmt: skip
+    """x [T, H, D]: `norm` (an FP32RMSNorm, or with `round_normed` V4.1's RMSNorm; `eps` alone:
+    the unweighted per-head norm; neither: none), then the interleaved rope at `positions`
+    with `tables` (cos, sin) (None: none; `inverse`: -sin). `fused`: one launch
+    (v4_rope.norm_rope), else the torch ops."""
     cos_table, sin_table = tables if tables is not None else (None, None)
     weight, eps = (norm.weight, norm.eps) if norm is not None else (None, eps)
     apply = norm_rope if fused else norm_rope_reference
-    return apply(x, positions, cos_table, sin_table, weight, eps, inverse)
+    return apply(x, positions, cos_table, sin_table, weight, eps, inverse, round_normed)
 
 
 def grouped_output(out: torch.Tensor, groups: int, a_weight: torch.Tensor, b_proj) -> torch.Tensor:

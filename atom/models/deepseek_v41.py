@@ -15,6 +15,9 @@ Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
   (atom/kernels/v41_engram.py: Triton hashing on CUDA; the lookup is the torch reference,
   which a Triton lookup lost to: docs/benchmarks.md); its history is the sequence's state (the first layer's
   `engram_tokens` state rows), read and written in `EngramHashes`.
+On the CUDA path (and on CPU under `ATOM_INTERPRET_CUDA_PATH=1`) the mHC sites, the norms +
+ropes, the final norm and the routing run V4's fused kernels in V4.1's variants (carried
+`pre`, `round_normed`, `round_once`, `temperature`); the torch ops stay the CPU path.
 DSpark draft layers (`mtp.*`) and vision weights are skipped with one log line.
 """
 
@@ -38,8 +41,10 @@ from atom.attention.v41 import (
 )
 from atom.forward_context import get_forward_context
 from atom.kernels import v41_quant
-from atom.kernels.v4_rope import apply_interleaved_rope_reference as rope
-from atom.kernels.v4_rope import rope_tables
+from atom.kernels.moe_routing import v4_route
+from atom.kernels.platform import use_cuda_path
+from atom.kernels.v4_mhc import hc_collapse, hc_post, hc_pre_carried
+from atom.kernels.v4_rope import norm_rope, rope_tables
 from atom.kernels.v41_engram import (
     compressed_token_map,
     engram_hash,
@@ -57,6 +62,7 @@ from atom.models.deepseek_v4 import (
     collapse,
     grouped_output,
     load_checkpoint,
+    norm_then_rope,
 )
 from atom.models.moe import routed_experts
 
@@ -93,7 +99,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: the CUDA path's one launch (v4_rope.norm_rope, `round_normed`)."""
+        if fused:
+            rows = x.reshape(-1, 1, x.shape[-1])
+            out = norm_rope(rows, None, None, None, self.weight, self.eps, round_normed=True)
+            return out.view(x.shape)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * y.to(x.dtype)
@@ -103,6 +114,28 @@ def expand(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor
     """post_k * out + sum_j comb[j, k] * streams_j in fp32 (the reference), cast once."""
     mixed = torch.matmul(comb.float().transpose(-1, -2), streams.float())
     return (post.float().unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(streams.dtype)
+
+
+# The CUDA path of an mHC site runs V4's fused kernels (atom/kernels/v4_mhc.py) in V4.1's
+# variants: the collapse by the carried `pre`, the norm rounded as `RMSNorm`, the expand
+# rounded once. The torch ops above stay the CPU path and the reference.
+def site_input(hc: HyperConnection, streams: torch.Tensor, pre: torch.Tensor, norm: RMSNorm):
+    """(this site's pre, post, comb, the block's input: `norm` of the streams collapsed by
+    `pre`, the previous site's)."""
+    if use_cuda_path(streams):
+        return hc_pre_carried(
+            streams, pre, hc.fn.float(), hc.base.float(), hc.scale.float(), norm.weight,
+            hc.iters, hc.eps, hc.hc_eps, norm.eps,
+        )  # fmt: skip
+    site_pre, post, comb = hc.mixes(streams)
+    return site_pre, post, comb, norm(collapse(streams, pre))
+
+
+def site_output(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.Tensor:
+    """The block's output expanded into the streams (`expand`)."""
+    if use_cuda_path(streams):
+        return hc_post(out, streams, post, comb, round_once=True)
+    return expand(out, streams, post, comb)
 
 
 class Compressor(nn.Module):
@@ -126,9 +159,9 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def inputs(self, hidden, q_residual, cos, sin) -> IndexerInputs:
+    def inputs(self, hidden, q_residual, positions, tables, fused: bool) -> IndexerInputs:
         q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
-        q = fake_quant_fp4(rope(q, cos, sin), 32)
+        q = fake_quant_fp4(norm_then_rope(q, positions, tables, fused), 32)
         weights = self.weights_proj(hidden).float() * self.num_heads**-0.5
         return IndexerInputs(q, weights)
 
@@ -161,23 +194,29 @@ class DeepseekV41Attention(nn.Module):
 
     def _finish(self, latent: torch.Tensor, group_positions: torch.Tensor):
         """Pre-RoPE latents [G, D] at their groups' first positions -> (entries, keys)."""
-        cos, sin = (t[group_positions] for t in self.tables["compress"])
+        tables, fused = self.tables["compress"], use_cuda_path(latent)
         # pooled in fp32: cast to the model's dtype before the norm, as the reference does
-        latent = self.compressor.norm(latent.to(self.wkv.weight.dtype))
-        entries = rope(latent[:, None, :], cos, sin)[:, 0]
+        latent = self.compressor.norm(latent.to(self.wkv.weight.dtype), fused)
+        entries = norm_then_rope(latent[:, None, :], group_positions, tables, fused)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
-            keys = rope(self.indexer.k_norm(self.indexer.wk(latent))[:, None, :], cos, sin)
-            keys = keys[:, 0]
+            keys = self.indexer.wk(latent)[:, None, :]
+            keys = norm_then_rope(
+                keys, group_positions, tables, fused, self.indexer.k_norm, round_normed=True
+            )[:, 0]
             keys = fake_quant_fp4(keys, 32)
         return entries, keys
 
     def forward(self, positions, hidden, shared: SharedChoice) -> torch.Tensor:
-        cos, sin = (t[positions] for t in self.tables[self.rope_kind])
-        q_residual = self.q_norm(self.wq_a(hidden))
-        q = rope(self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim), cos, sin)
-        kv = rope(self.kv_norm(self.wkv(hidden))[:, None, :], cos, sin)[:, 0]
+        tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
+        q_residual = norm_then_rope(
+            self.wq_a(hidden)[:, None], positions, None, fused, self.q_norm, round_normed=True
+        )[:, 0]
+        q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
+        q = norm_then_rope(q, positions, tables, fused)
+        kv = self.wkv(hidden)[:, None, :]
+        kv = norm_then_rope(kv, positions, tables, fused, self.kv_norm, round_normed=True)[:, 0]
         kv = fake_quant_fp8(kv, 32)
         source = indexer = None
         if self.compressor is not None:
@@ -189,10 +228,11 @@ class DeepseekV41Attention(nn.Module):
                 kv_raw = F.linear(x, c.wkv.weight.float())
                 source = SourceInputs(kv_raw, F.linear(x, c.wgate.weight.float()), self._finish)
         if self.indexer is not None:
-            c_cos, c_sin = (t[positions] for t in self.tables["compress"])
-            indexer = self.indexer.inputs(hidden, q_residual, c_cos, c_sin)
+            indexer = self.indexer.inputs(
+                hidden, q_residual, positions, self.tables["compress"], fused
+            )
         out = self.attn(q, kv, positions, self.attn_sink, source, indexer, shared)
-        out = rope(out, cos, -sin)
+        out = norm_then_rope(out, positions, tables, fused, inverse=True)
         return grouped_output(out, self.o_groups, self.wo_a.weight, self.wo_b)
 
 
@@ -219,14 +259,26 @@ class DeepseekV41MoE(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
         self.shared_experts = SwiGLUMLP(hidden, inter, self.limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight.float()) / self.gate_temp
-        scores = F.softplus(logits).sqrt()
-        ids = (scores + self.gate.bias.float()).topk(self.top_k, dim=-1).indices
+    def route(self, x: torch.Tensor):
+        """(weights [T, k] fp32, expert ids [T, k]) from the fp32 gate logits / gate_temp.
+        The CUDA path in one launch after the gate's GEMM (atom/kernels/moe_routing.py
+        `v4_route`, which renormalizes: used where the reference does)."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        bias = self.gate.bias.float()
+        if use_cuda_path(x) and self.norm_topk and self.top_k > 1:
+            return v4_route(
+                logits, self.top_k, self.routed_scaling_factor, bias=bias,
+                temperature=self.gate_temp,
+            )  # fmt: skip
+        scores = F.softplus(logits / self.gate_temp).sqrt()
+        ids = (scores + bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(1, ids)
         if self.norm_topk and self.top_k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * self.routed_scaling_factor
+        return weights * self.routed_scaling_factor, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
         # routed + shared: on CUDA in the launch that sums the routed experts over k
         return routed_experts(
             x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
@@ -350,12 +402,10 @@ class DeepseekV41DecoderLayer(nn.Module):
         """streams [T, hc, D], pre [T, hc] (the previous site's) -> (streams, this pre)."""
         if self.engram is not None:
             streams = self.engram(streams, hash_ids[:, self.engram_index])
-        attn_pre, post, comb = self.attn_hc.mixes(streams)
-        out = self.attn(positions, self.attn_norm(collapse(streams, pre)), shared)
-        streams = expand(out, streams, post, comb)
-        ffn_pre, post, comb = self.ffn_hc.mixes(streams)
-        out = self.ffn(self.ffn_norm(collapse(streams, attn_pre)))
-        return expand(out, streams, post, comb), ffn_pre
+        attn_pre, post, comb, x = site_input(self.attn_hc, streams, pre, self.attn_norm)
+        streams = site_output(self.attn(positions, x, shared), streams, post, comb)
+        ffn_pre, post, comb, x = site_input(self.ffn_hc, streams, attn_pre, self.ffn_norm)
+        return site_output(self.ffn(x), streams, post, comb), ffn_pre
 
 
 class DeepseekV41Model(nn.Module):
@@ -388,6 +438,8 @@ class DeepseekV41Model(nn.Module):
         shared = SharedChoice()
         for layer in self.layers:
             streams, pre = layer(streams, pre, positions, hash_ids, shared)
+        if use_cuda_path(streams):
+            return hc_collapse(streams, pre, self.norm.weight, self.norm.eps)
         return self.norm(collapse(streams, pre))
 
 

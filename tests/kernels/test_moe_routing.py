@@ -79,6 +79,30 @@ def test_hash_routing_matches_reference(device, dtype):
     torch.testing.assert_close(weights, ref_weights, **tolerance)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 6), (256, 8)])
+def test_score_routing_with_temperature_matches_v41_ops(device, experts, top_k):
+    """DeepSeek-V4.1: fp32 logits / gate_temp, then V4's rule; the reference against
+    `DeepseekV41MoE.route`'s CPU ops (the same experts in the same order, no ties), the
+    kernel against both."""
+    g = torch.Generator().manual_seed(experts + top_k + 1)
+    logits = _logits(5, experts, top_k, g, torch.float32, device)
+    bias = (torch.rand(experts, generator=g) * 0.01).to(device)
+    temperature = 0.8
+    weights, ids = v4_route(logits, top_k, SCALE, bias=bias, temperature=temperature)
+    ref_weights, ref_ids = v4_route_reference(logits, top_k, SCALE, bias, temperature=temperature)
+    scores = F.softplus(logits / temperature).sqrt()  # DeepseekV41MoE.route (norm_topk)
+    model_ids = (scores + bias).topk(top_k, dim=-1).indices
+    model_weights = scores.gather(1, model_ids)
+    model_weights = model_weights / (model_weights.sum(dim=-1, keepdim=True) + 1e-20) * SCALE
+    assert torch.equal(ref_ids, model_ids) and torch.equal(ids, model_ids)
+    assert torch.equal(ref_weights, model_weights)
+    assert weights.dtype == torch.float32
+    torch.testing.assert_close(weights, model_weights, rtol=1e-6, atol=1e-6)
+    # the temperature changes the weights (the softplus is not scale-invariant)
+    assert not torch.allclose(v4_route(logits, top_k, SCALE, bias=bias)[0], weights)
+
+
 def test_no_tokens():
     weights, ids = v4_route(torch.zeros(0, 16), 6, SCALE, bias=torch.zeros(16))
     assert weights.shape == ids.shape == (0, 6)

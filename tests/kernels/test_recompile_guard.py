@@ -304,9 +304,10 @@ KERNELS = {
         ["stride_streams_row", "stride_out_row", "mix_eps", "hc_eps", "norm_eps"],
     ),
     (v4_mhc, "_hc_post_kernel"): ([], ["stride_out_row", "stride_streams_row"]),
+    (v4_mhc, "_hc_collapse_kernel"): ([], ["stride_streams_row", "stride_out_row", "norm_eps"]),
     (v4_rope, "_norm_rope_kernel"): ([], ["stride_x_row", "stride_x_head", "eps", "sign"]),
     # MoE routing (V4, softmax): tokens come from the grid; the scaling factor is the model's
-    (moe_routing, "_route_kernel"): ([], ["stride_logits_row", "scale"]),
+    (moe_routing, "_route_kernel"): ([], ["stride_logits_row", "scale", "temperature"]),
     # DeepSeek-V4.1: fake quantisation (number of quantisation blocks) and Engram hashing.
     (v41_quant, "_fake_quant_kernel"): (["num_blocks"], []),
     (v41_engram, "_engram_hash_kernel"): (["num_tokens"], []),
@@ -383,6 +384,8 @@ DEVICE_FUNCTIONS = {
     (v4_compressor, "pool_offsets"),
     (v4_mhc, "_split_tile"),
     (moe_gemv, "_pair"),
+    (v4_mhc, "_collapse_norm"),
+    (v4_rope, "_weighted"),
     (v41_quant, "_exponent"),
     (v41_quant, "_round_half_even"),
     (v41_quant, "_e4m3"),
@@ -1151,6 +1154,57 @@ def test_v4_mhc_one_variant():
     assert history["_hc_mix_partial_kernel"][-1] == 2, history
     assert history["_hc_finish_kernel"][-1] == 2, history
     assert history["_hc_post_kernel"][-1] == 1, history
+
+
+@pytest.mark.gpu
+def test_v41_mhc_one_variant():
+    """Tokens (the grid) swept through DeepSeek-V4.1's variants: hc_pre_carried, hc_post
+    rounded once and the final hc_collapse."""
+    n, hidden = 4, 4096
+    streams = torch.randn(max(SWEEP), n, hidden, device=DEVICE, dtype=BF16)
+    carried = torch.rand(max(SWEEP), n, device=DEVICE)
+    fn = torch.randn((2 + n) * n, n * hidden, device=DEVICE) * 0.01
+    base, scale = torch.randn((2 + n) * n, device=DEVICE), torch.ones(3, device=DEVICE)
+    weight = torch.ones(hidden, device=DEVICE, dtype=BF16)
+
+    def run(n_tokens):
+        pre, post, comb, x = v4_mhc.hc_pre_carried(
+            streams[:n_tokens], carried[:n_tokens], fn, base, scale, weight, 20, 1e-6, 1e-6,
+            1e-6,
+        )  # fmt: skip
+        v4_mhc.hc_post(x, streams[:n_tokens], post, comb, round_once=True)
+        v4_mhc.hc_collapse(streams[:n_tokens], pre, weight, 1e-6)
+
+    names = ["_hc_mix_partial_kernel", "_hc_finish_kernel", "_hc_post_kernel",
+             "_hc_collapse_kernel"]  # fmt: skip
+    assert_one_variant(v4_mhc, names, run)
+
+
+@pytest.mark.gpu
+def test_v41_norm_rope_round_normed_one_variant():
+    dim, half = 512, 32
+    x = torch.randn(max(SWEEP), 1, dim, device=DEVICE, dtype=BF16)
+    weight = torch.rand(dim, device=DEVICE, dtype=BF16) + 0.5
+    cos, sin = torch.randn(2, 70000, half, device=DEVICE).unbind(0)
+    positions = torch.randint(0, 70000, (max(SWEEP),), device=DEVICE, generator=_generator())
+
+    def run(n):
+        v4_rope.norm_rope(x[:n], positions[:n], cos, sin, weight, 1e-6, round_normed=True)
+
+    assert_one_variant(v4_rope, ["_norm_rope_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v41_route_with_temperature_one_variant():
+    """DeepSeek-V4.1's routing: fp32 logits / gate_temp over the token sweep."""
+    experts, top_k = 256, 8
+    logits = torch.randn(max(SWEEP), experts, device=DEVICE)
+    bias = torch.randn(experts, device=DEVICE) * 0.01
+
+    def run(n):
+        moe_routing.v4_route(logits[:n], top_k, 2.5, bias=bias, temperature=0.8)
+
+    assert_one_variant(moe_routing, ["_route_kernel"], run)
 
 
 @pytest.mark.gpu

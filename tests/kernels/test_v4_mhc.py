@@ -1,6 +1,8 @@
 """DeepSeek-V4 mHC kernels (atom/kernels/v4_mhc.py) against their torch references, and the
 references against the model's own modules (HyperConnection + FP32RMSNorm, expand,
-HyperHead + the final norm): CPU interpreter, `gpu` variants on CUDA."""
+HyperHead + the final norm; DeepSeek-V4.1's variants: the collapse by the carried pre with
+its RMSNorm, the expand rounded once, the final collapse): CPU interpreter, `gpu` variants
+on CUDA."""
 
 import types
 
@@ -8,11 +10,15 @@ import pytest
 import torch
 
 from atom.kernels.v4_mhc import (
+    hc_collapse,
+    hc_collapse_reference,
     hc_head,
     hc_head_reference,
     hc_post,
     hc_post_reference,
     hc_pre,
+    hc_pre_carried,
+    hc_pre_carried_reference,
     hc_pre_reference,
 )
 
@@ -108,3 +114,100 @@ def test_references_are_the_models_math():
     )
     expected = hc_head_reference(streams, hfn, hbase, hscale, weight, EPS, HC_EPS, EPS)
     assert torch.equal(head(streams, norm), expected)
+
+
+# -- DeepSeek-V4.1: the carried pre, the norm rounded before its weight, the expand rounded once
+
+
+def _carried_pre(tokens, n, device, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(tokens, n, generator=g) + 0.2).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,n,d", [(1, 4, 64), (3, 2, 48), (2, 3, 200)])
+def test_hc_pre_carried_matches_reference(device, dtype, tokens, n, d):
+    fn, base, scale, weight = _block(n, d, device)
+    weight = weight.to(dtype)  # V4.1 holds the norm weight in the model's dtype
+    streams = _streams(tokens, n, d, dtype, device)
+    carried = _carried_pre(tokens, n, device)
+    args = (streams, carried, fn, base, scale, weight, 5, EPS, HC_EPS, EPS)
+    pre, post, comb, x = hc_pre_carried(*args)
+    ref_pre, ref_post, ref_comb, ref_x = hc_pre_carried_reference(*args)
+    for got, expected in ((pre, ref_pre), (post, ref_post), (comb, ref_comb)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert x.dtype == dtype
+    torch.testing.assert_close(x, ref_x, **_tolerance(dtype))
+    # the carried pre collapses, not this site's: V4's kernel on the same streams differs
+    _, _, v4_x = hc_pre(streams, fn, base, scale, weight.float(), 5, EPS, HC_EPS, EPS)
+    assert not torch.allclose(x.float(), v4_x.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,n,d", [(1, 4, 64), (5, 2, 48), (2, 3, 200)])
+def test_hc_collapse_matches_reference(device, dtype, tokens, n, d):
+    _, _, _, weight = _block(n, d, device)
+    streams = _streams(tokens, n, d, dtype, device)
+    pre = _carried_pre(tokens, n, device)
+    got = hc_collapse(streams, pre, weight.to(dtype), EPS)
+    expected = hc_collapse_reference(streams, pre, weight.to(dtype), EPS)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,n,d", [(1, 4, 64), (3, 3, 200)])
+def test_hc_post_round_once_matches_reference(device, dtype, tokens, n, d):
+    fn, base, scale, weight = _block(n, d, device)
+    streams = _streams(tokens, n, d, dtype, device)
+    post, comb, _ = hc_pre_reference(streams, fn, base, scale, weight, 3, EPS, HC_EPS, EPS)
+    out = _streams(tokens, 1, d, dtype, device, seed=2)[:, 0]
+    got = hc_post(out, streams, post, comb, round_once=True)
+    expected = hc_post_reference(out, streams, post, comb, round_once=True)
+    # fp32 sums in another order; bf16: the interpreter truncates where torch rounds (1 ulp
+    # of values up to ~8)
+    tolerance = _tolerance(dtype) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.07)
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_v41_references_are_the_models_math(monkeypatch):
+    """The V4.1 references equal V4.1's modules bit for bit: `site_input`'s and
+    `site_output`'s CPU path (HyperConnection.mixes, collapse, RMSNorm, expand) and the final
+    norm, in fp32 and bf16 (the rounding points differ from V4's in bf16)."""
+    from atom.models.deepseek_v4 import HyperConnection, collapse
+    from atom.models.deepseek_v41 import RMSNorm, expand, site_input, site_output
+
+    monkeypatch.delenv("ATOM_INTERPRET_CUDA_PATH", raising=False)  # the torch path
+
+    n, d, iters = 4, 32, 7
+    config = types.SimpleNamespace(hc_mult=n, hidden_size=d, hc_sinkhorn_iters=iters,
+                                   hc_eps=HC_EPS, rms_norm_eps=EPS)  # fmt: skip
+    fn, base, scale, weight = _block(n, d, "cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        hc, norm = HyperConnection(config), RMSNorm(d, EPS).to(dtype)
+        with torch.no_grad():
+            hc.fn.copy_(fn), hc.base.copy_(base), hc.scale.copy_(scale)
+            norm.weight.copy_(weight)
+        streams = _streams(3, n, d, dtype, "cpu")
+        carried = _carried_pre(3, n, "cpu")
+        got = site_input(hc, streams, carried, norm)
+        expected = hc_pre_carried_reference(
+            streams, carried, fn, base, scale, norm.weight, iters, EPS, HC_EPS, EPS
+        )
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        out = _streams(3, 1, d, dtype, "cpu", seed=4)[:, 0]
+        _, post, comb, _ = expected
+        assert torch.equal(
+            site_output(out, streams, post, comb),
+            hc_post_reference(out, streams, post, comb, round_once=True),
+        )
+        assert torch.equal(expand(out, streams, post, comb), site_output(out, streams, post, comb))
+        assert torch.equal(
+            norm(collapse(streams, carried)),
+            hc_collapse_reference(streams, carried, norm.weight, EPS),
+        )
