@@ -41,7 +41,6 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 
 try:
@@ -75,9 +74,7 @@ def _route_kernel(
     HASH: tl.constexpr,  # V4 hash layers
     SCORING: tl.constexpr,  # SQRT_SOFTPLUS (V4) or SOFTMAX
     RENORMALIZE: tl.constexpr,  # SOFTMAX: divide the chosen weights by their sum
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
-    pdl_wait_and_release(PDL)  # the logits: the gate's GEMM, just before
     token = tl.program_id(0).to(tl.int64)
     dtype = weights_ptr.dtype.element_ty
     experts = tl.arange(0, E_P2)
@@ -176,12 +173,11 @@ def _launch(logits, bias, input_ids, tid2eid, weights, ids, scale, temperature, 
             renormalize):  # fmt: skip
     tokens, experts = logits.shape
     top_k = weights.shape[1]
-    pdl, launch = pdl_chain_launch(logits)
     _route_kernel[(tokens,)](
         logits, bias, input_ids, tid2eid, weights, ids, logits.stride(0), scale, temperature,
         E=experts, E_P2=triton.next_power_of_2(experts), K=top_k,
         K_P2=triton.next_power_of_2(top_k), HASH=hashed, SCORING=scoring,
-        RENORMALIZE=renormalize, PDL=pdl, num_warps=1 if experts <= 256 else 4, **launch,
+        RENORMALIZE=renormalize, num_warps=1 if experts <= 256 else 4,
     )  # fmt: skip
 
 

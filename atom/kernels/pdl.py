@@ -126,7 +126,7 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
 
 EMULATED = 3  # the kernels' PDL code paths (loads before the wait), no intrinsics: tests
 
-# The decode chain's small kernels of the MoE, GDN and DeepSeek-V4 layers (routing, the k-sum; the GDN
+# The decode chain's small kernels of the MoE, GDN and DeepSeek-V4 layers (the k-sum; the GDN
 # split, conv, delta rule and gated norm; V4's window write, compressor, indexer scores and
 # top-k select, decode attention and its merge) join PDL as the norms and paged decode do;
 # False: they launch without it (benchmarks' `--pdl-chain on off`).

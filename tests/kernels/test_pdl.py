@@ -162,9 +162,9 @@ def test_paged_decode_pdl_paths(emulated, case, num_splits, kv_cache_dtype, earl
 
 @pytest.fixture
 def emulated_chain(monkeypatch):
-    from atom.kernels import gdn_conv, gdn_delta_rule, gdn_gates, moe_combine, moe_routing
+    from atom.kernels import gdn_conv, gdn_delta_rule, gdn_gates, moe_combine
 
-    for module in (gdn_conv, gdn_delta_rule, gdn_gates, moe_combine, moe_routing):
+    for module in (gdn_conv, gdn_delta_rule, gdn_gates, moe_combine):
         monkeypatch.setattr(module, "pdl_chain_launch", lambda *_: (pdl.EMULATED, {}))
 
 
@@ -179,14 +179,6 @@ def test_gdn_split_gated_norm_and_combine_pdl_paths(emulated_chain, dtype):
     test_gdn_gates.test_split_matches_reference("cpu", dtype, 2, 2, 8, 16)
     test_gdn_gates.test_gated_norm_matches_model_norm("cpu", dtype, 2, 2, 8, 16)
     test_moe_combine.test_combine_matches_model_ops("cpu", dtype, 3, 4, 64, True)
-
-
-def test_routing_pdl_paths(emulated_chain):
-    from tests.kernels import test_moe_routing
-
-    test_moe_routing.test_softmax_routing_matches_model_ops("cpu", torch.float32, 64, 10, True)
-    test_moe_routing.test_score_routing_matches_reference("cpu", torch.float32, 16, 6)
-    test_moe_routing.test_hash_routing_matches_reference("cpu", torch.float32)
 
 
 @pytest.fixture
