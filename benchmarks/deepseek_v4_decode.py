@@ -380,7 +380,7 @@ SWITCH_HELP = {
     "auto: the rule), e.g. `--moe-gemv on off`",
     "shared_pair": "one engine with the shared expert as one more pair of the per-pair decode "
     "GEMV (on), one with its own launches (off)",
-    "pdl_chain": "one engine with the MoE / GDN / V4 decode chain's small kernels under PDL (on), "
+    "pdl_chain": "one engine with the MoE / GDN decode chain's small kernels under PDL (on), "
     "one without (off)",
 }
 

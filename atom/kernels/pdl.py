@@ -126,15 +126,14 @@ def pdl_launch(tensor: torch.Tensor, weight_bytes: int = 0) -> tuple[int, dict]:
 
 EMULATED = 3  # the kernels' PDL code paths (loads before the wait), no intrinsics: tests
 
-# The decode chain's small kernels of the MoE, GDN and DeepSeek-V4 layers (the k-sum; the GDN
-# split, conv, delta rule and gated norm; V4's window write, compressor, indexer scores and
-# top-k select, decode attention and its merge) join PDL as the norms and paged decode do;
-# False: they launch without it (benchmarks' `--pdl-chain on off`).
+# The decode chain's small kernels of the MoE and GDN layers (routing, the k-sum, the GDN
+# split, conv, delta rule and gated norm) join PDL as the norms and paged decode do; False:
+# they launch without it (benchmarks' `--pdl-chain on off`).
 CHAIN = True
 
 
 def pdl_chain_launch(tensor: torch.Tensor) -> tuple[int, dict]:
-    """``pdl_launch`` for a small kernel of the MoE / GDN / V4 decode chain (``CHAIN``)."""
+    """``pdl_launch`` for a small kernel of the MoE / GDN decode chain (``CHAIN``)."""
     return pdl_launch(tensor) if CHAIN else _OFF
 
 

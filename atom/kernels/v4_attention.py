@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.decode_attention import multi_processors, placeholder
-from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 from atom.kernels.v4_compressor import (
     entry_parts,
@@ -124,9 +123,7 @@ def _write_window_kernel(
     WINDOW: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
-    pdl_wait_and_release(PDL)  # kv: this step's projection
     row = tl.program_id(0)
     if row < num_rows:
         offs_d = tl.arange(0, BLOCK_D)
@@ -147,11 +144,10 @@ def write_window(ring, kv, state_slots, positions) -> None:
     num_rows, dim = kv.shape
     if num_rows == 0:
         return
-    pdl, launch = pdl_chain_launch(kv)
     _write_window_kernel[(num_rows,)](
         ring, kv, state_slots, positions, num_rows, kv.stride(0),
         SCRATCH=ring.shape[0] - 1, WINDOW=ring.shape[1], DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), PDL=pdl, **launch,
+        BLOCK_D=triton.next_power_of_2(dim),
     )  # fmt: skip
 
 
@@ -207,9 +203,7 @@ def _v4_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
-    pdl_wait_and_release(PDL)  # this step's q, ring and entries
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -296,10 +290,8 @@ def _v4_merge_kernel(
     DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # MAX_SPLITS: fixed, never a runtime length
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
     """One program per (row, head): the splits' partial softmaxes and the sink as one."""
-    pdl_wait_and_release(PDL)  # the decode kernel's partial softmaxes
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -376,7 +368,6 @@ def v4_decode_attention(
     else:
         partial_acc = partial_stats = placeholder(q.device)
     block_d = max(16, triton.next_power_of_2(dim))
-    pdl, launch = pdl_chain_launch(q)
     _v4_decode_kernel[(num_rows, head_blocks, splits)](
         q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables, sinks,
         out, partial_acc, partial_stats, entry_ids.shape[1], block_tables.stride(0),
@@ -387,12 +378,11 @@ def v4_decode_attention(
         ROWS_PER_BLOCK=rows_per_block(block_size, ratio) if has_entries else 1,
         PART_WIDTH=pool.shape[-1], PARTS=entry_parts(block_size, ratio) if has_entries else 1,
         HAS_ENTRIES=has_entries, ALL_VISIBLE=all_visible, BLOCK_H=block_h, BLOCK_N=16,
-        BLOCK_D=block_d, PDL=pdl, **launch,
+        BLOCK_D=block_d,
     )  # fmt: skip
     if splits > 1:
         _v4_merge_kernel[(num_rows, num_heads)](
             partial_acc, partial_stats, sinks, out, splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, DIM=dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, PDL=pdl,
-            **launch,
+            NUM_HEADS=num_heads, DIM=dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
         )  # fmt: skip
     return out

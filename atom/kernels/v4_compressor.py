@@ -34,7 +34,6 @@ import math
 
 import torch
 
-from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 from atom.kernels.v4_rope import apply_interleaved_rope_reference
 
@@ -247,9 +246,7 @@ def _compressor_decode_kernel(
     BLOCK_D: tl.constexpr,  # tile over the entry channels (pooling)
     BLOCK_L: tl.constexpr,  # next_power_of_2(pooled rows)
     BLOCK_R: tl.constexpr,  # next_power_of_2(ROPE_DIM // 2)
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
-    pdl_wait_and_release(PDL)  # this step's kv and gate rows
     program = tl.program_id(0)
     if program < num_rows:
         row = program.to(tl.int64)
@@ -367,7 +364,6 @@ def compressor_decode(
     dim = norm_weight.shape[-1]  # the entry width (a pool block may hold one part of it)
     rows = 2 * ratio if overlap else ratio
     block_l = triton.next_power_of_2(rows)
-    pdl, launch = pdl_chain_launch(kv)
     _compressor_decode_kernel[(num_rows,)](
         state_kv, state_gate, kv, gate, position_bias, norm_weight, cos_table, sin_table,
         state_slots, positions, block_tables, pool, num_rows, eps, kv.stride(0),
@@ -378,5 +374,5 @@ def compressor_decode(
         PARTS=entry_parts(block_size, ratio),
         BLOCK_W=min(1024, triton.next_power_of_2(width)),
         BLOCK_D=max(16, min(triton.next_power_of_2(dim), 8192 // block_l)), BLOCK_L=block_l,
-        BLOCK_R=max(2, triton.next_power_of_2(cos_table.shape[1])), PDL=pdl, **launch,
+        BLOCK_R=max(2, triton.next_power_of_2(cos_table.shape[1])),
     )  # fmt: skip

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 from atom.kernels.platform import use_triton
 from atom.kernels.v4_compressor import (
     entry_parts,
@@ -130,9 +129,7 @@ def _index_scores_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
-    pdl_wait_and_release(PDL)  # this step's q, weights and index entries
     row = tl.program_id(0).to(tl.int64)
     split, num_splits = tl.program_id(1), tl.num_programs(1)
     heads = tl.arange(0, BLOCK_H)
@@ -195,7 +192,6 @@ def index_scores_decode(
         assert index_pool.is_contiguous() and q.stride(-1) == 1 and weights.stride(-1) == 1
         block_n = 32
         splits = min(SPLITS, triton.cdiv(max_entries, block_n))  # a launch size, no variant
-        pdl, launch = pdl_chain_launch(q)
         _index_scores_kernel[(num_rows, splits)](
             q, weights, index_pool, block_tables, positions, context_lens, scores, counts,
             max_entries, block_tables.stride(0), index_pool.shape[0] - 1, dim**-0.5,
@@ -204,7 +200,7 @@ def index_scores_decode(
             ROWS_PER_BLOCK=rows_per_block(block_size, ratio), PART_WIDTH=index_pool.shape[-1],
             PARTS=entry_parts(block_size, ratio),
             BLOCK_H=max(16, triton.next_power_of_2(num_heads)), BLOCK_N=block_n,
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), PDL=pdl, **launch,
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
         )  # fmt: skip
     return scores
 

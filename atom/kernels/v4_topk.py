@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 
 from atom.kernels.decode_attention import multi_processors
-from atom.kernels.pdl import pdl_chain_launch, pdl_wait_and_release
 
 try:
     import triton
@@ -105,9 +104,7 @@ def _indexer_topk_kernel(
     k,
     HAS_ALLOWED: tl.constexpr,
     CHUNK: tl.constexpr,
-    PDL: tl.constexpr = 0,  # programmatic dependent launch (atom/kernels/pdl.py)
 ):
-    pdl_wait_and_release(PDL)  # the scores, just before
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, CHUNK)
     n = tl.minimum(tl.load(counts_ptr + row).to(tl.int64), width)
@@ -390,10 +387,8 @@ def indexer_topk_select(
         )
     out = torch.empty(num_rows, k, dtype=torch.int64, device=scores.device)
     if num_rows and k:
-        pdl, launch = pdl_chain_launch(scores)
         _indexer_topk_kernel[(num_rows,)](
             scores, counts, scores if allowed is None else allowed, out, width, k,
-            HAS_ALLOWED=allowed is not None, CHUNK=chunk, PDL=pdl, num_warps=num_warps,
-            **launch,
+            HAS_ALLOWED=allowed is not None, CHUNK=chunk, num_warps=num_warps,
         )  # fmt: skip
     return out

@@ -106,7 +106,7 @@ def test_no_pdl_off_switch_cpu_interpreter_or_old_gpu(hopper):
 
 
 def test_the_decode_chain_kernels_follow_the_switch(hopper):
-    """The MoE / GDN / V4 chain's small kernels take PDL as the norms do, unless CHAIN is off."""
+    """The MoE / GDN chain's small kernels take PDL as the norms do, unless CHAIN is off."""
     assert pdl.pdl_chain_launch(_on_cuda(1)) == ON
     assert pdl.pdl_chain_launch(_on_cuda(64)) == ON
     hopper.setattr(pdl, "CHAIN", False)
@@ -179,23 +179,3 @@ def test_gdn_split_gated_norm_and_combine_pdl_paths(emulated_chain, dtype):
     test_gdn_gates.test_split_matches_reference("cpu", dtype, 2, 2, 8, 16)
     test_gdn_gates.test_gated_norm_matches_model_norm("cpu", dtype, 2, 2, 8, 16)
     test_moe_combine.test_combine_matches_model_ops("cpu", dtype, 3, 4, 64, True)
-
-
-@pytest.fixture
-def emulated_v4(monkeypatch):
-    from atom.kernels import v4_attention, v4_compressor, v4_indexer, v4_topk
-
-    for module in (v4_attention, v4_compressor, v4_indexer, v4_topk):
-        monkeypatch.setattr(module, "pdl_chain_launch", lambda *_: (pdl.EMULATED, {}))
-
-
-def test_v4_decode_chain_pdl_paths(emulated_v4):
-    """V4's window write, decode + merge, compressor, indexer scores and top-k select with
-    their PDL code paths (the wait first), against their references."""
-    from tests.kernels import test_v4_kernels, test_v4_topk
-
-    test_v4_kernels.test_write_window_matches_reference("cpu", 5, 3)
-    test_v4_kernels.test_decode_attention_matches_reference("cpu", 5, [3, 17, 40], 4, 3, "chosen")
-    test_v4_kernels.test_compressor_decode_matches_reference("cpu", torch.float32, True, 4, 23)
-    test_v4_kernels.test_indexer_topk_decode_matches_reference("cpu", [3, 40, 17], 12, 4)
-    test_v4_topk.test_select_matches_reference_and_topk("cpu", True, 300, [1199, 40, 7, 5000], 16)
