@@ -3,7 +3,7 @@
     python -m benchmarks.qwen3_next_decode [--layers 4] [--context 8192]
         [--batches 1,64] [--steps 32] [--skip-hf]
         [--moe-gemv on off | --shared-pair on off | --pdl-chain on off]
-        [--attn-split-cap 32 128] [--in-proj one two]
+        [--attn-split-cap 32 128]
 
 Random bf16 weights in a Qwen3-Next-80B-A3B shape with few layers (hidden 2048, GDN with 16
 k heads / 32 v heads of 128, conv 4; gated attention 16 heads / 2 KV heads of 256 every
@@ -28,8 +28,7 @@ off` (atom only): one engine with the shared expert as one more pair of the per-
 GDN chain's small kernels under PDL (`pdl.CHAIN`).
 `--attn-split-cap 32 128` (atom only): one engine per split cap of the full-attention
 layers' paged decode (`decode_attention.MAX_SPLITS`, the merge kernel's tile): with 2 KV
-heads the default cap of 32 gives 64 programs at batch 1. `--in-proj one two` (atom only):
-one engine with the GDN input projection as one GEMM, one with its qkvz and ba rows apart.
+heads the default cap of 32 gives 64 programs at batch 1.
 """
 
 from __future__ import annotations
@@ -193,24 +192,6 @@ def decode_by_split_cap(path: str, args, batches: list[int], vocab: int, max_len
         decode_attention.MAX_SPLITS = default
 
 
-def decode_by_in_proj(path: str, args, batches: list[int], vocab: int, max_len: int) -> None:
-    """One engine per `--in-proj` value: the GDN input projection as one GEMM (`one`) or its
-    qkvz and ba rows apart (`two`); the class default restored after."""
-    from atom.models.qwen3_next import Qwen3NextGatedDeltaNet as gdn
-
-    default = gdn.ONE_IN_PROJ
-
-    def setup(value: str) -> int:
-        gdn.ONE_IN_PROJ = value == "one"
-        return max_len
-
-    try:
-        decode_per_setting(path, args, batches, vocab, args.in_proj, "in_proj", setup,
-                           gdn_state_read)  # fmt: skip
-    finally:
-        gdn.ONE_IN_PROJ = default
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -225,11 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         help="a fixed geometry of the MoE align kernel (moe.ALIGN_OVERRIDE) for an A/B",
     )  # fmt: skip
     add_switch_options(parser)
-    parser.add_argument(
-        "--in-proj", nargs="+", default=None, choices=["one", "two"],
-        help="atom only: one engine per GDN input projection (one: in_proj in one GEMM, two: "
-        "its qkvz and ba rows apart), e.g. `--in-proj one two`",
-    )  # fmt: skip
     parser.add_argument(
         "--attn-split-cap", nargs="+", type=int, default=None, metavar="CAP",
         help="atom only: one engine per paged-decode split cap (powers of 2), e.g. 32 128",
@@ -251,14 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as path:
         hf_model = save_random_model(path, shape)
-        if args.attn_split_cap or args.in_proj or any_switch(args):  # atom only: per setting
+        if args.attn_split_cap or any_switch(args):  # atom only: one engine per setting
             del hf_model
             gc.collect()
             torch.cuda.empty_cache()
             if args.attn_split_cap:
                 decode_by_split_cap(path, args, batches, vocab, max_len)
-            elif args.in_proj:
-                decode_by_in_proj(path, args, batches, vocab, max_len)
             else:
                 decode_by_switch(path, args, batches, vocab, max_len, gdn_state_read)
             return 0

@@ -99,6 +99,16 @@ def _split_tile(partial_ptr, offsets, mask, M: tl.constexpr, SPLITS: tl.constexp
 
 
 @triton.jit
+def _stream_rows(streams_ptr, token, stride_streams_row, n, in_n, d, in_d, D: tl.constexpr):
+    """A token's streams [N_P2, BLOCK_D] (zero past N and D)."""
+    return tl.load(
+        streams_ptr + token * stride_streams_row + n[:, None] * D + d[None, :],
+        mask=in_n[:, None] & in_d[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _collapse_norm(rows, pre, norm_weight, norm_eps, D: tl.constexpr, dtype: tl.constexpr,
                    ROUND_NORMED: tl.constexpr):  # fmt: skip
     """rows [N_P2, BLOCK_D] (zero past N and D), pre [N_P2] fp32 -> the RMSNorm of
@@ -132,11 +142,7 @@ def _hc_collapse_kernel(
     in_n = n < N
     d = tl.arange(0, BLOCK_D)
     in_d = d < D
-    rows = tl.load(
-        streams_ptr + token * stride_streams_row + n[:, None] * D + d[None, :],
-        mask=in_n[:, None] & in_d[None, :],
-        other=0.0,
-    )
+    rows = _stream_rows(streams_ptr, token, stride_streams_row, n, in_n, d, in_d, D)
     pre = tl.load(pre_ptr + token * N + n, mask=in_n, other=0.0)
     norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0).to(tl.float32)
     x = _collapse_norm(rows, pre, norm_weight, norm_eps, D, out_ptr.dtype.element_ty, True)
@@ -183,11 +189,7 @@ def _hc_finish_kernel(
     if tl.program_id(1) == 0:
         d = tl.arange(0, BLOCK_D)
         in_d = d < D
-        rows = tl.load(
-            streams_ptr + token * stride_streams_row + n[:, None] * D + d[None, :],
-            mask=in_n[:, None] & in_d[None, :],
-            other=0.0,
-        )
+        rows = _stream_rows(streams_ptr, token, stride_streams_row, n, in_n, d, in_d, D)
         norm_weight = tl.load(norm_weight_ptr + d, mask=in_d, other=0.0).to(tl.float32)
         squares = tl.load(partial + split * (M + 1) + M, mask=split < SPLITS, other=0.0)
         pre = _split_tile(partial, n, in_n, M, SPLITS, SPLITS_P2)
@@ -417,10 +419,14 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 # -- torch references (the model's math: HyperConnection, expand, HyperHead, FP32RMSNorm) ----
 
 
-def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_fp32(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, round_normed: bool = False
+) -> torch.Tensor:
+    """V4's `FP32RMSNorm`; ``round_normed``: V4.1's `RMSNorm` (the normed value rounded to
+    x's dtype before the weight multiply)."""
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * y).to(x.dtype)
+    return (weight * (y.to(x.dtype) if round_normed else y)).to(x.dtype)
 
 
 def _mixes_reference(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -452,13 +458,6 @@ def _mixes_to_weights(streams, fn, base, scale, iters, mix_eps, hc_eps):
     return pre, post, comb, mixes
 
 
-def _rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """V4.1's RMSNorm: normed in fp32, rounded to x's dtype, times the weight."""
-    y = x.float()
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * y.to(x.dtype)).to(x.dtype)
-
-
 def hc_pre_carried_reference(streams, carried_pre, fn, base, scale, norm_weight, iters,
                              mix_eps, hc_eps, norm_eps):  # fmt: skip
     pre, post, comb, _ = _mixes_to_weights(streams, fn, base, scale, iters, mix_eps, hc_eps)
@@ -467,7 +466,7 @@ def hc_pre_carried_reference(streams, carried_pre, fn, base, scale, norm_weight,
 
 def hc_collapse_reference(streams, pre, norm_weight, norm_eps):
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return _rms_norm_rounded(collapsed, norm_weight, norm_eps)
+    return _rms_norm_fp32(collapsed, norm_weight, norm_eps, round_normed=True)
 
 
 def hc_head_reference(streams, fn, base, scale, norm_weight, mix_eps, hc_eps, norm_eps):

@@ -8,8 +8,9 @@ a `save_pretrained` directory loads; per-expert checkpoint names load too).
 - gated attention: q_proj yields per head the query and an output gate (sigmoid); q/k
   RMSNorm over the head dim; partial neox rope (`partial_rotary_factor`).
 - GDN: in_proj_qkvz / in_proj_ba (loaded into one weight, `in_proj`: one GEMV at batch 1) in
-  HF's per-k-head grouped order, causal depthwise conv (SiLU) over the mixed q|k|v, gated delta rule with g = -exp(A_log) * softplus(a + dt_bias)
-  and beta = sigmoid(b), gated RMSNorm (silu(z)) on the output.
+  HF's per-k-head grouped order, causal depthwise conv (SiLU) over the mixed q|k|v, gated
+  delta rule with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b), gated
+  RMSNorm (silu(z)) on the output.
 - MoE: softmax top-k router (renormalised with `norm_topk_prob`), experts through
   atom/models/moe.py `routed_experts`, a shared expert scaled by sigmoid(shared_expert_gate).
 - Qwen3-Next's RMSNorm multiplies the fp32 normalisation by (1 + weight) in fp32 and
@@ -156,10 +157,6 @@ class GatedRMSNorm(nn.Module):
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
-    # the CUDA path multiplies by in_proj in one GEMM; False: by its qkvz and ba rows apart,
-    # as before they were one weight (benchmarks.qwen3_next_decode --in-proj's A/B)
-    ONE_IN_PROJ = True
-
     def __init__(self, config):
         super().__init__()
         self.num_k_heads, self.num_v_heads = (
@@ -177,9 +174,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             groups=2 * key_dim + value_dim, padding=kernel - 1,
         )  # fmt: skip
         # HF's in_proj_qkvz and in_proj_ba as one weight (their rows in that order): one
-        # GEMV at batch 1 where HF runs two; `qkvz_rows` splits the output
-        self.qkvz_rows = 2 * key_dim + 2 * value_dim
-        self.in_proj = nn.Parameter(torch.empty(self.qkvz_rows + 2 * self.num_v_heads, hidden))
+        # GEMV at batch 1 where HF runs two; `in_proj_rows` splits the output
+        self.in_proj_rows = (2 * key_dim + 2 * value_dim, 2 * self.num_v_heads)
+        self.in_proj = nn.Parameter(torch.empty(sum(self.in_proj_rows), hidden))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
@@ -193,7 +190,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             return self._forward_fused(hidden)
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
-        qkvz_weight, ba_weight = self.in_proj.split([self.qkvz_rows, len(self.A_log) * 2])
+        qkvz_weight, ba_weight = self.in_proj.split(self.in_proj_rows)
         qkvz = linear(hidden, qkvz_weight).view(count, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([dk, dk, ratio * dv, ratio * dv], dim=-1)
         b, a = linear(hidden, ba_weight).view(count, self.num_k_heads, -1).split([ratio, ratio], -1)
@@ -209,12 +206,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         the split into the conv's input, g and beta; the gated norm reading z in place."""
         count, ratio = hidden.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
-        if self.ONE_IN_PROJ:
-            qkvz, ba = linear(hidden, self.in_proj).split([self.qkvz_rows, len(self.A_log) * 2], -1)
-        else:
-            qkvz, ba = (
-                linear(hidden, w) for w in self.in_proj.split([self.qkvz_rows, len(self.A_log) * 2])
-            )
+        qkvz, ba = linear(hidden, self.in_proj).split(self.in_proj_rows, -1)
         mixed, g, beta = gdn_split(
             qkvz, ba, self.A_log, self.dt_bias, self.num_k_heads, dk, dv
         )  # fmt: skip
@@ -409,7 +401,7 @@ class Qwen3NextForCausalLM(nn.Module):
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                rows = self.get_submodule(in_proj.group(1)).qkvz_rows
+                rows = self.get_submodule(in_proj.group(1)).in_proj_rows[0]
                 dest = param.data[:rows] if part == "in_proj_qkvz" else param.data[rows:]
                 _copy(dest, tensor, name)
                 loaded.add(f"{target}#{part}")

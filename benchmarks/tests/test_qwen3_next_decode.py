@@ -111,22 +111,6 @@ def test_attn_split_cap_ab_builds_one_engine_per_cap(monkeypatch):
     assert decode_attention.MAX_SPLITS == default
 
 
-def test_in_proj_ab_builds_one_engine_per_value(monkeypatch):
-    """`--in-proj two one`: each engine is built, and its steps run, with the GDN input
-    projection as asked; the class default (one GEMM) is restored after."""
-    from atom.models.qwen3_next import Qwen3NextGatedDeltaNet
-    from benchmarks import qwen3_next_decode as q3n
-
-    args = q3n.argparse.Namespace(in_proj=["two", "one"], context=64, steps=2)
-    args.gpu_memory_utilization, args.shape, args.stream_read = 0.5, {}, None
-    seen, lines = fake_engines(monkeypatch, lambda: Qwen3NextGatedDeltaNet.ONE_IN_PROJ)
-    q3n.decode_by_in_proj("path", args, [1], 100, 999)
-    assert seen == [("build", False, 999), ("decode", False, 1), ("build", True, 999),
-                    ("decode", True, 1)]  # fmt: skip
-    assert [line["in_proj"] for line in lines[:-1]] == ["two", "one"]
-    assert Qwen3NextGatedDeltaNet.ONE_IN_PROJ is True
-
-
 def test_pdl_chain_ab_builds_one_engine_per_value(monkeypatch):
     """`--pdl-chain off on`: each engine built and stepped with pdl.CHAIN as asked, the
     default restored after."""

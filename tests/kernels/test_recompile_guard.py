@@ -383,6 +383,7 @@ DEVICE_FUNCTIONS = {
     (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
     (v4_mhc, "_split_tile"),
+    (v4_mhc, "_stream_rows"),
     (moe_gemv, "_pair"),
     (v4_mhc, "_collapse_norm"),
     (v4_rope, "_weighted"),
