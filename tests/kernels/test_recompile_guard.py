@@ -338,12 +338,10 @@ KERNELS = {
     (fp8_linear, "_quantize_rows_kernel"): (["num_rows"], ["in_features", "stride_x"]),
     (int4_linear, "_int4_gemv_kernel"): (
         [],
-        ["in_words", "out_features", "stride_weight", "stride_scale"],
+        ["in_words", "out_features", "words_per_split", "stride_words", "stride_scale"],
     ),
-    (int4_linear, "_int4_gemv_words_kernel"): (
-        [],
-        ["in_words", "out_features", "stride_weight", "stride_scale"],
-    ),
+    (int4_linear, "_int4_split_sum_kernel"): ([], ["splits", "out_features"]),
+    (int4_linear, "_denormal_probe_kernel"): ([], []),
     (int4_linear, "_int4_dot_kernel"): (
         ["num_rows"],
         [
@@ -351,7 +349,7 @@ KERNELS = {
             "out_features",
             "stride_x",
             "stride_out",
-            "stride_weight",
+            "stride_words",
             "stride_scale",
             "group_words",
         ],
@@ -1430,22 +1428,14 @@ def test_sampling_kernels_one_variant(mode):
         assert_one_variant(logprob_topk, ["_select_topk_kernel"], run)
 
 
-def _quantized_weights(rows, cols, group):
-    generator = torch.Generator(DEVICE).manual_seed(0)
-    fp8 = torch.randn(rows, cols, device=DEVICE, generator=generator).to(torch.float8_e4m3fn)
-    packed = torch.randint(0, 256, (rows, cols // 2), device=DEVICE, dtype=torch.uint8)
-    scale = torch.rand(rows, -(-cols // group), device=DEVICE) + 0.5
-    zero = torch.full_like(scale, 8, dtype=torch.uint8)
-    return fp8, packed, scale, zero
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [(1, 4096), (128, 128), (1, 128)])
 def test_fp8_linear_one_variant_per_geometry(block):
     """Batch rows never add variants: rows 2..16 share the dot kernel's 16-row tiles, more
     rows its 64-row tiles (block scales; per-row scales take torch._scaled_mm), one row the
     GEMV; layer shapes (multiples of 16) share the GEMV's variant."""
-    weight, _, _, _ = _quantized_weights(4096, 4096, 128)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    weight = torch.randn(4096, 4096, device=DEVICE, generator=generator).to(torch.float8_e4m3fn)
     scale = torch.rand(-(-4096 // block[0]), -(-4096 // block[1]), device=DEVICE) + 0.5
     x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
 
@@ -1479,12 +1469,16 @@ def test_int4_linear_one_variant_per_geometry(group, monkeypatch):
 
     # Fusions.quant_gemv_tune off (ATOM_QUANT_GEMV_TUNE=0 in an engine's Config)
     monkeypatch.setattr(gemv_tiles, "current_fusions", lambda: Fusions(quant_gemv_tune=False))
-    _, packed, scale, zero = _quantized_weights(4096, 4096, group)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (512, 4096), device=DEVICE, dtype=torch.int32,
+                          generator=generator)  # fmt: skip
+    scale = torch.rand(-(-4096 // group), 4096, device=DEVICE) + 0.5
+    zero = torch.full_like(scale, 8, dtype=torch.uint8)
     x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
 
     def run(n):
-        int4_linear.int4_linear(x[:n], packed, scale, zero, group)
+        int4_linear.int4_linear(x[:n], words, scale, zero, group)
 
     assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [2, 3, 7, 16])
     assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [17, 64, 257, 4097])
-    assert_one_variant(int4_linear, ["_int4_gemv_words_kernel"], run, [1, 1])
+    assert_one_variant(int4_linear, ["_int4_gemv_kernel"], run, [1, 1])
