@@ -345,8 +345,7 @@ def int4_gemv_candidates() -> list[tuple[GemvConfig, float]]:
         (GemvConfig(block_n, block_w * 8, warps, stages), float(waves))
         for block_n, block_w, warps, stages, waves in (
             (1024, 2, 4, 2, 2), (1024, 4, 4, 2, 2), (2048, 2, 4, 2, 2), (512, 4, 4, 2, 2),
-            (1024, 2, 4, 3, 2), (1024, 2, 4, 2, 4), (1024, 2, 4, 2, 1), (1024, 1, 4, 4, 2),
-            (2048, 1, 4, 3, 2), (1024, 2, 8, 2, 2), (512, 2, 4, 3, 4), (512, 8, 4, 2, 2),
+            (1024, 2, 4, 3, 2), (1024, 2, 4, 2, 4), (1024, 1, 4, 4, 2), (512, 8, 4, 2, 2),
         )
     ]  # fmt: skip
 
