@@ -502,21 +502,19 @@ def wide_fp8_grid(group: int) -> list:
 
 
 def wide_int4_grid() -> list:
-    """``--sweep-wide`` for int4: GEMV tiles of 4..16 outputs per thread (warps side by
-    side), 1..8 word rows a load (at most 32 words per thread), 4 or 8 warps, 1..4 stages,
-    1..4 programs per SM."""
+    """``--sweep-wide`` for int4: GEMV tiles of 256..2048 outputs by 2..16 word rows, 4 or 8
+    warps, 1..3 stages, 2..8 programs per SM, 8..32 words per thread and tile."""
     from atom.kernels.gemv_tiles import GemvConfig
 
     grid = []
-    for warps in (4, 8):
-        for per_thread in (4, 8, 16):
-            for block_w in (1, 2, 4, 8):
-                if block_w * per_thread > 32:
+    for block_n in (256, 512, 1024, 2048):
+        for block_w in (2, 4, 8, 16):
+            for warps in (4, 8):
+                if not 8 <= block_n * block_w // (warps * 32) <= 32:
                     continue
-                for stages in (1, 2, 3, 4):
-                    for waves in (1.0, 2.0, 4.0):
-                        config = GemvConfig(per_thread * 32 * warps, block_w * 8, warps, stages)
-                        grid.append((config, waves))
+                for stages in (1, 2, 3):
+                    for waves in (2.0, 4.0, 8.0):
+                        grid.append((GemvConfig(block_n, block_w * 8, warps, stages), waves))
     return grid
 
 

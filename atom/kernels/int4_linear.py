@@ -71,22 +71,20 @@ def _int4_gemv_kernel(
     out_ptr,  # [N], or float32 [splits, N] partial sums (SPLIT)
     in_words,  # K / 8
     out_features,
-    words_per_split,  # word rows per program along K (a multiple of GROUP_TILE)
+    words_per_split,  # word rows per program along K (a multiple of BLOCK_W)
     stride_words,  # of a word row
     stride_scale,  # of a scale / zero row
     HAS_BIAS: tl.constexpr,
     PER_ROW: tl.constexpr,  # one (scale, zero) per output
-    GROUP_TILE: tl.constexpr,  # word rows summed before the scale: a group's (or PER_ROW's)
-    BLOCK_N: tl.constexpr,  # outputs per program: 4 per thread or more, warps side by side
-    BLOCK_W: tl.constexpr,  # word rows per load (divides GROUP_TILE; at most a group's)
-    EVEN: tl.constexpr,  # no masks: N % BLOCK_N == 0, the splits whole GROUP_TILEs of K
+    GROUP_WORDS: tl.constexpr,  # word rows per group (PER_ROW: unused)
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # word rows per tile (a divisor or a multiple of GROUP_WORDS)
     SPLIT: tl.constexpr,  # write float32 partial sums at row program_id(1)
     DENORMAL: tl.constexpr,  # nibbles read as denormal floats (else as 2^23 + q)
     NUM_STAGES: tl.constexpr,
 ):
     """out[n] = sum_g scale[g, n] * (sum_{k in g} q[k, n] x[k] - zero[g, n] sum_{k in g} x[k])
-    over this program's BLOCK_N outputs and its split of K. Every thread sums its own
-    outputs (BLOCK_N spreads over lanes and warps only): no reduction across threads."""
+    over this program's BLOCK_N outputs and its split of K."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < out_features
     w_begin = tl.program_id(1) * words_per_split
@@ -94,57 +92,59 @@ def _int4_gemv_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     x_total = tl.zeros([BLOCK_W], dtype=tl.float32)  # PER_ROW: sum of x over the split
-    for g_start in tl.range(w_begin, w_end, GROUP_TILE, num_stages=NUM_STAGES):
-        dot = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for w_start in tl.range(w_begin, w_end, BLOCK_W, num_stages=NUM_STAGES):
+        rows = w_start + offs_w
+        w_mask = rows < w_end
+        packed = tl.load(
+            words_ptr + rows.to(tl.int64)[:, None] * stride_words + offs_n[None, :],
+            mask=w_mask[:, None] & n_mask[None, :], other=0, eviction_policy="evict_first",
+        )  # fmt: skip
+        high = packed >> 16
+        x_row = x_ptr + rows.to(tl.int64) * 8
+        dot = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
         x_sum = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for sub in tl.static_range(GROUP_TILE // BLOCK_W):
-            rows = g_start + sub * BLOCK_W + offs_w
-            at = words_ptr + rows.to(tl.int64)[:, None] * stride_words + offs_n[None, :]
-            x_row = x_ptr + rows.to(tl.int64) * 8
-            if EVEN:
-                packed = tl.load(at, eviction_policy="evict_first")
+        for j in tl.static_range(4):
+            x_lo = tl.load(x_row + j, mask=w_mask, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + 4 + j, mask=w_mask, other=0.0).to(tl.float32)
+            x_sum += x_lo + x_hi
+            if DENORMAL:
+                # bits q << 4j as a float: q * 2^(4j - 149); times x * 2^(85 - 4j)
+                factor = 38685626227668133590597632.0 / (1 << (4 * j))  # 2^85 / 16^j
+                lo = (packed & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+                hi = (high & (0xF << (4 * j))).to(tl.float32, bitcast=True)
             else:
-                w_mask = rows < w_end
-                packed = tl.load(at, mask=w_mask[:, None] & n_mask[None, :], other=0,
-                                 eviction_policy="evict_first")  # fmt: skip
-            high = packed >> 16
-            for j in tl.static_range(4):
-                if EVEN:
-                    x_lo = tl.load(x_row + j).to(tl.float32)
-                    x_hi = tl.load(x_row + 4 + j).to(tl.float32)
-                else:
-                    x_lo = tl.load(x_row + j, mask=w_mask, other=0.0).to(tl.float32)
-                    x_hi = tl.load(x_row + 4 + j, mask=w_mask, other=0.0).to(tl.float32)
-                x_sum += x_lo + x_hi
-                if DENORMAL:
-                    # bits q << 4j as a float: q * 2^(4j - 149); times x * 2^(85 - 4j)
-                    factor = 38685626227668133590597632.0 / (1 << (4 * j))  # 2^85 / 16^j
-                    lo = (packed & (0xF << (4 * j))).to(tl.float32, bitcast=True)
-                    hi = (high & (0xF << (4 * j))).to(tl.float32, bitcast=True)
-                else:
-                    factor = 1.0 / (1 << (4 * j))
-                    lo = ((packed & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
-                    hi = ((high & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
-                    lo -= 8388608.0
-                    hi -= 8388608.0
-                dot += tl.sum(lo * (x_lo * factor)[:, None] + hi * (x_hi * factor)[:, None], 0)
-        if DENORMAL:
-            dot = dot * 18446744073709551616.0  # 2^64
+                factor = 1.0 / (1 << (4 * j))
+                lo = ((packed & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+                hi = ((high & (0xF << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+                lo -= 8388608.0
+                hi -= 8388608.0
+            dot += lo * (x_lo * factor)[:, None]
+            dot += hi * (x_hi * factor)[:, None]
         if PER_ROW:
-            acc += dot
+            acc += tl.sum(dot, axis=0)
             x_total += x_sum
-        else:
-            group = (g_start // GROUP_TILE) * stride_scale
-            if EVEN:
-                zero = tl.load(zero_ptr + group + offs_n)
-                scale = tl.load(scale_ptr + group + offs_n)
+        elif GROUP_WORDS >= BLOCK_W:  # the tile lies in one group
+            group = w_start // GROUP_WORDS
+            zero = tl.load(zero_ptr + group * stride_scale + offs_n, mask=n_mask, other=0)
+            scale = tl.load(scale_ptr + group * stride_scale + offs_n, mask=n_mask, other=0.0)
+            if DENORMAL:
+                sums = tl.sum(dot, axis=0) * 18446744073709551616.0  # 2^64
             else:
-                zero = tl.load(zero_ptr + group + offs_n, mask=n_mask, other=0)
-                scale = tl.load(scale_ptr + group + offs_n, mask=n_mask, other=0.0)
-            acc += scale * (dot - zero.to(tl.float32) * tl.sum(x_sum, axis=0))
+                sums = tl.sum(dot, axis=0)
+            acc += scale * (sums - zero.to(tl.float32) * tl.sum(x_sum, axis=0))
+        else:  # several groups per tile: each word row's own
+            at = (rows // GROUP_WORDS).to(tl.int64)[:, None] * stride_scale + offs_n[None, :]
+            g_mask = w_mask[:, None] & n_mask[None, :]
+            zero = tl.load(zero_ptr + at, mask=g_mask, other=0).to(tl.float32)
+            scale = tl.load(scale_ptr + at, mask=g_mask, other=0.0)
+            if DENORMAL:
+                dot = dot * 18446744073709551616.0
+            acc += tl.sum(scale * (dot - zero * x_sum[:, None]), axis=0)
     if PER_ROW:
         zero = tl.load(zero_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
         scale = tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)
+        if DENORMAL:
+            acc = acc * 18446744073709551616.0
         acc = scale * (acc - zero * tl.sum(x_total, axis=0))
     if SPLIT:
         tl.store(out_ptr + tl.program_id(1).to(tl.int64) * out_features + offs_n, acc,
@@ -316,42 +316,34 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def group_tile(in_words: int, group: int, block_w: int) -> int:
-    """Word rows the GEMV sums before applying a scale: a group's (at least a load's), or
-    for one scale per output four loads."""
-    if group >= in_words * 8:
-        return 4 * block_w
-    return max(group // 8, block_w)
-
-
 def gemv_split(in_words: int, out_features: int, config: GemvConfig, waves: float,
-               device: torch.device, group: int = 128) -> tuple[int, int]:  # fmt: skip
+               device: torch.device) -> tuple[int, int]:  # fmt: skip
     """(word rows per program, splits of K): enough programs for ``waves`` x the SMs, each
-    a whole number of group tiles."""
-    tile = group_tile(in_words, group, config.block_k // 8)
+    at least two tiles of word rows."""
+    block_w = config.block_k // 8
     columns = -(-out_features // config.block_n)
     want = max(1, round(waves * _sm_count(device) / columns))
-    tiles = -(-in_words // tile)
-    splits = max(1, min(want, tiles))
-    per_split = -(-tiles // splits) * tile
+    chunks = -(-in_words // block_w)
+    splits = max(1, min(want, chunks // 2))
+    per_split = -(-chunks // splits) * block_w
     return per_split, -(-in_words // per_split)
 
 
 def int4_gemv_candidates() -> list[tuple[GemvConfig, float]]:
-    """(tile, waves of programs) pairs the CUDA tuner measures, the first the default:
-    4-16 outputs per thread (BLOCK_N / 32 / warps), 1-4 word rows a load, 1-3 stages,
-    about 1-4 programs per SM. block_k counts inputs (8 per word row)."""
+    """(tile, waves of programs) pairs the CUDA tuner measures, the first the default: the
+    fastest of a 173-tile sweep on the Llama-3.1-8B layers (H200, docs/benchmarks.md),
+    256-2048 outputs by 4-16 word rows. block_k counts inputs (8 per word row)."""
     return [
         (GemvConfig(block_n, block_w * 8, warps, stages), float(waves))
         for block_n, block_w, warps, stages, waves in (
-            (1024, 2, 4, 2, 2), (1024, 4, 4, 2, 2), (2048, 2, 4, 2, 2), (512, 4, 4, 2, 2),
-            (1024, 2, 4, 3, 2), (1024, 2, 4, 2, 4), (1024, 1, 4, 4, 2), (512, 8, 4, 2, 2),
+            (256, 16, 4, 2, 4), (256, 16, 4, 3, 2), (1024, 4, 4, 1, 4), (2048, 4, 8, 1, 2),
+            (512, 8, 4, 1, 8), (512, 8, 4, 1, 2), (512, 16, 8, 3, 2), (256, 8, 4, 2, 4),
         )
     ]  # fmt: skip
 
 
 def int4_gemv(x, words, scale, zero, group: int, bias=None, config: GemvConfig | None = None,
-              waves: float = 2.0, denormal: bool | None = None):  # fmt: skip
+              waves: float = 4.0, denormal: bool | None = None):  # fmt: skip
     """One row of ``int4_linear``. ``config`` / ``waves`` override the launch (block_k counts
     inputs; waves: programs per SM the K split aims at); else on CUDA the fastest of
     ``int4_gemv_candidates`` measured at the shape's first call, elsewhere (and under
@@ -362,7 +354,8 @@ def int4_gemv(x, words, scale, zero, group: int, bias=None, config: GemvConfig |
         candidates = int4_gemv_candidates()
         config, waves = candidates[0]
         if not x.is_cuda:  # the interpreter pays per program: few, big ones
-            config, waves = GemvConfig(128, 16, 4, 1), 1.0
+            config = GemvConfig(64, 64 if per_row else max(64, min(group, 128)), 4, 1)
+            waves = 1.0
         else:
             key = ("int4", rows, in_words * 8, group, x.dtype, bias is not None)
             config, waves = tuned_quant_gemv(
@@ -371,20 +364,17 @@ def int4_gemv(x, words, scale, zero, group: int, bias=None, config: GemvConfig |
             )  # fmt: skip
     if denormal is None:
         denormal = _keeps_denormals(x.device)
-    block_w = config.block_k // 8 if per_row else min(config.block_k // 8, group // 8)
-    config = GemvConfig(config.block_n, block_w * 8, config.num_warps, config.num_stages)
-    tile = group_tile(in_words, group, block_w)
-    per_split, splits = gemv_split(in_words, rows, config, waves, x.device, group)
-    even = rows % config.block_n == 0 and in_words % per_split == 0 and per_split % tile == 0
+    per_split, splits = gemv_split(in_words, rows, config, waves, x.device)
     out = torch.empty(1, rows, dtype=x.dtype, device=x.device)
     target = out if splits == 1 else torch.empty(splits, rows, dtype=torch.float32,
                                                  device=x.device)  # fmt: skip
     _int4_gemv_kernel[(triton.cdiv(rows, config.block_n), splits)](
         x, words, scale, zero, bias if bias is not None else out, target,
         in_words, rows, per_split, words.stride(0), scale.stride(0),
-        HAS_BIAS=bias is not None, PER_ROW=per_row, GROUP_TILE=tile, BLOCK_N=config.block_n,
-        BLOCK_W=block_w, EVEN=even, SPLIT=splits > 1, DENORMAL=denormal,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_BIAS=bias is not None, PER_ROW=per_row, GROUP_WORDS=max(group // 8, 1),
+        BLOCK_N=config.block_n, BLOCK_W=config.block_k // 8, SPLIT=splits > 1,
+        DENORMAL=denormal, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         _int4_split_sum_kernel[(triton.cdiv(rows, 1024),)](

@@ -242,7 +242,7 @@ def test_int4_gemv_k_split_and_whole_match_the_reference():
     zero = torch.full((16, 64), 8, dtype=torch.uint8)
     x = torch.randn(1, 2048, generator=generator)
     config = GemvConfig(64, 64, 4, 1)
-    per_split, splits = int4_kernels.gemv_split(256, 64, config, 16.0, torch.device("cpu"), 128)
+    per_split, splits = int4_kernels.gemv_split(256, 64, config, 16.0, torch.device("cpu"))
     assert splits > 1 and per_split % 8 == 0
     split = int4_kernels.int4_gemv(x, words, scale, zero, 128, config=config, waves=16.0)
     whole = int4_kernels.int4_gemv(x, words, scale, zero, 128, config=config, waves=0.01)
