@@ -222,3 +222,61 @@ def indexer_topk_decode(
         max_entries, fill_invisible=False, counts=counts,
     )  # fmt: skip
     return indexer_topk_select(scores, counts, min(topk, max_entries))
+
+
+# -- prefill: rows are the query tokens of one sequence -----------------------------------------
+
+
+def indexer_topk_prefill_reference(
+    q, weights, index_pool, table, query_start: int, ratio: int, block_size: int, topk: int,
+) -> torch.Tensor:  # fmt: skip
+    """Queries of one sequence at positions ``query_start + t`` (q ``[T, H, D]``, weights
+    ``[T, H]`` fp32), its keys read from ``index_pool`` through its page-table row
+    ``table`` ``[1, width]``: ids ``[T, min(topk, N)]`` (N = ``(query_start + T) //
+    ratio``, the entries closed by the last query) of each query's best visible entries
+    (``w < (p + 1) // ratio``), ascending, -1 after them. `select_topk` over dense scores."""
+    positions = torch.arange(query_start, query_start + q.shape[0], device=q.device)
+    num_entries = (query_start + q.shape[0]) // ratio
+    ids = torch.arange(num_entries, device=q.device)
+    keys = gather_entries(index_pool, table, ids[None], ratio, block_size)[0]
+    visible = ids[None, :] < ((positions + 1) // ratio)[:, None]
+    return ascending_ids(select_topk(index_scores(q, keys, weights), visible, topk))
+
+
+PREFILL_ROWS = 1024  # query rows scored at once: a [1024, N] fp32 scores tile (64 MB at 16K)
+
+
+def indexer_topk_prefill(
+    q, weights, index_pool, table, query_start: int, ratio: int, block_size: int, topk: int,
+    *, rows_per_launch: int = PREFILL_ROWS,
+) -> torch.Tensor:  # fmt: skip
+    """Triton `indexer_topk_prefill_reference` (same arguments, the same sets; fp32 scores
+    summed in another order, so near-ties may pick differently): the decode scorer and
+    select with the query tokens as rows (`index_scores_decode` over the sequence's row
+    repeated by a zero stride, `indexer_topk_select` with each row's own visible count), in
+    launches of ``rows_per_launch`` queries, each scoring only the entries its last query
+    sees. Never a ``[T, H, N]`` tensor."""
+    if not use_triton(q):
+        return indexer_topk_prefill_reference(
+            q, weights, index_pool, table, query_start, ratio, block_size, topk
+        )
+    num_queries = q.shape[0]
+    num_entries = (query_start + num_queries) // ratio
+    k = min(topk, num_entries)
+    out = torch.full((num_queries, k), -1, dtype=torch.int64, device=q.device)
+    for first in range(0, num_queries, rows_per_launch):
+        last = min(first + rows_per_launch, num_queries)
+        width = (query_start + last) // ratio  # the entries this launch's last query sees
+        if width == 0:
+            continue
+        rows = last - first
+        positions = torch.arange(query_start + first, query_start + last, device=q.device)
+        live = torch.ones(rows, dtype=torch.int32, device=q.device)
+        counts = torch.empty(rows, dtype=torch.int64, device=q.device)
+        scores = index_scores_decode(
+            q[first:last], weights[first:last], index_pool, table.expand(rows, -1), positions,
+            live, ratio, block_size, width, fill_invisible=False, counts=counts,
+        )  # fmt: skip
+        chosen = indexer_topk_select(scores, counts, min(topk, width))
+        out[first:last, : chosen.shape[1]] = chosen
+    return out
