@@ -21,8 +21,8 @@ in fp32 (`_online_update`, the decode kernel's), the sink folded in at the end. 
 [T, H, keys] score tensor: memory is the output's. The loops' bounds come from each
 token's position (its window start and visible entries), so the cost follows the prompt.
 Runtime lengths: the number of queries (the grid) and (do_not_specialize) the first query's
-and first key's positions, the entry count and the id row width; geometry constexpr (head
-count, head dim, window, ratio, tiles). Offsets int64.
+and first key's positions, the entry count and the id rows' width and stride; geometry
+constexpr (head count, head dim, window, ratio, tiles). Offsets int64.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def v4_prefill_attention_reference(
 # -- Triton ------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["query_start", "key_first", "num_entries", "num_ids"])
+@triton.jit(
+    do_not_specialize=["query_start", "key_first", "num_entries", "num_ids", "stride_ids_row"]
+)
 def _v4_prefill_kernel(
     q_ptr,  # [T, H, D]
     keys_ptr,  # [L, D] window keys, row r at position key_first + r
