@@ -200,17 +200,20 @@ def v4_prefill_attention(
     assert window_keys.shape[0] >= query_start + num_queries - key_first, "window keys too short"
     has_entries = entries is not None
     all_visible = has_entries and entry_ids is None
-    if not has_entries:  # not read: any tensor of the right kind
+    num_entries = entries.shape[0] if has_entries else 0
+    num_ids = 0 if entry_ids is None else entry_ids.shape[1]
+    # tensors not read (no entries, no ids, or none yet: an empty tensor's pointer may not
+    # be one Triton accepts) are stood in for by real ones; the counts keep them unread
+    if num_entries == 0:
         entries = window_keys
     assert entries.stride(-1) == 1
-    if entry_ids is None:
-        entry_ids = torch.full((1, 1), -1, dtype=torch.int32, device=q.device)
+    if num_ids == 0:
+        entry_ids = torch.full((1, 1), -1, dtype=torch.int64, device=q.device)  # as the selects
     block_h = max(16, min(block_h, triton.next_power_of_2(num_heads)))  # tl.dot's M >= 16
     grid = (num_queries, triton.cdiv(num_heads, block_h))
     _v4_prefill_kernel[grid](
         q, window_keys, entries, entry_ids, sinks, out,
-        query_start, key_first, entries.shape[0] if has_entries else 0,
-        entry_ids.shape[1], scale,
+        query_start, key_first, num_entries, num_ids, scale,
         q.stride(0), q.stride(1), window_keys.stride(0), entries.stride(0),
         entry_ids.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, DIM=dim, WINDOW=window, RATIO=max(1, ratio),

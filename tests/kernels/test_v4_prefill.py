@@ -84,6 +84,18 @@ def test_prefill_attention_chunks_agree_with_the_whole():
         torch.testing.assert_close(tail, whole[split:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_attention_before_the_first_entry(device):
+    """A compressed layer before its first entry closes: no entries and an empty id list
+    (CSA's select of nothing) attend the window and the sink alone."""
+    q, keys, *_, sinks, scale = _case(device, torch.float32, 8, 0, 3, 4, 4, 32, "none")
+    no_entries = keys.new_empty(0, 32)
+    expected = v4_prefill_attention_reference(q, keys, 0, 0, None, None, 4, 8, sinks, scale)
+    for ids in (None, torch.empty(3, 0, dtype=torch.int64, device=device)):
+        got = v4_prefill_attention(q, keys, 0, 0, no_entries, ids, 4, 8, sinks, scale)
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("entries", ["every_visible", "chosen"])
 def test_prefill_attention_bf16_at_the_model_shape(entries):
