@@ -52,7 +52,12 @@ from atom.kernels.v4_attention import (
     write_window_reference,
 )
 from atom.kernels.v4_compressor import gather_entries, pool_layout, store_entries
-from atom.kernels.v4_indexer import PREFILL_ROWS, index_scores, index_scores_decode
+from atom.kernels.v4_indexer import (
+    PREFILL_ROWS,
+    index_scores,
+    index_scores_decode,
+    prefill_splits,
+)
 from atom.kernels.v4_prefill_attention import v4_prefill_attention
 from atom.kernels.v4_topk import visible_counts
 from atom.kernels.v41_topk import (
@@ -370,7 +375,7 @@ class V41Attention(nn.Module):
                 scores = index_scores_decode(
                     indexer.q[rows], indexer.weights[rows], keys_from.index_pool,
                     table.expand(last - first, -1), positions, live, ratio, self.block_size,
-                    width,
+                    width, num_splits=prefill_splits(last - first, device),
                 )  # fmt: skip
             else:
                 width = (start + last) // keys_from.ratio

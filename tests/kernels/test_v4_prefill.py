@@ -115,13 +115,21 @@ def test_prefill_attention_bf16_at_the_model_shape(entries):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "query_start,num_queries,ratio,topk,rows_per_launch",
-    [(0, 1, 4, 3, 1024), (0, 70, 4, 5, 1024), (33, 41, 4, 6, 16), (3, 50, 8, 64, 7)],
+    [
+        (0, 1, 4, 3, 1024),
+        (0, 70, 4, 5, 1024),
+        (33, 41, 4, 6, 16),
+        (3, 50, 8, 64, 7),
+        (300, 20, 4, 16, 1024),  # 3 scorer programs a row, one tile each
+        (0, 300, 4, 8, 1024),  # 2 programs a row striding over 3 tiles
+    ],
 )
 def test_indexer_topk_prefill_matches_reference(
     device, query_start, num_queries, ratio, topk, rows_per_launch
 ):
     """The query tokens as rows of the decode scorer and select: the same ids (ascending,
-    -1 after) as `select_topk` over dense scores, with launches of a few rows each."""
+    -1 after) as `select_topk` over dense scores, with launches of a few rows each and
+    the scorer's entries split over `prefill_splits` programs a row."""
     generator = torch.Generator().manual_seed(query_start + num_queries)
     heads, dim, block_size = 8, 16, 16
     end = query_start + num_queries
