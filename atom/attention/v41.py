@@ -289,7 +289,8 @@ class V41Attention(nn.Module):
                           self.block_size, emits)  # fmt: skip
 
     def _prefill(self, q, kv, positions, sinks, source, indexer, shared, meta):
-        """Per sequence (torch): window over ring + new tokens, then the shared entries."""
+        """Per sequence: window over ring + new tokens, then the shared entries (torch,
+        dense masks; on the CUDA path `_prefill_sparse`)."""
         if sparse_prefill(q):
             return self._prefill_sparse(q, kv, sinks, source, indexer, shared, meta)
         out = torch.zeros_like(q)
@@ -368,24 +369,21 @@ class V41Attention(nn.Module):
             rows = slice(a + first, a + last)
             positions = torch.arange(start + first, start + last, device=device)
             live = torch.ones(last - first, dtype=torch.int32, device=device)
-            if keys_from.ratio == ratio:
-                width = (start + last) // ratio
-                if width == 0:
-                    continue
+            width = (start + last) // keys_from.ratio  # the key source's entries so far
+            if width == 0:
+                continue
+            counts = visible_counts(positions, live, ratio, width)
+            if keys_from.ratio == ratio:  # V4's scorer: -inf past each row's count
                 scores = index_scores_decode(
                     indexer.q[rows], indexer.weights[rows], keys_from.index_pool,
                     table.expand(last - first, -1), positions, live, ratio, self.block_size,
                     width, num_splits=prefill_splits(last - first, device),
                 )  # fmt: skip
             else:
-                width = (start + last) // keys_from.ratio
-                if width == 0:
-                    continue
                 keys = keys_from.read_entries(table, start + last, "index_pool")
                 scores = index_scores(indexer.q[rows], keys, indexer.weights[rows])
-            counts = visible_counts(positions, live, ratio, width)
-            ids = torch.arange(width, device=device)
-            scores = scores.masked_fill(ids[None, :] >= counts[:, None], float("-inf"))
+                ids = torch.arange(width, device=device)
+                scores = scores.masked_fill(ids[None, :] >= counts[:, None], float("-inf"))
             if self.is_candidate_source:
                 candidate_chunks[first] = candidate_blocks_decode(
                     scores, counts, self.candidate_topk_blocks, self.candidate_block_size
