@@ -276,6 +276,23 @@ def test_cuda_fp32_greedy_matches_hf(v4_dirs):
     assert _tokens(llm) == _hf(path)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["a", "c"])
+def test_cuda_fp32_sparse_and_dense_prefill_give_the_same_tokens(v4_dirs, kind, monkeypatch):
+    """The CUDA path's prefill, the Triton sparse kernel (default) and the torch dense
+    masks (`PREFILL_ATTENTION = "torch"`, the benchmark's A/B), chunked in 7-token steps:
+    HF's fp32 greedy tokens both ways."""
+    import atom.attention.v4
+
+    path, expected = v4_dirs[kind], _hf(v4_dirs[kind])
+    for choice in ("triton", "torch"):
+        monkeypatch.setattr(atom.attention.v4, "PREFILL_ATTENTION", choice)
+        llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64,
+                        max_model_len=256, max_num_batched_tokens=7, max_num_seqs=4,
+                        cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
+        assert _tokens(llm) == expected, choice
+
+
 def test_memory_profiling_forward_runs_without_a_cache(v4_dirs, monkeypatch):
     """The CUDA sizing run (no blocks, no state slots yet) goes through every layer."""
     import atom.attention.v4
