@@ -2,6 +2,7 @@
 
     python -m benchmarks.deepseek_v4_prefill [--layers 4] [--prompts 8192 65536]
         [--chunk 8192] [--repeats 3] [--prefill-attention triton torch] [--skip-hf]
+    python -m benchmarks.deepseek_v4_prefill --sweep-kernel [--prompts 8192 65536]
 
 The V4 shape of `benchmarks.deepseek_v4_decode` (hidden 4096, 64 heads of 512, window 128,
 CSA 4 / HCA 128, index_topk 512, 16 experts; random bf16 weights saved once with HF's
@@ -17,6 +18,12 @@ select over the query tokens) or the torch path's dense masks in 512-query chunk
 line per engine and prompt (`ttft`), then `prefill_attention_summary`: each value's time
 over the first value's, per prompt length. HF (unless `--skip-hf`): its forward over the
 whole prompt with `logits_to_keep=1`, timed the same way (`error` when it does not fit).
+
+`--sweep-kernel` (no engine): the attention kernel alone at the benchmark's shape, the last
+`--chunk` queries of each prompt length (random bf16 inputs; CSA: 512 random picks a query,
+HCA: every visible entry), one `kernel` line per geometry of `GEOMETRIES` (BLOCK_H,
+BLOCK_N, warps, stages; `error` where one does not compile) and the torch reference over
+the same queries in 512-query chunks (`reference_ms`), for choosing the module's defaults.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import time
 
 import torch
 
-from benchmarks.deepseek_v4_decode import save_random_model, v4_shape
+from benchmarks.deepseek_v4_decode import CSA, HCA, save_random_model, v4_shape
 from benchmarks.harness import emit
 
 PREFILL_ATTENTION_CHOICES = ("triton", "torch")
@@ -163,6 +170,80 @@ def time_prompts(llm, value: str, args, vocab: int) -> dict:
     return times
 
 
+# (block_h, block_n, num_warps, num_stages) of `v4_prefill_attention` that --sweep-kernel times
+GEOMETRIES = [
+    (16, 32, 4, 2),
+    (32, 32, 8, 2),
+    (32, 16, 4, 2),
+    (32, 64, 8, 2),
+    (64, 32, 8, 2),
+    (32, 32, 8, 3),
+    (16, 64, 4, 2),
+]
+
+
+def kernel_inputs(prompt: int, chunk: int, kind: str, shape: dict, generator,
+                  device: str = "cuda", dtype=torch.bfloat16) -> tuple:  # fmt: skip
+    """Arguments of `v4_prefill_attention` for the last ``chunk`` queries of a
+    ``prompt``-token sequence at ``shape`` (``kind``: "csa" or "hca")."""
+    heads, dim, window = shape["num_attention_heads"], shape["head_dim"], shape["sliding_window"]
+    ratio = shape["compress_rates"][CSA if kind == "csa" else HCA]
+    start = max(0, prompt - chunk)
+    key_first = max(0, start - window + 1)
+    like = dict(device=device, dtype=dtype)
+    q = torch.randn(prompt - start, heads, dim, generator=generator, **like)
+    keys = torch.randn(prompt - key_first, dim, generator=generator, **like)
+    entries = torch.randn(prompt // ratio, dim, generator=generator, **like)
+    sinks = torch.randn(heads, device=device, generator=generator)
+    ids = None
+    if kind == "csa":  # index_topk picks a query among its visible entries, -1 after them
+        positions = torch.arange(start, prompt, device=device)
+        visible = ((positions + 1) // ratio)[:, None]
+        scores = torch.rand(prompt - start, entries.shape[0], device=device, generator=generator)
+        scores = scores.masked_fill(torch.arange(entries.shape[0], device=device) >= visible, -1)
+        top = scores.topk(min(shape["index_topk"], entries.shape[0]), dim=1)
+        ids = torch.where(top.values >= 0, top.indices, -1)
+    return q, keys, key_first, start, entries, ids, ratio, window, sinks, dim**-0.5
+
+
+def sweep_kernel(args) -> None:
+    shape = v4_shape(args.layers, max_model_len(args.prompts))
+    generator = torch.Generator("cuda").manual_seed(0)
+    for prompt in args.prompts:
+        for kind in ("csa", "hca"):
+            inputs = kernel_inputs(prompt, args.chunk, kind, shape, generator)
+            time_geometries(dict(case="kernel", kind=kind, prompt_len=prompt), inputs, args)
+            torch.cuda.empty_cache()
+
+
+def reference_in_chunks(q, keys, key_first, start, entries, ids, *rest) -> None:
+    """The torch reference as the engine's CPU path runs it: 512 queries at a time."""
+    from atom.attention.v4 import QUERY_CHUNK
+    from atom.kernels.v4_prefill_attention import v4_prefill_attention_reference
+
+    for c in range(0, q.shape[0], QUERY_CHUNK):
+        chosen = None if ids is None else ids[c : c + QUERY_CHUNK]
+        v4_prefill_attention_reference(q[c : c + QUERY_CHUNK], keys, key_first, start + c,
+                                       entries, chosen, *rest)  # fmt: skip
+
+
+def time_geometries(record: dict, inputs: tuple, args) -> None:
+    """One `kernel` line per geometry of GEOMETRIES (with the reference's time)."""
+    from atom.kernels.v4_prefill_attention import v4_prefill_attention
+    from benchmarks.harness import event_ms
+
+    reference = functools.partial(reference_in_chunks, *inputs)
+    record = dict(record, queries=inputs[0].shape[0],
+                  reference_ms=round(event_ms(reference, args.repeats), 3))  # fmt: skip
+    for block_h, block_n, warps, stages in GEOMETRIES:
+        geometry = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            run = functools.partial(v4_prefill_attention, *inputs, **geometry)
+            emit(record, **geometry, ms=round(event_ms(run, args.repeats), 3))
+        except Exception as error:  # a geometry that does not compile (or fit) here
+            emit(record, **geometry, error=str(error).splitlines()[0][:200])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -179,6 +260,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "dense torch one (torch); the summary gives each over the first",
     )  # fmt: skip
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--sweep-kernel", action="store_true",
+        help="no engine: the attention kernel alone per geometry (GEOMETRIES) and the torch "
+        "reference, the last --chunk queries of each prompt length",
+    )  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     args = parser.parse_args(argv)
     if min(args.prompts) < 1 or args.chunk < 1 or args.repeats < 1:
@@ -190,6 +276,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sweep_kernel:
+        sweep_kernel(args)
+        return 0
     shape = v4_shape(args.layers, max_model_len(args.prompts))
     vocab = shape["vocab_size"]
     with tempfile.TemporaryDirectory() as path:

@@ -98,3 +98,38 @@ def test_timing_loop_on_a_tiny_cpu_engine(tmp_path, capsys):
         ("ttft", 9, 16),
         ("ttft", 30, 16),
     ]
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_sweep_inputs_run_through_the_kernel_and_reference(kind):
+    """--sweep-kernel's inputs (a small shape, CPU, fp32, the interpreter): the kernel and
+    the chunked reference it is timed against agree; CSA's ids are picks, -1 after."""
+    import torch
+
+    from atom.kernels.v4_prefill_attention import (
+        v4_prefill_attention,
+        v4_prefill_attention_reference,
+    )
+
+    csa, hca = bench.CSA, bench.HCA
+    shape = dict(num_attention_heads=4, head_dim=32, sliding_window=8, index_topk=5,
+                 compress_rates={csa: 4, hca: 16})  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    inputs = bench.kernel_inputs(70, 24, kind, shape, generator, "cpu", torch.float32)
+    q, keys, key_first, start, entries, ids, ratio = inputs[:7]
+    assert (q.shape[0], start, key_first, keys.shape[0]) == (24, 46, 39, 31)
+    if kind == "csa":
+        visible = (torch.arange(46, 70) + 1) // ratio
+        picks = (ids >= 0).sum(dim=1)
+        assert torch.equal(picks, visible.clamp(max=5)) and bool((ids < visible[:, None]).all())
+    else:
+        assert ids is None and entries.shape[0] == 70 // 16
+    got = v4_prefill_attention(*inputs, block_h=16, block_n=16)
+    torch.testing.assert_close(got, v4_prefill_attention_reference(*inputs), rtol=2e-5, atol=2e-5)
+    bench.reference_in_chunks(*inputs)  # the timed reference runs on these inputs
+
+
+def test_sweep_geometries_are_distinct_powers_of_two():
+    assert len(set(bench.GEOMETRIES)) == len(bench.GEOMETRIES)
+    for block_h, block_n, warps, stages in bench.GEOMETRIES:
+        assert all(v & (v - 1) == 0 for v in (block_h, block_n, warps)) and stages >= 1
