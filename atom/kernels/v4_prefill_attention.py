@@ -20,6 +20,8 @@ window rows, then from its entry ids (or every visible entry), folded by an onli
 in fp32 (`_online_update`, the decode kernel's), the sink folded in at the end. Never a
 [T, H, keys] score tensor: memory is the output's. The loops' bounds come from each
 token's position (its window start and visible entries), so the cost follows the prompt.
+Dtypes: q, the window keys and the entries in the model's dtype (bf16 or fp32; keys cast to
+q's), ids int32 or int64, sinks fp32; the output in q's dtype.
 Runtime lengths: the number of queries (the grid) and (do_not_specialize) the first query's
 and first key's positions, the entry count and the id rows' width and stride; geometry
 constexpr (head count, head dim, window, ratio, tiles). Offsets int64.
