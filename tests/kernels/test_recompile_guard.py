@@ -45,6 +45,7 @@ from atom.kernels import (
     v4_compressor,
     v4_indexer,
     v4_mhc,
+    v4_prefill_attention,
     v4_rope,
     v4_topk,
     v41_engram,
@@ -293,6 +294,20 @@ KERNELS = {
             "scale",
             "stride_q_row",
             "stride_q_head",
+            "stride_out_row",
+            "stride_out_head",
+        ],
+    ),
+    # DeepSeek-V4 prefill: queries from the grid; the first query's and key's positions,
+    # the entry count and the id list's width (min(top-k, entries)) are runtime
+    (v4_prefill_attention, "_v4_prefill_kernel"): (
+        ["query_start", "key_first", "num_entries", "num_ids", "stride_ids_row"],
+        [
+            "scale",
+            "stride_q_row",
+            "stride_q_head",
+            "stride_keys_row",
+            "stride_entries_row",
             "stride_out_row",
             "stride_out_head",
         ],
@@ -1378,6 +1393,55 @@ def test_v4_decode_every_visible_entry_one_variant():
         )  # fmt: skip
 
     assert_one_variant(v4_attention, ["_v4_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entries", ["none", "every_visible", "chosen"])
+def test_v4_prefill_attention_one_variant(entries):
+    """Queries (the grid), the first query's position, the window keys' first position,
+    the entry count and the id list's width swept: one variant per geometry."""
+    heads, dim, window = 64, 512, 128
+    ratio = 128 if entries == "every_visible" else 4
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    keys = torch.randn(64 + window, dim, device=DEVICE, dtype=BF16)
+    pooled = torch.randn((max(SWEEP) + 64) // ratio, dim, device=DEVICE, dtype=BF16)
+    sinks = torch.randn(heads, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        rows, start = min(n, 64), n - 1
+        key_first = max(0, start - window + 1)
+        num_entries = (start + rows) // ratio
+        ids = None
+        if entries == "chosen":
+            width = max(1, min(512, num_entries))
+            ids = torch.randint(-1, max(1, num_entries), (rows, width), device=DEVICE,
+                                generator=generator)  # fmt: skip
+        v4_prefill_attention.v4_prefill_attention(
+            q[:rows], keys[: start + rows - key_first], key_first, start,
+            None if entries == "none" else pooled[:num_entries], ids, ratio, window, sinks,
+            dim**-0.5,
+        )  # fmt: skip
+
+    assert_one_variant(v4_prefill_attention, ["_v4_prefill_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_indexer_topk_prefill_one_variant():
+    """The scorer and select with the query tokens as rows (a zero table-row stride), the
+    first query's position swept."""
+    heads, dim = 64, 128
+    pool = torch.randn(4097, 4, dim, device=DEVICE, dtype=BF16)
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    weights = torch.randn(64, heads, device=DEVICE)
+
+    def run(n):
+        rows = min(n, 64)
+        table = _block_tables(1, n + rows, 4096)
+        v4_indexer.indexer_topk_prefill(q[:rows], weights[:rows], pool, table, n - 1, 4, 16, 512)
+
+    assert_one_variant(v4_indexer, ["_index_scores_kernel"], run)
+    assert_one_variant(v4_topk, ["_indexer_topk_kernel"], run)
 
 
 @pytest.mark.gpu
