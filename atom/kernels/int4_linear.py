@@ -247,7 +247,7 @@ def unpack_int4_words(words: torch.Tensor) -> torch.Tensor:
     """int32 [K/8, N] -> uint8 [N, K]: input k of output n from bits 4 * (k % 8)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
     values = (words.unsqueeze(1) >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
-    return values.reshape(-1, words.shape[1]).t().to(torch.uint8)
+    return values.reshape(-1, words.shape[1]).t().contiguous().to(torch.uint8)
 
 
 def pack_int4_words(values: torch.Tensor) -> torch.Tensor:
