@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 kernels against their torch references (and the references against
 hand-computed values): fake quantisation (FP8 e4m3 / FP4 e2m1, ue8m0 and e4m3 scales),
 Engram hashing, the two-level top-k's references (candidate blocks, then entries), the
-indexer scores over a shared source's keys (the Triton top-k and Engram lookup, candidates
+indexer scores over a shared source's keys, the decode pooling on V4's compressor kernel
+and the one-launch store of entries and keys (the Triton top-k and Engram lookup, candidates
 that lost, are tested in benchmarks/tests/test_v41_candidates.py). Kernels run under TRITON_INTERPRET=1 on CPU
 (conftest) and on CUDA when there is one; bf16 inputs only on CUDA (the interpreter rounds
 float -> bf16 toward zero). Lengths 1, non-multiples of every tile and long rows.
@@ -214,7 +215,7 @@ def test_decode_selects_match_the_two_level_references(ties):
 def test_compressor_latent_decode_matches_reference(ratio, dim, length):
     """V4.1's decode pooling on V4's compressor kernel (no position bias, the latent out):
     token by token over a sequence with a padded row beside it, the same state bit for bit
-    and the same latent of every row (a partial group too)."""
+    and the same latent of every row (a partial group too; ~4e-7 apart on the CPU)."""
     from atom.kernels.v4_compressor import (
         compressor_latent_decode,
         compressor_latent_decode_reference,
@@ -231,7 +232,7 @@ def test_compressor_latent_decode_matches_reference(ratio, dim, length):
             *states[:2], kv[t], gate[t], slots, positions, torch.float32
         )
         got = compressor_latent_decode(*states[2:], kv[t], gate[t], slots, positions, torch.float32)
-        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # CUDA: tl.exp approx
     for got, expected in zip(states[2:], states[:2], strict=True):
         assert torch.equal(got, expected)
 
