@@ -501,26 +501,45 @@ def wide_fp8_grid(group: int) -> list:
     return grid
 
 
+def wide_int4_grid() -> list:
+    """``--sweep-wide`` for int4: GEMV tiles of 256..2048 outputs by 2..16 word rows, 4 or 8
+    warps, 1..3 stages, 2..8 programs per SM, 8..32 words per thread and tile."""
+    from atom.kernels.gemv_tiles import GemvConfig
+
+    grid = []
+    for block_n in (256, 512, 1024, 2048):
+        for block_w in (2, 4, 8, 16):
+            for warps in (4, 8):
+                if not 8 <= block_n * block_w // (warps * 32) <= 32:
+                    continue
+                for stages in (1, 2, 3):
+                    for waves in (2.0, 4.0, 8.0):
+                        grid.append((GemvConfig(block_n, block_w * 8, warps, stages), waves))
+    return grid
+
+
 def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush,
                      wide: bool = False) -> dict[str, float]:  # fmt: skip
     """Every candidate the one-row tuner measures for this layer, timed alone (us); with
-    ``wide`` (FP8) the grid of ``wide_fp8_grid`` too, and torch._scaled_mm (x quantized per
-    row, w8a8) for a per-row scaled weight."""
+    ``wide`` the grid of ``wide_fp8_grid`` / ``wide_int4_grid`` too, torch._scaled_mm (x
+    quantized per row, w8a8) for a per-row scaled FP8 weight, and int4's first candidate
+    with the nibble as 2^23 + q instead of a denormal."""
     from atom.kernels import fp8_linear, int4_linear
     from atom.kernels.gemv_tiles import quant_gemv_candidates, quant_gemv_config
 
-    rows, cols = layer.weight.shape[0], x.shape[1]
+    cols = x.shape[1]
     if fmt == "int4":
         group = layer.weight_group
-        tile_group = 0 if group >= cols else group
-        heuristic = quant_gemv_config(cols, rows, "int4", tile_group, True, x.device)
-        candidates = int4_linear.int4_gemv_candidates(heuristic, tile_group)
+        candidates = int4_linear.int4_gemv_candidates()
+        if wide:
+            candidates = list(dict.fromkeys(candidates + wide_int4_grid()))
 
         def launch(c):
             return int4_linear.int4_gemv(x, layer.weight, layer.weight_scale,
                                          layer.weight_zero_point, group, config=c[0],
-                                         variant=c[1])  # fmt: skip
+                                         waves=c[1])  # fmt: skip
     else:
+        rows = layer.weight.shape[0]
         per_row = layer.weight_block[1] >= cols
         tile_group = 0 if per_row else layer.weight_block[1]
         heuristic = quant_gemv_config(cols, rows, "fp8", tile_group, True, x.device)
@@ -541,6 +560,12 @@ def sweep_candidates(fmt: str, layer, x: torch.Tensor, device: str, flush,
             timed[label] = round(time_us(call, device, flush), 2)
         except Exception as e:  # noqa: BLE001
             timed[label] = f"{type(e).__name__}"
+    if wide and fmt == "int4" and x.is_cuda:
+        config, waves = int4_linear.int4_gemv_candidates()[0]
+        call = functools.partial(int4_linear.int4_gemv, x, layer.weight, layer.weight_scale,
+                                 layer.weight_zero_point, layer.weight_group, config=config,
+                                 waves=waves, denormal=False)  # fmt: skip
+        timed["first, 2^23 + q"] = round(time_us(call, device, flush), 2)
     if wide and fmt == "fp8" and x.is_cuda:
         try:
             call = functools.partial(fp8_linear.fp8_scaled_mm, x, layer.weight, layer.weight_scale)

@@ -16,7 +16,11 @@ Memory has two owners:
   second block table: the backend reads the rows `PageTable.publish` gives every backend.
 
 Decode (one token per sequence) uses static shapes only (CUDA-graph capturable); prefill
-(any other step: chunked, mixed) runs per sequence in torch on both devices.
+(any other step: chunked, mixed) runs per sequence: the window and the compressor in torch,
+then on the CUDA path (`use_cuda_path`) the indexer's top-k for the query tokens
+(`indexer_topk_prefill`) and one sparse attention launch (atom/kernels/
+v4_prefill_attention.py: each query's window, chosen or visible entries and sink, never a
+[T, H, keys] tensor); on CPU the torch reference (dense masks, in query chunks).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from atom.forward_context import AttentionMetadata, get_forward_context
 from atom.h2d.slot_buffers import BufferSpec
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_attention import (
-    attend_with_sink,
     v4_decode_attention,
     v4_decode_attention_reference,
     write_window,
@@ -56,10 +59,25 @@ from atom.kernels.v4_indexer import (
     index_scores,
     indexer_topk_decode,
     indexer_topk_decode_reference,
+    indexer_topk_prefill,
     select_topk,
+)
+from atom.kernels.v4_prefill_attention import (
+    v4_prefill_attention,
+    v4_prefill_attention_reference,
 )
 
 QUERY_CHUNK = 512  # prefill queries attended at once (memory: chunk x heads x keys)
+# The CUDA path's prefill attention: "triton" (the sparse kernel and the indexer's select
+# for prefill rows) or "torch" (the CPU path's dense masks in query chunks): the A/B switch
+# of `benchmarks.deepseek_v4_prefill --prefill-attention triton torch` (V4 and V4.1).
+PREFILL_ATTENTION = "triton"
+
+
+def sparse_prefill(q: torch.Tensor) -> bool:
+    """Whether a prefill attends with the Triton sparse kernel (the CUDA path, unless the
+    benchmarks' A/B chose torch)."""
+    return use_cuda_path(q) and PREFILL_ATTENTION == "triton"
 
 
 @dataclass
@@ -231,8 +249,10 @@ class V4Attention(nn.Module):
         )  # fmt: skip
 
     def _prefill(self, q, kv, positions, sinks, compressor, indexer, meta):
-        """Per sequence (torch): window over ring + new tokens, entries closed so far."""
+        """Per sequence: window over ring + new tokens, entries closed so far; attended by
+        the sparse kernel (`sparse_prefill`) or in dense query chunks (torch)."""
         out = torch.zeros_like(q)
+        sparse = sparse_prefill(q)
         for _row, a, b, start, end, slot, table in prefill_sequences(meta):
             window = self._window_prefill(kv[a:b], slot, start, end)
             entries = index_keys = None
@@ -246,6 +266,10 @@ class V4Attention(nn.Module):
                         _rows(indexer.compressor, a, b), self.index_state_kv,
                         self.index_state_gate, self.index_pool, slot, start, end, table,
                     )  # fmt: skip
+            if sparse:
+                out[a:b] = self._attend_sparse(q[a:b], window, entries, indexer, sinks, start,
+                                               a, table)  # fmt: skip
+                continue
             for c in range(0, b - a, QUERY_CHUNK):  # bounded memory for long prompts
                 c_end = min(c + QUERY_CHUNK, b - a)
                 out[a + c : a + c_end] = self._attend_chunk(
@@ -256,29 +280,36 @@ class V4Attention(nn.Module):
 
     def _attend_chunk(self, q, window, entries, index_keys, indexer, sinks, start, qs, qe, a):
         """Queries at positions [qs, qe) of a sequence whose step began at `start`:
-        their window keys (from `window`, positions [first, end)) and visible entries."""
+        their window keys (from `window`, positions [first, end)) and visible entries
+        (torch: dense scores, `select_topk`, a dense mask)."""
         keys, first = window
-        lo = max(first, qs - self.window + 1)
-        keys = keys[lo - first : qe - first]
-        key_pos = torch.arange(lo, qe, device=q.device)
-        query_pos = torch.arange(qs, qe, device=q.device)
-        valid = (key_pos[None, :] <= query_pos[:, None]) & (
-            key_pos[None, :] > query_pos[:, None] - self.window
-        )
-        if entries is not None:
+        chosen = None
+        if index_keys is not None:
+            rows = slice(a + qs - start, a + qe - start)
             ids = torch.arange(entries.shape[0], device=q.device)
+            query_pos = torch.arange(qs, qe, device=q.device)
             visible = ids[None, :] < ((query_pos + 1) // self.ratio)[:, None]
-            if index_keys is not None:
-                rows = slice(a + qs - start, a + qe - start)
-                scores = index_scores(indexer.q[rows], index_keys, indexer.weights[rows])
-                chosen = select_topk(scores, visible, self.index_topk)
-                picked = torch.zeros(qe - qs, entries.shape[0] + 1, dtype=torch.bool)
-                picked = picked.to(q.device)
-                picked.scatter_(1, torch.where(chosen < 0, entries.shape[0], chosen), True)
-                visible = picked[:, :-1]
-            keys = torch.cat([keys, entries.to(keys.dtype)])
-            valid = torch.cat([valid, visible], dim=1)
-        return attend_with_sink(q, keys, valid, sinks, self.scale)
+            scores = index_scores(indexer.q[rows], index_keys, indexer.weights[rows])
+            chosen = select_topk(scores, visible, self.index_topk)
+        return v4_prefill_attention_reference(
+            q, keys, first, qs, entries, chosen, self.ratio, self.window, sinks, self.scale
+        )
+
+    def _attend_sparse(self, q, window, entries, indexer, sinks, start, a, table):
+        """The step's queries of one sequence (positions from `start`) in one launch of
+        the sparse kernel: CSA's chosen ids from the indexer's scorer and select over the
+        query tokens (their keys read from the pool), HCA every visible entry."""
+        keys, first = window
+        chosen = None
+        if indexer is not None:
+            rows = slice(a, a + q.shape[0])
+            chosen = indexer_topk_prefill(
+                indexer.q[rows], indexer.weights[rows], self.index_pool, table, start,
+                self.ratio, self.block_size, self.index_topk,
+            )  # fmt: skip
+        return v4_prefill_attention(
+            q, keys, first, start, entries, chosen, self.ratio, self.window, sinks, self.scale
+        )
 
     def _window_prefill(self, kv, slot: int, start: int, end: int):
         return window_prefill(self.ring, kv, slot, start, end)

@@ -19,9 +19,11 @@ every ratio > 1 source's partial group rows (fp32 projections) and the Engram hi
 each source's entries and (index sources) indexer keys.
 
 Decode (one token per row) uses static shapes only (CUDA-graph capturable); any other step
-runs per sequence in torch (host reads), like the v4 backend. On CUDA the choice is Triton
-in both (the two-level top-k, atom/kernels/v41_topk.py), and decode scores the key source's
-pool with V4's indexer kernel; on CPU the torch references (golden-exact).
+runs per sequence (host reads), like the v4 backend. On CUDA the choice is Triton in both
+(the two-level top-k, atom/kernels/v41_topk.py, with the query tokens as rows at prefill),
+both score the key source's pool with V4's indexer kernel, and prefill attends with V4's
+sparse kernel (atom/kernels/v4_prefill_attention.py: each query's window, the ids its index
+source chose and the sink); on CPU the torch references (golden-exact, dense masks).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from atom.attention.v4 import (
     V4Backend,
     V4Family,
     prefill_sequences,
+    sparse_prefill,
     window_prefill,
 )
 from atom.forward_context import get_forward_context
@@ -58,7 +61,13 @@ from atom.kernels.v4_compressor import (
     store_entries_decode,
     store_entries_decode_reference,
 )
-from atom.kernels.v4_indexer import index_scores, index_scores_decode
+from atom.kernels.v4_indexer import (
+    PREFILL_ROWS,
+    index_scores,
+    index_scores_decode,
+    prefill_splits,
+)
+from atom.kernels.v4_prefill_attention import v4_prefill_attention
 from atom.kernels.v4_topk import visible_counts
 from atom.kernels.v41_topk import (
     candidate_blocks_decode,
@@ -106,7 +115,10 @@ class IndexerInputs:
 class SharedChoice:
     """What one forward's index sources publish for the layers after them. Decode:
     ``topk`` [B, k] entry ids (-1 none), ``candidates`` [B, N] bool. Prefill: per row,
-    ``rows[row]["topk"]`` [n, N] bool (chosen entries) and ``rows[row]["candidates"]``."""
+    ``rows[row]["topk"]`` [n, N] bool (chosen entries) and ``rows[row]["candidates"]``;
+    on the sparse path (`sparse_prefill`) ``rows[row]["topk_ids"]`` [n, k] entry ids (-1
+    none) and ``rows[row]["candidate_chunks"]``: first query row -> [rows, width] bool, one
+    per launch of PREFILL_ROWS queries."""
 
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
@@ -296,7 +308,10 @@ class V41Attention(nn.Module):
               index_pool, keys)  # fmt: skip
 
     def _prefill(self, q, kv, positions, sinks, source, indexer, shared, meta):
-        """Per sequence (torch): window over ring + new tokens, then the shared entries."""
+        """Per sequence: window over ring + new tokens, then the shared entries (torch,
+        dense masks; on the CUDA path `_prefill_sparse`)."""
+        if sparse_prefill(q):
+            return self._prefill_sparse(q, kv, sinks, source, indexer, shared, meta)
         out = torch.zeros_like(q)
         for row, a, b, start, end, slot, table in prefill_sequences(meta):
             keys, first = window_prefill(self.ring, kv[a:b], slot, start, end)
@@ -333,6 +348,70 @@ class V41Attention(nn.Module):
                 valid = torch.cat([valid, picked], dim=1)
             out[a:b] = attend_with_sink(q[a:b], keys, valid, sinks, self.scale)
         return out
+
+    def _prefill_sparse(self, q, kv, sinks, source, indexer, shared, meta):
+        """`_prefill` on the CUDA path: per sequence one launch of V4's sparse kernel over
+        each query's window and the ids its index source chose (`_choose_prefill`)."""
+        out = torch.zeros_like(q)
+        for row, a, b, start, end, slot, table in prefill_sequences(meta):
+            keys, first = window_prefill(self.ring, kv[a:b], slot, start, end)
+            entries = chosen = None
+            if self.ratio:
+                if self.is_source:
+                    self._emit_prefill(source, a, b, slot, start, end, table)
+                entries = self.source.read_entries(table, end, "pool")
+                published = shared.rows.setdefault(row, {})
+                if self.is_index:
+                    published["topk_ids"] = self._choose_prefill(
+                        indexer, a, b, start, end, table, published
+                    )
+                chosen = published["topk_ids"]
+            # ratio 1 for the kernel: the ids are always given, and their picks never pass
+            # p + 1 (its bound on a query's picks), whatever the source's ratio
+            out[a:b] = v4_prefill_attention(
+                q[a:b], keys, first, start, entries, chosen, 1, self.window, sinks, self.scale
+            )
+        return out
+
+    def _choose_prefill(self, indexer, a, b, start, end, table, published) -> torch.Tensor:
+        """Ids ``[b - a, min(topk, end // ratio)]`` (ascending, -1 after) of each query of
+        one sequence, the query tokens as rows of the decode selects (`_choose_decode`), in
+        launches of PREFILL_ROWS queries scoring the entries the launch's last query sees
+        (V4's scorer over the key source's pool when its ratio is this layer's, else torch).
+        The candidate source publishes its candidate blocks per launch."""
+        ratio, keys_from, device = self.ratio, self.key_source, indexer.q.device
+        chosen = torch.full((b - a, min(self.index_topk, end // ratio)), -1, dtype=torch.int64,
+                            device=device)  # fmt: skip
+        candidate_chunks = published.setdefault("candidate_chunks", {})
+        for first in range(0, b - a, PREFILL_ROWS):
+            last = min(first + PREFILL_ROWS, b - a)
+            rows = slice(a + first, a + last)
+            positions = torch.arange(start + first, start + last, device=device)
+            live = torch.ones(last - first, dtype=torch.int32, device=device)
+            width = (start + last) // keys_from.ratio  # the key source's entries so far
+            if width == 0:
+                continue
+            counts = visible_counts(positions, live, ratio, width)
+            if keys_from.ratio == ratio:  # V4's scorer: -inf past each row's count
+                scores = index_scores_decode(
+                    indexer.q[rows], indexer.weights[rows], keys_from.index_pool,
+                    table.expand(last - first, -1), positions, live, ratio, self.block_size,
+                    width, num_splits=prefill_splits(last - first, device),
+                )  # fmt: skip
+            else:
+                keys = keys_from.read_entries(table, start + last, "index_pool")
+                scores = index_scores(indexer.q[rows], keys, indexer.weights[rows])
+                ids = torch.arange(width, device=device)
+                scores = scores.masked_fill(ids[None, :] >= counts[:, None], float("-inf"))
+            if self.is_candidate_source:
+                candidate_chunks[first] = candidate_blocks_decode(
+                    scores, counts, self.candidate_topk_blocks, self.candidate_block_size
+                )
+            inside = candidate_chunks[first] if self.uses_candidates else None
+            picked = two_level_topk_decode(scores, counts, self.index_topk, inside)
+            k = min(picked.shape[1], chosen.shape[1])  # the picks: at most end // ratio
+            chosen[first:last, :k] = picked[:, :k]
+        return chosen
 
     def _emit_prefill(self, source: SourceInputs, a, b, slot, start, end, table) -> None:
         """Close the groups completing in [start, end) into the pool (and keys); keep the

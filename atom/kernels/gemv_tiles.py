@@ -153,9 +153,9 @@ _QUANT_CHOICES: dict = {}
 
 
 def _variant_label(variant) -> str:
-    """" x_once" for fp8's x-broadcast flag, " <kernel>" for int4's kernel name."""
-    if isinstance(variant, str):
-        return f" {variant}"
+    """ " x_once" for fp8's x-broadcast flag, " waves <w>" for int4's programs per SM."""
+    if isinstance(variant, float):
+        return f" waves {variant:g}"
     return " x_once" * bool(variant)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from atom.kernels.decode_attention import multi_processors
 from atom.kernels.platform import use_triton
 from atom.kernels.v4_compressor import (
     entry_parts,
@@ -30,7 +31,11 @@ from atom.kernels.v4_compressor import (
     pool_offsets,
     rows_per_block,
 )
-from atom.kernels.v4_topk import indexer_topk_select, visible_counts
+from atom.kernels.v4_topk import (
+    INTERPRETER_MULTI_PROCESSORS,
+    indexer_topk_select,
+    visible_counts,
+)
 
 try:
     import triton
@@ -166,6 +171,7 @@ SPLITS = 256  # programs per row of the scores kernel at most (each strides over
 def index_scores_decode(
     q, weights, index_pool, block_tables, positions, context_lens, ratio: int,
     block_size: int, max_entries: int, fill_invisible: bool = True, counts=None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton scores ``[B, max_entries]`` fp32 of every entry slot (-inf where the row may
     not see it): the scoring half of `indexer_topk_decode` (DeepSeek-V4.1 reads its KV
@@ -173,7 +179,8 @@ def index_scores_decode(
     writes only each row's visible entries; ``fill_invisible=False`` leaves the rest
     unwritten (`indexer_topk_select` never reads them) instead of -inf (a fill of the row).
     ``counts`` ``[B]`` int64, if given, receives `visible_counts` (written by the same
-    launch)."""
+    launch). ``num_splits``: programs per row (a launch size, not a variant; None: as many
+    as the row's tiles, at most SPLITS: the decode rule for few rows)."""
     if not use_triton(q):
         if counts is not None:
             counts.copy_(visible_counts(positions, context_lens, ratio, max_entries))
@@ -192,6 +199,8 @@ def index_scores_decode(
         assert index_pool.is_contiguous() and q.stride(-1) == 1 and weights.stride(-1) == 1
         block_n = 32
         splits = min(SPLITS, triton.cdiv(max_entries, block_n))  # a launch size, no variant
+        if num_splits is not None:
+            splits = max(1, min(splits, num_splits))
         _index_scores_kernel[(num_rows, splits)](
             q, weights, index_pool, block_tables, positions, context_lens, scores, counts,
             max_entries, block_tables.stride(0), index_pool.shape[0] - 1, dim**-0.5,
@@ -222,3 +231,74 @@ def indexer_topk_decode(
         max_entries, fill_invisible=False, counts=counts,
     )  # fmt: skip
     return indexer_topk_select(scores, counts, min(topk, max_entries))
+
+
+# -- prefill: rows are the query tokens of one sequence -----------------------------------------
+
+
+def indexer_topk_prefill_reference(
+    q, weights, index_pool, table, query_start: int, ratio: int, block_size: int, topk: int,
+) -> torch.Tensor:  # fmt: skip
+    """Queries of one sequence at positions ``query_start + t`` (q ``[T, H, D]``, weights
+    ``[T, H]`` fp32), its keys read from ``index_pool`` through its page-table row
+    ``table`` ``[1, width]``: ids ``[T, min(topk, N)]`` (N = ``(query_start + T) //
+    ratio``, the entries closed by the last query) of each query's best visible entries
+    (``w < (p + 1) // ratio``), ascending, -1 after them. `select_topk` over dense scores."""
+    positions = torch.arange(query_start, query_start + q.shape[0], device=q.device)
+    num_entries = (query_start + q.shape[0]) // ratio
+    ids = torch.arange(num_entries, device=q.device)
+    keys = gather_entries(index_pool, table, ids[None], ratio, block_size)[0]
+    visible = ids[None, :] < ((positions + 1) // ratio)[:, None]
+    return ascending_ids(select_topk(index_scores(q, keys, weights), visible, topk))
+
+
+PREFILL_ROWS = 1024  # query rows scored at once: a [1024, N] fp32 scores tile (64 MB at 16K)
+PREFILL_WAVES = 4  # scorer programs per SM at prefill: the rows are many, so few splits
+
+
+def prefill_splits(num_rows: int, device: torch.device) -> int:
+    """Scorer programs per row at prefill: enough for PREFILL_WAVES programs per SM over
+    the launch's rows, no more (each program loads the row's [heads, index_head_dim]
+    query once and strides over its share of the entries; the decode rule's up to SPLITS
+    programs a row would reload it every few tiles). The interpreter counts an H200's SMs."""
+    sms = INTERPRETER_MULTI_PROCESSORS
+    if device.type == "cuda":
+        sms = multi_processors(device)
+    return max(1, -(-PREFILL_WAVES * sms // max(1, num_rows)))
+
+
+def indexer_topk_prefill(
+    q, weights, index_pool, table, query_start: int, ratio: int, block_size: int, topk: int,
+    *, rows_per_launch: int = PREFILL_ROWS,
+) -> torch.Tensor:  # fmt: skip
+    """Triton `indexer_topk_prefill_reference` (same arguments, the same sets; fp32 scores
+    summed in another order, so near-ties may pick differently): the decode scorer and
+    select with the query tokens as rows (`index_scores_decode` over the sequence's row
+    repeated by a zero stride, `prefill_splits` programs a row, `indexer_topk_select` with
+    each row's own visible count), in launches of ``rows_per_launch`` queries, each scoring
+    only the entries its last query sees. Never a ``[T, H, N]`` tensor."""
+    if not use_triton(q):
+        return indexer_topk_prefill_reference(
+            q, weights, index_pool, table, query_start, ratio, block_size, topk
+        )
+    num_queries = q.shape[0]
+    num_entries = (query_start + num_queries) // ratio
+    k = min(topk, num_entries)
+    out = torch.full((num_queries, k), -1, dtype=torch.int64, device=q.device)
+    for first in range(0, num_queries, rows_per_launch):
+        last = min(first + rows_per_launch, num_queries)
+        width = (query_start + last) // ratio  # the entries this launch's last query sees
+        if width == 0:
+            continue
+        rows = last - first
+        positions = torch.arange(query_start + first, query_start + last, device=q.device)
+        live = torch.ones(rows, dtype=torch.int32, device=q.device)
+        counts = torch.empty(rows, dtype=torch.int64, device=q.device)
+        scores = index_scores_decode(
+            q[first:last], weights[first:last], index_pool, table.expand(rows, -1), positions,
+            live, ratio, block_size, width, fill_invisible=False, counts=counts,
+            num_splits=prefill_splits(rows, q.device),
+        )  # fmt: skip
+        chosen = indexer_topk_select(scores, counts, min(topk, width))
+        out[first:last, : chosen.shape[1]] = chosen
+    return out

@@ -20,7 +20,7 @@ from torch import nn
 from atom.kernels import fp8_linear as fp8_kernels
 from atom.kernels import int4_linear as int4_kernels
 from atom.kernels.fp8_linear import fp8_linear, quantize_rows_fp8
-from atom.kernels.gemv_tiles import quant_gemv_candidates, quant_gemv_config
+from atom.kernels.gemv_tiles import GemvConfig, quant_gemv_candidates, quant_gemv_config
 from atom.kernels.int4_linear import int4_linear
 from atom.models.quantization import Fp8LinearMethod, Int4LinearMethod, read_quantization_scheme
 from atom.models.quantization.fp8 import read_fp8_weight
@@ -160,16 +160,95 @@ def test_inputs_the_kernels_do_not_take_run_the_reference():
     """A group that is not a power of two (int4) or a scale block of 96 columns (fp8) runs
     the reference, with the same result."""
     generator = torch.Generator().manual_seed(0)
-    packed = torch.randint(0, 256, (32, 96), generator=generator, dtype=torch.uint8)
-    scale = torch.rand(32, 2, generator=generator) + 0.5
-    zero = torch.randint(0, 16, (32, 2), generator=generator, dtype=torch.uint8)
-    assert not int4_kernels.fits_int4_kernels(torch.empty(1, 192), packed, scale, zero, 96)
+    values = torch.randint(0, 16, (32, 192), generator=generator, dtype=torch.uint8)
+    words = int4_kernels.pack_int4_words(values)
+    scale = torch.rand(2, 32, generator=generator) + 0.5
+    zero = torch.randint(0, 16, (2, 32), generator=generator, dtype=torch.uint8)
+    assert not int4_kernels.fits_int4_kernels(torch.empty(1, 192), words, scale, zero, 96)
     x = torch.randn(3, 192, generator=generator)
-    expected = F.linear(x, int4_kernels.dequantize_int4_reference(packed, scale, zero, 96))
-    torch.testing.assert_close(int4_linear(x, packed, scale, zero, 96), expected)
+    expected = F.linear(x, int4_kernels.dequantize_int4_reference(words, scale, zero, 96))
+    torch.testing.assert_close(int4_linear(x, words, scale, zero, 96), expected)
     weight = torch.randn(32, 192, generator=generator).to(torch.float8_e4m3fn)
     fp8_scale = torch.rand(1, 2, generator=generator)
     assert not fp8_kernels.fits_fp8_kernels(x, weight, fp8_scale, (32, 96))
+
+
+def test_int4_words_round_trip_and_reference():
+    """pack_int4_words puts input k of output n at bits 4 * (k % 8) of word [k // 8, n]
+    (checked bit by bit), unpack_int4_words inverts it, and the reference dequantizes
+    (q - zero) * scale per group, computed here by hand."""
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randint(0, 16, (5, 24), generator=generator, dtype=torch.uint8)
+    words = int4_kernels.pack_int4_words(values)
+    assert words.shape == (3, 5) and words.dtype == torch.int32
+    for n in range(5):
+        for k in range(24):
+            assert (int(words[k // 8, n]) >> (4 * (k % 8))) & 0xF == int(values[n, k])
+    assert torch.equal(int4_kernels.unpack_int4_words(words), values)
+    scale = torch.rand(3, 5, generator=generator) + 0.1
+    zero = torch.randint(0, 16, (3, 5), generator=generator, dtype=torch.uint8)
+    deq = int4_kernels.dequantize_int4_reference(words, scale, zero, 8)
+    n, k = 3, 13
+    assert deq[n, k].item() == pytest.approx(
+        (values[n, k].item() - zero[1, n].item()) * scale[1, n].item()
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("group", [16, 32, 128, 1024])
+@pytest.mark.parametrize("denormal", [True, False])
+def test_int4_gemv_every_candidate_and_group(group, denormal, device):
+    """The one-row GEMV on random words: every candidate tile of the CUDA tuner (tiles wider
+    than the 200 outputs, splits of K, groups smaller and larger than a tile's word rows, one
+    scale per output at 1024), both forms of the nibble (denormal float or 2^23 + q), with
+    and without bias, against the reference."""
+    generator = torch.Generator().manual_seed(group)
+    rows, cols = 200, 1024
+    values = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
+    words = int4_kernels.pack_int4_words(values)
+    groups = cols // min(group, cols)
+    scale = (torch.rand(groups, rows, generator=generator) + 0.5) * 0.01
+    zero = torch.randint(0, 16, (groups, rows), generator=generator, dtype=torch.uint8)
+    x = torch.randn(1, cols, generator=generator).bfloat16()
+    bias = torch.randn(rows, generator=generator).bfloat16()
+    words, scale, zero, x, bias = (t.to(device) for t in (words, scale, zero, x, bias))
+    dequantized = int4_kernels.dequantize_int4_reference(words, scale, zero, group)
+    assert int4_kernels.fits_int4_kernels(x, words, scale, zero, group)
+    for index, (config, waves) in enumerate(int4_kernels.int4_gemv_candidates()):
+        b = bias if index % 2 else None
+        out = int4_kernels.int4_gemv(x, words, scale, zero, group, b, config=config,
+                                     waves=waves, denormal=denormal)  # fmt: skip
+        check(out, x, dequantized, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_denormal_probe_agrees_with_torch(device):
+    """The GEMV's probe (a Triton kernel on CUDA, numpy elsewhere) says what torch's own
+    arithmetic on the device says of the denormal 2^-149 times 2^100 times 2^49."""
+    tiny = torch.ones(1, dtype=torch.int32, device=device).view(torch.float32)
+    kept = bool((tiny * 2.0**100 * 2.0**49 == 1.0).item())
+    int4_kernels._keeps_denormals.cache_clear()
+    assert int4_kernels._keeps_denormals(torch.device(device)) == kept
+
+
+def test_int4_gemv_k_split_and_whole_match_the_reference():
+    """fp32 x: the GEMV split 16 ways along K (float32 partial sums, then the split-sum
+    kernel) and unsplit both equal the reference within fp32 rounding (1e-5 of the
+    largest output)."""
+    generator = torch.Generator().manual_seed(7)
+    values = torch.randint(0, 16, (64, 2048), generator=generator, dtype=torch.uint8)
+    words = int4_kernels.pack_int4_words(values)
+    scale = torch.rand(16, 64, generator=generator) + 0.5
+    zero = torch.full((16, 64), 8, dtype=torch.uint8)
+    x = torch.randn(1, 2048, generator=generator)
+    config = GemvConfig(64, 64, 4, 1)
+    per_split, splits = int4_kernels.gemv_split(256, 64, config, 16.0, torch.device("cpu"))
+    assert splits > 1 and per_split % 8 == 0
+    split = int4_kernels.int4_gemv(x, words, scale, zero, 128, config=config, waves=16.0)
+    whole = int4_kernels.int4_gemv(x, words, scale, zero, 128, config=config, waves=0.01)
+    dequantized = int4_kernels.dequantize_int4_reference(words, scale, zero, 128)
+    check(split, x, dequantized)
+    check(whole, x, dequantized)
 
 
 # -- GPU: the Llama-3.1-8B layer shapes, the layers' apply, graphs ---------------------------
@@ -285,36 +364,21 @@ def test_quantize_rows_kernel_matches_its_reference(rows, cols, device):
     assert (q_ref * scale - x.float()).abs().max() <= x.float().abs().max() / 16
 
 
-@pytest.mark.parametrize("fmt", ["ct_fp8:channel", "deepseek_fp8:128x128", "gptq:group",
-                                 "ct_int4:sym_channel"])  # fmt: skip
+@pytest.mark.parametrize("fmt", ["ct_fp8:channel", "deepseek_fp8:128x128"])
 def test_every_gemv_tile_candidate_computes_the_same_product(fmt):
-    """The tiles the CUDA tuner measures (quant_gemv_candidates around the GPU heuristic's,
-    x in the tile's shape or broadcast once; for int4 also the 2-D word kernel's tiles, wider
-    than the 64 words of K and taller than some of the 48 rows) all give the reference's
-    product."""
+    """The FP8 tiles the CUDA tuner measures (quant_gemv_candidates around the GPU
+    heuristic's, x in the tile's shape or broadcast once) all give the reference's product
+    (int4's candidates: test_int4_gemv_every_candidate_and_group)."""
     layer, method, dequantized = quantized_layer(fmt, random_parts([48], 512, seed=9))
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
-    fp8 = isinstance(method, Fp8LinearMethod)
-    if fp8:
-        per_row = layer.weight_block[1] >= 512
-        group = 0 if per_row else layer.weight_block[1]
-    else:
-        group = 0 if layer.weight_group >= 512 else layer.weight_group
-    heuristic = quant_gemv_config(512, 48, "fp8" if fp8 else "int4", group, on_gpu=True,
+    per_row = layer.weight_block[1] >= 512
+    group = 0 if per_row else layer.weight_block[1]
+    heuristic = quant_gemv_config(512, 48, "fp8", group, on_gpu=True,
                                   device=torch.device("cpu"))  # fmt: skip
     candidates = quant_gemv_candidates(heuristic, group)
     assert candidates[0] == (heuristic, True) and len(candidates) >= 4
-    if not fp8:  # the 2-D word kernel's tiles, then the 4-D tile kernel's
-        candidates = int4_kernels.int4_gemv_candidates(heuristic, group)
-        assert {variant for _, variant in candidates} == {"words", "tile", "x_once"}
     for config, variant in candidates:
-        if variant != "words":  # the tile kernel's chunks hold whole groups
-            assert not group or config.block_k % group == 0
-        if fp8:
-            out = fp8_kernels.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
-                                       config=config, x_once=variant)  # fmt: skip
-        else:
-            out = int4_kernels.int4_gemv(x, layer.weight, layer.weight_scale,
-                                         layer.weight_zero_point, layer.weight_group,
-                                         config=config, variant=variant)  # fmt: skip
+        assert not group or config.block_k % group == 0
+        out = fp8_kernels.fp8_gemv(x, layer.weight, layer.weight_scale, layer.weight_block,
+                                   config=config, x_once=variant)  # fmt: skip
         check(out, x, dequantized)

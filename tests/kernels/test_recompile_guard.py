@@ -45,6 +45,7 @@ from atom.kernels import (
     v4_compressor,
     v4_indexer,
     v4_mhc,
+    v4_prefill_attention,
     v4_rope,
     v4_topk,
     v41_engram,
@@ -302,6 +303,20 @@ KERNELS = {
             "stride_out_head",
         ],
     ),
+    # DeepSeek-V4 prefill: queries from the grid; the first query's and key's positions,
+    # the entry count and the id list's width (min(top-k, entries)) are runtime
+    (v4_prefill_attention, "_v4_prefill_kernel"): (
+        ["query_start", "key_first", "num_entries", "num_ids", "stride_ids_row"],
+        [
+            "scale",
+            "stride_q_row",
+            "stride_q_head",
+            "stride_keys_row",
+            "stride_entries_row",
+            "stride_out_row",
+            "stride_out_head",
+        ],
+    ),
     # DeepSeek-V4 mHC and norm + rope: tokens come from the grid; strides and eps are fixed
     (v4_mhc, "_hc_mix_partial_kernel"): ([], ["stride_streams_row"]),
     (v4_mhc, "_hc_finish_kernel"): (
@@ -343,12 +358,10 @@ KERNELS = {
     (fp8_linear, "_quantize_rows_kernel"): (["num_rows"], ["in_features", "stride_x"]),
     (int4_linear, "_int4_gemv_kernel"): (
         [],
-        ["in_words", "out_features", "stride_weight", "stride_scale"],
+        ["in_words", "out_features", "words_per_split", "stride_words", "stride_scale"],
     ),
-    (int4_linear, "_int4_gemv_words_kernel"): (
-        [],
-        ["in_words", "out_features", "stride_weight", "stride_scale"],
-    ),
+    (int4_linear, "_int4_split_sum_kernel"): ([], ["splits", "out_features"]),
+    (int4_linear, "_denormal_probe_kernel"): ([], []),
     (int4_linear, "_int4_dot_kernel"): (
         ["num_rows"],
         [
@@ -356,7 +369,7 @@ KERNELS = {
             "out_features",
             "stride_x",
             "stride_out",
-            "stride_weight",
+            "stride_words",
             "stride_scale",
             "group_words",
         ],
@@ -1425,6 +1438,55 @@ def test_v4_decode_every_visible_entry_one_variant():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("entries", ["none", "every_visible", "chosen"])
+def test_v4_prefill_attention_one_variant(entries):
+    """Queries (the grid), the first query's position, the window keys' first position,
+    the entry count and the id list's width swept: one variant per geometry."""
+    heads, dim, window = 64, 512, 128
+    ratio = 128 if entries == "every_visible" else 4
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    keys = torch.randn(64 + window, dim, device=DEVICE, dtype=BF16)
+    pooled = torch.randn((max(SWEEP) + 64) // ratio, dim, device=DEVICE, dtype=BF16)
+    sinks = torch.randn(heads, device=DEVICE)
+    generator = _generator()
+
+    def run(n):
+        rows, start = min(n, 64), n - 1
+        key_first = max(0, start - window + 1)
+        num_entries = (start + rows) // ratio
+        ids = None
+        if entries == "chosen":
+            width = max(1, min(512, num_entries))
+            ids = torch.randint(-1, max(1, num_entries), (rows, width), device=DEVICE,
+                                generator=generator)  # fmt: skip
+        v4_prefill_attention.v4_prefill_attention(
+            q[:rows], keys[: start + rows - key_first], key_first, start,
+            None if entries == "none" else pooled[:num_entries], ids, ratio, window, sinks,
+            dim**-0.5,
+        )  # fmt: skip
+
+    assert_one_variant(v4_prefill_attention, ["_v4_prefill_kernel"], run)
+
+
+@pytest.mark.gpu
+def test_v4_indexer_topk_prefill_one_variant():
+    """The scorer and select with the query tokens as rows (a zero table-row stride), the
+    first query's position swept."""
+    heads, dim = 64, 128
+    pool = torch.randn(4097, 4, dim, device=DEVICE, dtype=BF16)
+    q = torch.randn(64, heads, dim, device=DEVICE, dtype=BF16)
+    weights = torch.randn(64, heads, device=DEVICE)
+
+    def run(n):
+        rows = min(n, 64)
+        table = _block_tables(1, n + rows, 4096)
+        v4_indexer.indexer_topk_prefill(q[:rows], weights[:rows], pool, table, n - 1, 4, 16, 512)
+
+    assert_one_variant(v4_indexer, ["_index_scores_kernel"], run)
+    assert_one_variant(v4_topk, ["_indexer_topk_kernel"], run)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["write", "greedy", "greedy_stats", "stats"])
 def test_sampling_kernels_one_variant(mode):
     """Batch, vocabulary, bias / stop table widths and k all swept through the sampling pass
@@ -1472,22 +1534,14 @@ def test_sampling_kernels_one_variant(mode):
         assert_one_variant(logprob_topk, ["_select_topk_kernel"], run)
 
 
-def _quantized_weights(rows, cols, group):
-    generator = torch.Generator(DEVICE).manual_seed(0)
-    fp8 = torch.randn(rows, cols, device=DEVICE, generator=generator).to(torch.float8_e4m3fn)
-    packed = torch.randint(0, 256, (rows, cols // 2), device=DEVICE, dtype=torch.uint8)
-    scale = torch.rand(rows, -(-cols // group), device=DEVICE) + 0.5
-    zero = torch.full_like(scale, 8, dtype=torch.uint8)
-    return fp8, packed, scale, zero
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", [(1, 4096), (128, 128), (1, 128)])
 def test_fp8_linear_one_variant_per_geometry(block):
     """Batch rows never add variants: rows 2..16 share the dot kernel's 16-row tiles, more
     rows its 64-row tiles (block scales; per-row scales take torch._scaled_mm), one row the
     GEMV; layer shapes (multiples of 16) share the GEMV's variant."""
-    weight, _, _, _ = _quantized_weights(4096, 4096, 128)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    weight = torch.randn(4096, 4096, device=DEVICE, generator=generator).to(torch.float8_e4m3fn)
     scale = torch.rand(-(-4096 // block[0]), -(-4096 // block[1]), device=DEVICE) + 0.5
     x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
 
@@ -1521,12 +1575,16 @@ def test_int4_linear_one_variant_per_geometry(group, monkeypatch):
 
     # Fusions.quant_gemv_tune off (ATOM_QUANT_GEMV_TUNE=0 in an engine's Config)
     monkeypatch.setattr(gemv_tiles, "current_fusions", lambda: Fusions(quant_gemv_tune=False))
-    _, packed, scale, zero = _quantized_weights(4096, 4096, group)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    words = torch.randint(-(2**31), 2**31 - 1, (512, 4096), device=DEVICE, dtype=torch.int32,
+                          generator=generator)  # fmt: skip
+    scale = torch.rand(-(-4096 // group), 4096, device=DEVICE) + 0.5
+    zero = torch.full_like(scale, 8, dtype=torch.uint8)
     x = torch.randn(4097, 4096, device=DEVICE, dtype=BF16)
 
     def run(n):
-        int4_linear.int4_linear(x[:n], packed, scale, zero, group)
+        int4_linear.int4_linear(x[:n], words, scale, zero, group)
 
     assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [2, 3, 7, 16])
     assert_one_variant(int4_linear, ["_int4_dot_kernel"], run, [17, 64, 257, 4097])
-    assert_one_variant(int4_linear, ["_int4_gemv_words_kernel"], run, [1, 1])
+    assert_one_variant(int4_linear, ["_int4_gemv_kernel"], run, [1, 1])

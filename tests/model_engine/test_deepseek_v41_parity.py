@@ -109,6 +109,29 @@ def test_minimal_packed_publication_and_two_micro_batches():
     assert _tokens(llm, n=8) == _expected(MINIMAL, 8)
 
 
+@pytest.mark.parametrize("name", ["tiny-minimal", "tiny-full"])
+def test_sparse_prefill_under_the_interpreter_matches_golden(name, monkeypatch):
+    """The CUDA path's prefill (V4's Triton sparse attention, the indexer's scorer and the
+    two-level select over the query tokens, tiny-full's candidate blocks published per
+    launch) under the interpreter, a 33-token prompt in chunks of 7: the golden tokens,
+    and every prefill chunk of every layer went through the sparse kernel."""
+    import atom.attention.v41
+
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    real, chunks = atom.attention.v41.v4_prefill_attention, []
+
+    def counted(q, *args, **kwargs):
+        chunks.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(atom.attention.v41, "v4_prefill_attention", counted)
+    llm = _llm(name, max_num_batched_tokens=7)
+    golden = MINIMAL if name == "tiny-minimal" else FULL
+    assert _tokens(llm, PROMPTS[2:3], 4) == [_expected(golden, 4)[2]]
+    layers = len(llm.engine.model_runner.model.attention_layers)
+    assert sum(chunks) == layers * len(PROMPTS[2]) and max(chunks) == 7
+
+
 def _fragile_positions(prompt_golden) -> list[int]:
     return sorted(
         {w["position"] for kind in prompt_golden["quant_fragility"].values() for w in kind["where"]}

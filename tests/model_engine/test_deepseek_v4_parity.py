@@ -147,6 +147,29 @@ def test_cuda_path_under_the_interpreter_matches_hf(v4_dirs, kind, monkeypatch):
     assert tokens == hf_greedy_no_eos(v4_dirs[kind], prompts, params.max_tokens)
 
 
+def test_cuda_path_under_the_interpreter_sparse_chunked_prefill(v4_dirs, monkeypatch):
+    """The CUDA path's prefill (Triton sparse attention, the indexer's select over the
+    query tokens) under the interpreter: a 40-token prompt in chunks of 7 (each starting
+    mid-sequence; CSA picks 3 of up to 10 entries, HCA sees 2): HF's fp32 greedy tokens,
+    and every prefill chunk went through the sparse kernel."""
+    import atom.attention.v4
+
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    real, chunks = atom.attention.v4.v4_prefill_attention, []
+
+    def counted(q, *args, **kwargs):
+        chunks.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(atom.attention.v4, "v4_prefill_attention", counted)
+    prompts, params = PROMPTS[2:3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = build_llm(v4_dirs["a"], num_kvcache_blocks=64, max_model_len=256,
+                    max_num_batched_tokens=7)  # fmt: skip
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == hf_greedy_no_eos(v4_dirs["a"], prompts, params.max_tokens)
+    assert sum(chunks) == 4 * 40 and max(chunks) == 7  # 4 layers, every prompt token once
+
+
 def test_chunked_prefill_and_preemption(v4_dirs):
     path = v4_dirs["a"]
     expected = _hf(path)
@@ -251,6 +274,23 @@ def test_cuda_fp32_greedy_matches_hf(v4_dirs):
     llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64, max_model_len=256,
                     cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
     assert _tokens(llm) == _hf(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["a", "c"])
+def test_cuda_fp32_sparse_and_dense_prefill_give_the_same_tokens(v4_dirs, kind, monkeypatch):
+    """The CUDA path's prefill, the Triton sparse kernel (default) and the torch dense
+    masks (`PREFILL_ATTENTION = "torch"`, the benchmark's A/B), chunked in 7-token steps:
+    HF's fp32 greedy tokens both ways."""
+    import atom.attention.v4
+
+    path, expected = v4_dirs[kind], _hf(v4_dirs[kind])
+    for choice in ("triton", "torch"):
+        monkeypatch.setattr(atom.attention.v4, "PREFILL_ATTENTION", choice)
+        llm = build_llm(path, device="cuda", dtype="float32", num_kvcache_blocks=64,
+                        max_model_len=256, max_num_batched_tokens=7, max_num_seqs=4,
+                        cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
+        assert _tokens(llm) == expected, choice
 
 
 def test_memory_profiling_forward_runs_without_a_cache(v4_dirs, monkeypatch):

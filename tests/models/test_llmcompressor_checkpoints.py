@@ -173,7 +173,7 @@ def test_int4_checkpoint_matches_hf_and_the_decompressed_model(quantized_smollm2
     config = json.loads((out / "quantized" / "config.json").read_text())["quantization_config"]
     assert config["format"] == "pack-quantized"
     llm, logits, tokens = _atom(out / "quantized")
-    assert llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    assert llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.int32
     compressed = torch.load(out / "hf_compressed.pt")
     dense_logits, dense_tokens = _hf_dense(out / "dequantized")
     assert tokens == compressed["tokens"] == dense_tokens

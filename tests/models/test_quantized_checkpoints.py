@@ -290,7 +290,7 @@ def test_llama_quantized_checkpoint_matches_dequantized_hf(llama_model, tmp_path
     quant_dir, plain_dir = write_pair(llama_model, tmp_path, fmt, _is_llama_linear)
     llm = check_parity(quant_dir, plain_dir)
     layer = llm.engine.model_runner.model.model.layers[0]
-    expected = torch.float8_e4m3fn if "fp8" in fmt else torch.uint8
+    expected = torch.float8_e4m3fn if "fp8" in fmt else torch.int32  # int4: words [K/8, N]
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert linear.weight.dtype == expected  # held quantized, not dequantized at load
     assert llm.engine.model_runner.model.lm_head.weight.dtype == torch.float32
@@ -313,7 +313,7 @@ def test_llama_quantized_on_cuda_runs_the_kernels_and_generates_the_dequantized_
     got = [o.token_ids for o in quantized.generate(PROMPTS, GREEDY, use_tqdm=False)]
     layer = quantized.engine.model_runner.model.model.layers[0]
     assert layer.mlp.down_proj.weight.is_cuda
-    assert layer.mlp.down_proj.weight.dtype in (torch.float8_e4m3fn, torch.uint8)
+    assert layer.mlp.down_proj.weight.dtype in (torch.float8_e4m3fn, torch.int32)
     quantized.engine.shutdown()
     plain = build_llm(plain_dir, **options)
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -370,7 +370,7 @@ def test_deepseek_quantized_checkpoint_matches_dequantized_hf(tmp_path, version,
     quant_dir, plain_dir = write_pair(model, tmp_path, fmt, quantized)
     llm = check_parity(quant_dir, plain_dir)
     layer = llm.engine.model_runner.model.model.layers[1]
-    stored = torch.float8_e4m3fn if "fp8" in fmt else torch.uint8
+    stored = torch.float8_e4m3fn if "fp8" in fmt else torch.int32
     assert layer.self_attn.q_b_proj.weight.dtype == stored
     assert layer.self_attn.o_proj.weight.dtype == stored
     assert layer.mlp.shared_experts.down_proj.weight.dtype == stored

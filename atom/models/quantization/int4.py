@@ -11,9 +11,10 @@ w[n, k] = (q[n, k] - z[n, g]) * s[n, g], g = k // group_size:
 - AWQ (GEMM): `qweight` int32 [K, N/8] and `qzeros` [G, N/8] packed along the outputs in
   the order 0, 2, 4, 6, 1, 3, 5, 7, `scales` [G, N].
 
-A layer holds `weight` (uint8 [N, K/2], input 2j in the low nibble of byte j, 2j + 1 in the
-high one), `weight_scale` (float32 [N, G]) and `weight_zero_point`
-(uint8 [N, G]). The torch reference dequantizes, then runs F.linear; a kernel may replace
+A layer holds `weight` (int32 [K/8, N], GPTQ's layout: input k of output n at bits
+4 * (k % 8) of word [k // 8, n]; outputs contiguous, which the batch-1 GEMV reads in
+consecutive threads), `weight_scale` (float32 [G, N]) and `weight_zero_point` (uint8 [G, N]).
+The torch reference dequantizes, then runs F.linear; a kernel may replace
 `Int4LinearMethod.apply` per shape (docs/quantization.md).
 """
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from atom.kernels.int4_linear import int4_linear
+from atom.kernels.int4_linear import dequantize_int4_reference, int4_linear, pack_int4_words
 from atom.models.load_error import ModelLoadError
 from atom.models.quantization.fp8 import check_scale, quant_kernels_enabled
 from atom.models.quantization.scheme import COMPRESSED_TENSORS, GPTQ, QuantizationScheme
@@ -49,9 +50,10 @@ class Int4Weight:
         return self.values.shape
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(pack_nibbles(self.values), self.scale, self.zero, self.group).to(
-            dtype
-        )
+        cols = self.values.shape[1]
+        zero = self.zero.to(torch.float32).repeat_interleave(self.group, 1)[:, :cols]
+        scale = self.scale.to(torch.float32).repeat_interleave(self.group, 1)[:, :cols]
+        return ((self.values.to(torch.float32) - zero) * scale).to(dtype)
 
 
 def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
@@ -61,24 +63,6 @@ def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(words.shape)
     shape[dim] *= 8
     return nibbles.reshape(shape).to(torch.uint8)
-
-
-def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] values in [0, 16) -> uint8 [N, K/2] (even input in the low nibble)."""
-    return values[:, 0::2] | (values[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> uint8 [N, K]."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-
-
-def dequantize_int4(packed, scale, zero, group: int) -> torch.Tensor:
-    """float32 [N, K] = (q - zero) * scale, one (scale, zero) per `group` inputs."""
-    values = unpack_nibbles(packed).to(torch.float32)
-    cols = values.shape[1]
-    zero = zero.to(torch.float32).repeat_interleave(group, 1)[:, :cols]
-    return (values - zero) * scale.to(torch.float32).repeat_interleave(group, 1)[:, :cols]
 
 
 def int4_components(scheme: QuantizationScheme) -> tuple[set[str], set[str]]:
@@ -178,35 +162,35 @@ class Int4LinearMethod:
         self.scheme = scheme
 
     def create_weights(self, layer, rows: int, cols: int, row_starts: list[int], col_start: int):
-        """Give `layer` `weight` uint8 [rows, cols/2], `weight_scale` [rows, G] and
-        `weight_zero_point` uint8 [rows, G]; a shard must start on a group boundary."""
+        """Give `layer` `weight` int32 [cols/8, rows], `weight_scale` [G, rows] and
+        `weight_zero_point` uint8 [G, rows]; a shard must start on a group boundary."""
         group = self.scheme.group_size or cols
-        if col_start % group or cols % 2:
+        if col_start % group or cols % 8:
             raise ModelLoadError(
                 f"{self.scheme.describe()}: a tensor-parallel shard of {cols} inputs starting "
-                f"at {col_start} splits a group of {group}; use a tensor-parallel size that "
-                "splits the inputs on group boundaries"
+                f"at {col_start} splits a group of {group} or is not a multiple of 8 inputs; "
+                "use a tensor-parallel size that splits the inputs on group boundaries"
             )
         groups = -(-cols // group)
         layer.weight = torch.nn.Parameter(
-            torch.empty(rows, cols // 2, dtype=torch.uint8), requires_grad=False
+            torch.empty(cols // 8, rows, dtype=torch.int32), requires_grad=False
         )
         layer.weight_group = group
-        layer.register_buffer("weight_scale", torch.empty(rows, groups, dtype=torch.float32))
-        layer.register_buffer("weight_zero_point", torch.empty(rows, groups, dtype=torch.uint8))
+        layer.register_buffer("weight_scale", torch.empty(groups, rows, dtype=torch.float32))
+        layer.register_buffer("weight_zero_point", torch.empty(groups, rows, dtype=torch.uint8))
 
     def load(self, layer, source: Int4Weight, dest_row: int, src_row: int, rows: int, src_col: int):
-        cols = layer.weight.shape[1] * 2
+        cols = layer.weight.shape[0] * 8
         values = source.values[src_row : src_row + rows, src_col : src_col + cols]
-        layer.weight.data.narrow(0, dest_row, rows).copy_(pack_nibbles(values))
+        layer.weight.data.narrow(1, dest_row, rows).copy_(pack_int4_words(values))
         group_ids = torch.arange(src_col, src_col + cols, layer.weight_group) // source.group
         scale = source.scale[src_row : src_row + rows][:, group_ids]
         zero = source.zero[src_row : src_row + rows][:, group_ids]
-        layer.weight_scale.narrow(0, dest_row, rows).copy_(scale)
-        layer.weight_zero_point.narrow(0, dest_row, rows).copy_(zero)
+        layer.weight_scale.narrow(1, dest_row, rows).copy_(scale.t())
+        layer.weight_zero_point.narrow(1, dest_row, rows).copy_(zero.t())
 
     def dequantize(self, layer, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(
+        return dequantize_int4_reference(
             layer.weight, layer.weight_scale, layer.weight_zero_point, layer.weight_group
         ).to(dtype)
 
