@@ -43,7 +43,7 @@ from atom.attention.v4 import (
     window_prefill,
 )
 from atom.forward_context import get_forward_context
-from atom.kernels.platform import use_triton
+from atom.kernels.platform import use_cuda_path, use_triton
 from atom.kernels.v4_attention import (
     attend_with_sink,
     v4_decode_attention,
@@ -51,7 +51,16 @@ from atom.kernels.v4_attention import (
     write_window,
     write_window_reference,
 )
-from atom.kernels.v4_compressor import gather_entries, pool_layout, store_entries
+from atom.kernels.v4_compressor import (
+    compressor_latent_decode,
+    compressor_latent_decode_reference,
+    gather_entries,
+    pool_groups,
+    pool_layout,
+    store_entries,
+    store_entries_decode,
+    store_entries_decode_reference,
+)
 from atom.kernels.v4_indexer import (
     PREFILL_ROWS,
     index_scores,
@@ -202,8 +211,12 @@ class V41Attention(nn.Module):
         return self._prefill(q, kv, positions, sinks, source, indexer, shared, meta)
 
     def _decode(self, q, kv, positions, sinks, source, indexer, shared, meta):
+        """On the CUDA path (`use_cuda_path`) V4's kernels: the window write and decode
+        attention, the compressor's state write and pooling (`compressor_latent_decode`)
+        with one launch storing the emitted entry and key (`store_entries_decode`), the
+        scores of the key source's pool and the decode selects; else the references."""
         slots, tables = meta.state_slots, meta.block_tables
-        on_gpu = q.is_cuda  # Triton on CUDA, the torch references on CPU
+        on_gpu = use_cuda_path(q)  # Triton on CUDA, the torch references on CPU
         (write_window if on_gpu else write_window_reference)(self.ring, kv, slots, positions)
         attend = v4_decode_attention if on_gpu else v4_decode_attention_reference
         if not self.ratio:
@@ -212,29 +225,9 @@ class V41Attention(nn.Module):
                 self.block_size, sinks, self.scale,
             )  # fmt: skip
         if self.is_source:
-            self._emit_decode(source, slots, positions, tables)
+            self._emit_decode(source, slots, positions, tables, on_gpu)
         if self.is_index:
-            keys_from = self.key_source
-            ids = torch.arange(self.max_entries(), device=q.device)[None]
-            num_visible = (positions.long() + 1) // self.ratio
-            visible = (ids < num_visible[:, None]) & (meta.context_lens > 0)[:, None]
-            if on_gpu and keys_from.ratio == self.ratio:  # Triton reads the source's keys
-                scores = index_scores_decode(
-                    indexer.q, indexer.weights, keys_from.index_pool, tables, positions,
-                    meta.context_lens, self.ratio, self.block_size, self.max_entries(),
-                )  # fmt: skip
-            else:
-                keys = gather_entries(keys_from.index_pool, tables, ids.expand(q.shape[0], -1),
-                                      keys_from.ratio, self.block_size)  # fmt: skip
-                scores = index_scores(indexer.q, keys, indexer.weights)
-                scores = scores.masked_fill(~visible, float("-inf"))
-            if on_gpu and use_triton(scores):  # a select over each row's own entries only
-                counts = visible_counts(positions, meta.context_lens, self.ratio, scores.shape[1])
-                shared.topk, candidates = self._choose_decode(scores, counts, shared.candidates)
-            else:
-                shared.topk, candidates = self._choose(
-                    scores, visible, num_visible, shared.candidates
-                )
+            shared.topk, candidates = self._index_decode(indexer, positions, shared, meta, on_gpu)
             if self.is_candidate_source:
                 shared.candidates = candidates
         source_layer = self.source
@@ -242,6 +235,33 @@ class V41Attention(nn.Module):
             q, self.ring, slots, positions, meta.context_lens, source_layer.pool, shared.topk,
             tables, source_layer.ratio, self.block_size, sinks, self.scale,
         )  # fmt: skip
+
+    def _index_decode(self, indexer, positions, shared, meta, on_gpu: bool):
+        """(top-k entry ids [B, k], this layer's candidate blocks or None) from the key
+        source's keys. CUDA path: V4's scoring kernel (which also counts each row's visible
+        entries) and the decode selects; else the torch references."""
+        keys_from, tables, q = self.key_source, meta.block_tables, indexer.q
+        if on_gpu and keys_from.ratio == self.ratio:  # Triton reads the source's keys
+            counts = torch.empty(q.shape[0], dtype=torch.int64, device=q.device)
+            # the scores past a row's count are read (as -inf) only by the candidate
+            # source's block maxima
+            scores = index_scores_decode(
+                q, indexer.weights, keys_from.index_pool, tables, positions,
+                meta.context_lens, self.ratio, self.block_size, self.max_entries(),
+                fill_invisible=self.is_candidate_source, counts=counts,
+            )  # fmt: skip
+            return self._choose_decode(scores, counts, shared.candidates)
+        ids = torch.arange(self.max_entries(), device=q.device)[None]
+        num_visible = (positions.long() + 1) // self.ratio
+        visible = (ids < num_visible[:, None]) & (meta.context_lens > 0)[:, None]
+        keys = gather_entries(keys_from.index_pool, tables, ids.expand(q.shape[0], -1),
+                              keys_from.ratio, self.block_size)  # fmt: skip
+        scores = index_scores(q, keys, indexer.weights)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if on_gpu and use_triton(scores):  # a select over each row's own entries only
+            counts = visible_counts(positions, meta.context_lens, self.ratio, scores.shape[1])
+            return self._choose_decode(scores, counts, shared.candidates)
+        return self._choose(scores, visible, num_visible, shared.candidates)
 
     def _choose(self, scores, visible, num_visible, published_candidates):
         """(top-k entry ids, this layer's candidate blocks or None), by the torch references
@@ -266,27 +286,26 @@ class V41Attention(nn.Module):
         inside = published_candidates if self.uses_candidates else None
         return two_level_topk_decode(scores, counts, self.index_topk, inside), candidates
 
-    def _emit_decode(self, source: SourceInputs, state_slots, positions, tables) -> None:
+    def _emit_decode(self, source: SourceInputs, state_slots, positions, tables, on_gpu) -> None:
         """Write the token into the partial group; where it closes a group (every token at
-        ratio 1) store the entry (and key). Padded rows touch only scratch rows."""
+        ratio 1) store the entry (and key). Padded rows touch only scratch rows. CUDA path:
+        V4's compressor kernel pools the group (atom/kernels/v4_compressor.py,
+        `compressor_latent_decode`) and one launch stores the entry and key."""
         ratio = self.ratio
-        scratch_slot = self.ring.shape[0] - 1
-        slots = torch.where(state_slots < 0, scratch_slot, state_slots).long()
-        positions = positions.long()
         if ratio > 1:
-            self.state_kv[slots, positions % ratio] = source.kv.float()
-            self.state_gate[slots, positions % ratio] = source.gate.float()
-            latent = pool_groups(self.state_kv[slots], self.state_gate[slots], source.kv.dtype)
+            pool = compressor_latent_decode if on_gpu else compressor_latent_decode_reference
+            latent = pool(
+                self.state_kv, self.state_gate, source.kv, source.gate, state_slots, positions,
+                source.kv.dtype,
+            )  # fmt: skip
+            group_positions = positions.long() // ratio * ratio
         else:
-            latent = source.kv
-        group = positions // ratio
-        entries, keys = source.finish(latent, group * ratio)
-        emits = (((positions + 1) % ratio == 0) & (state_slots >= 0))[:, None]
-        store_entries(self.pool, tables, group[:, None], entries[:, None], ratio,
-                      self.block_size, emits)  # fmt: skip
-        if keys is not None:
-            store_entries(self.index_pool, tables, group[:, None], keys[:, None], ratio,
-                          self.block_size, emits)  # fmt: skip
+            latent, group_positions = source.kv, positions
+        entries, keys = source.finish(latent, group_positions)
+        store = store_entries_decode if on_gpu else store_entries_decode_reference
+        index_pool = self.index_pool if keys is not None else None
+        store(self.pool, tables, state_slots, positions, entries, ratio, self.block_size,
+              index_pool, keys)  # fmt: skip
 
     def _prefill(self, q, kv, positions, sinks, source, indexer, shared, meta):
         """Per sequence: window over ring + new tokens, then the shared entries (torch,
@@ -428,8 +447,3 @@ class V41Attention(nn.Module):
         pool = getattr(self, name)
         ids = torch.arange(end // self.ratio, device=pool.device)[None]
         return gather_entries(pool, table, ids, self.ratio, self.block_size)[0]
-
-
-def pool_groups(kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """kv, gate ``[G, ratio, D]`` fp32 -> softmax(gate)-weighted sums ``[G, D]`` in dtype."""
-    return (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1).to(dtype)

@@ -26,6 +26,12 @@ no window (and padded rows, state slot -1, which write the scratch slot) stop af
 state write. Runtime lengths: the number of rows and the page-table row stride
 (do_not_specialize); geometry
 constexpr (ratio, dims, block size). Offsets int64. No host sync: CUDA-graph capturable.
+
+DeepSeek-V4.1 (atom/attention/v41.py) takes the same kernel with no position bias
+(``HAS_BIAS`` off) and its pooled row written to a ``[B, D]`` latent for every row instead of
+the pool (``LATENT``: V4.1 norms, rotates and fake-quantises the latent in the model and
+derives its indexer key from it), `compressor_latent_decode`; then one launch stores the rows
+that close a group, entry and key (`store_entries_decode`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import math
 
 import torch
 
+from atom.kernels.decode_attention import placeholder
 from atom.kernels.platform import use_triton
 from atom.kernels.v4_rope import apply_interleaved_rope_reference
 
@@ -246,6 +253,8 @@ def _compressor_decode_kernel(
     BLOCK_D: tl.constexpr,  # tile over the entry channels (pooling)
     BLOCK_L: tl.constexpr,  # next_power_of_2(pooled rows)
     BLOCK_R: tl.constexpr,  # next_power_of_2(ROPE_DIM // 2)
+    HAS_BIAS: tl.constexpr,  # V4's position bias on the gate (V4.1: none)
+    LATENT: tl.constexpr,  # V4.1: every row's group pooled into pool_ptr [rows, DIM], no more
 ):
     program = tl.program_id(0)
     if program < num_rows:
@@ -267,9 +276,12 @@ def _compressor_decode_kernel(
                 gate.to(state_gate_ptr.dtype.element_ty),
                 mask=mask,
             )
-        if ((position + 1) % RATIO == 0) & (own_slot >= 0):
+        closes = ((position + 1) % RATIO == 0) & (own_slot >= 0)
+        if LATENT:  # every row (its partial group too: V4.1 masks the entry's store)
+            closes = position >= 0
+        if closes:
             tl.debug_barrier()  # the state rows just written are read back below
-            start = position + 1 - RATIO
+            start = position - position % RATIO  # position + 1 - RATIO where it closes
             table_row = tables_ptr + row * stride_tables_row
             r = tl.arange(0, BLOCK_L)
             if OVERLAP:  # rows [0, R): the previous window's Ca half; [R, 2R): this Cb half
@@ -288,60 +300,65 @@ def _compressor_decode_kernel(
                 tile_mask = present[:, None] & (offs_d < DIM)[None, :]
                 ptrs = rows[:, None] + offs_d[None, :]
                 kv_tile = tl.load(state_kv_ptr + ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-                bias = tl.load(bias_ptr + (token % RATIO)[:, None] * WIDTH + channel_base[:, None]
-                               + offs_d[None, :], mask=tile_mask, other=0.0)  # fmt: skip
-                gate_tile = (
-                    tl.load(state_gate_ptr + ptrs, mask=tile_mask, other=0.0).to(tl.float32) + bias
-                )
+                gate_tile = tl.load(state_gate_ptr + ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    bias = tl.load(bias_ptr + (token % RATIO)[:, None] * WIDTH
+                                   + channel_base[:, None] + offs_d[None, :], mask=tile_mask,
+                                   other=0.0)  # fmt: skip
+                    gate_tile = gate_tile + bias
                 gate_tile = tl.where(tile_mask, gate_tile, float("-inf"))
                 top = tl.max(gate_tile, axis=0)
                 top = tl.where(top == float("-inf"), 0.0, top)
                 weights = tl.exp(gate_tile - top[None, :])
                 weights = weights / tl.sum(weights, axis=0)[None, :]
                 pooled = tl.sum(kv_tile * weights, axis=0).to(pool_ptr.dtype.element_ty)
-                out = pool_ptr + pool_offsets(
-                    table_row, start, offs_d, offs_d < DIM, num_blocks, RATIO,
+                if LATENT:
+                    tl.store(pool_ptr + row * DIM + offs_d, pooled, mask=offs_d < DIM)
+                else:
+                    out = pool_ptr + pool_offsets(
+                        table_row, start, offs_d, offs_d < DIM, num_blocks, RATIO,
+                        BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+                    )  # fmt: skip
+                    tl.store(out, pooled, mask=offs_d < DIM)
+                    pooled = pooled.to(tl.float32)
+                    sum_squares += tl.sum(tl.where(offs_d < DIM, pooled * pooled, 0.0), axis=0)
+            if not LATENT:  # V4: norm and rope the entry in place
+                tl.debug_barrier()  # the pooled row is read back by every thread
+                rstd = 1.0 / tl.sqrt(sum_squares / DIM + eps)
+                for d0 in range(0, DIM - ROPE_DIM, BLOCK_D):  # plain channels: norm only
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    plain_mask = offs_d < DIM - ROPE_DIM
+                    out = pool_ptr + pool_offsets(
+                        table_row, start, offs_d, plain_mask, num_blocks, RATIO,
+                        BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+                    )  # fmt: skip
+                    x = tl.load(out, mask=plain_mask, other=0.0).to(tl.float32)
+                    weight = tl.load(norm_weight_ptr + offs_d, mask=plain_mask, other=0.0)
+                    normed = (x * rstd * weight).to(pool_ptr.dtype.element_ty)
+                    tl.store(out, normed, mask=plain_mask)
+                pair = tl.arange(0, BLOCK_R)
+                rope_mask = pair < ROPE_DIM // 2
+                even = DIM - ROPE_DIM + 2 * pair
+                out_even = pool_ptr + pool_offsets(
+                    table_row, start, even, rope_mask, num_blocks, RATIO, BLOCK_SIZE,
+                    ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+                )  # fmt: skip
+                out_odd = pool_ptr + pool_offsets(
+                    table_row, start, even + 1, rope_mask, num_blocks, RATIO,
                     BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
                 )  # fmt: skip
-                tl.store(out, pooled, mask=offs_d < DIM)
-                pooled = pooled.to(tl.float32)
-                sum_squares += tl.sum(tl.where(offs_d < DIM, pooled * pooled, 0.0), axis=0)
-            tl.debug_barrier()  # the pooled row is read back by every thread
-            rstd = 1.0 / tl.sqrt(sum_squares / DIM + eps)
-            for d0 in range(0, DIM - ROPE_DIM, BLOCK_D):  # plain channels: norm only
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                plain_mask = offs_d < DIM - ROPE_DIM
-                out = pool_ptr + pool_offsets(
-                    table_row, start, offs_d, plain_mask, num_blocks, RATIO,
-                    BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
-                )  # fmt: skip
-                x = tl.load(out, mask=plain_mask, other=0.0).to(tl.float32)
-                weight = tl.load(norm_weight_ptr + offs_d, mask=plain_mask, other=0.0)
-                normed = (x * rstd * weight).to(pool_ptr.dtype.element_ty)
-                tl.store(out, normed, mask=plain_mask)
-            pair = tl.arange(0, BLOCK_R)
-            rope_mask = pair < ROPE_DIM // 2
-            even = DIM - ROPE_DIM + 2 * pair
-            out_even = pool_ptr + pool_offsets(
-                table_row, start, even, rope_mask, num_blocks, RATIO, BLOCK_SIZE,
-                ROWS_PER_BLOCK, PART_WIDTH, PARTS,
-            )  # fmt: skip
-            out_odd = pool_ptr + pool_offsets(
-                table_row, start, even + 1, rope_mask, num_blocks, RATIO,
-                BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS,
-            )  # fmt: skip
-            x0 = tl.load(out_even, mask=rope_mask, other=0.0).to(tl.float32)
-            x1 = tl.load(out_odd, mask=rope_mask, other=0.0).to(tl.float32)
-            norm0 = tl.load(norm_weight_ptr + even, mask=rope_mask, other=0.0)
-            norm1 = tl.load(norm_weight_ptr + even + 1, mask=rope_mask, other=0.0)
-            dtype = pool_ptr.dtype.element_ty
-            x0 = (x0 * rstd * norm0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
-            x1 = (x1 * rstd * norm1).to(dtype).to(tl.float32)
-            cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
-            sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
-            cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
-            tl.store(out_even, (x0 * cos - x1 * sin).to(dtype), mask=rope_mask)
-            tl.store(out_odd, (x1 * cos + x0 * sin).to(dtype), mask=rope_mask)
+                x0 = tl.load(out_even, mask=rope_mask, other=0.0).to(tl.float32)
+                x1 = tl.load(out_odd, mask=rope_mask, other=0.0).to(tl.float32)
+                norm0 = tl.load(norm_weight_ptr + even, mask=rope_mask, other=0.0)
+                norm1 = tl.load(norm_weight_ptr + even + 1, mask=rope_mask, other=0.0)
+                dtype = pool_ptr.dtype.element_ty
+                x0 = (x0 * rstd * norm0).to(dtype).to(tl.float32)  # HF: the norm's output dtype
+                x1 = (x1 * rstd * norm1).to(dtype).to(tl.float32)
+                cos = tl.load(cos_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
+                sin = tl.load(sin_ptr + start * stride_cos_row + pair, mask=rope_mask, other=0.0)
+                cos, sin = cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+                tl.store(out_even, (x0 * cos - x1 * sin).to(dtype), mask=rope_mask)
+                tl.store(out_odd, (x1 * cos + x0 * sin).to(dtype), mask=rope_mask)
 
 
 def compressor_decode(
@@ -374,5 +391,187 @@ def compressor_decode(
         PARTS=entry_parts(block_size, ratio),
         BLOCK_W=min(1024, triton.next_power_of_2(width)),
         BLOCK_D=max(16, min(triton.next_power_of_2(dim), 8192 // block_l)), BLOCK_L=block_l,
-        BLOCK_R=max(2, triton.next_power_of_2(cos_table.shape[1])),
+        BLOCK_R=max(2, triton.next_power_of_2(cos_table.shape[1])), HAS_BIAS=True,
+        LATENT=False,
+    )  # fmt: skip
+
+
+# -- DeepSeek-V4.1: the group's latent, and the emitted entries' store ---------------------------
+
+
+def pool_groups(kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """kv, gate ``[G, ratio, D]`` fp32 -> softmax(gate)-weighted sums ``[G, D]`` in dtype
+    (DeepSeek-V4.1's pooling: no position bias; the norm and rope follow in the model)."""
+    return (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1).to(dtype)
+
+
+def compressor_latent_decode_reference(
+    state_kv, state_gate, kv, gate, state_slots, positions, dtype: torch.dtype
+) -> torch.Tensor:
+    """DeepSeek-V4.1, one new token per row: write its projections kv, gate ``[B, D]`` into
+    the state ``[num_state_slots + 1, ratio, D]`` (row ``position % ratio``; state slot -1
+    writes the scratch slot), then pool every row's group as it stands (`pool_groups`) ->
+    ``[B, D]`` in ``dtype`` (a row that closes no group pools its partial group: the caller
+    keeps only the rows that close one)."""
+    scratch = state_kv.shape[0] - 1
+    slots = torch.where(state_slots < 0, scratch, state_slots).long()
+    rows = positions.long() % state_kv.shape[1]
+    state_kv[slots, rows] = kv.to(state_kv.dtype)
+    state_gate[slots, rows] = gate.to(state_gate.dtype)
+    return pool_groups(state_kv[slots], state_gate[slots], dtype)
+
+
+def compressor_latent_decode(
+    state_kv, state_gate, kv, gate, state_slots, positions, dtype: torch.dtype
+) -> torch.Tensor:
+    """Triton `compressor_latent_decode_reference` (same arguments, same effect and result):
+    `_compressor_decode_kernel` with no position bias (HAS_BIAS) and its pooled rows written
+    to a ``[B, D]`` output instead of the pool, with no norm or rope (LATENT)."""
+    if not use_triton(kv):
+        return compressor_latent_decode_reference(
+            state_kv, state_gate, kv, gate, state_slots, positions, dtype
+        )
+    num_rows, width = kv.shape
+    latent = torch.empty(num_rows, width, dtype=dtype, device=kv.device)
+    if num_rows == 0:
+        return latent
+    assert state_kv.is_contiguous() and state_gate.is_contiguous()
+    assert kv.stride(1) == 1 and gate.stride(1) == 1
+    ratio = state_kv.shape[1]
+    block_l = triton.next_power_of_2(ratio)
+    unused = placeholder(kv.device)  # bias, norm weight, rope tables, page table: not read
+    _compressor_decode_kernel[(num_rows,)](
+        state_kv, state_gate, kv, gate, unused, unused, unused, unused, state_slots,
+        positions, positions, latent, num_rows, 0.0, kv.stride(0), gate.stride(0), 0, 0, 1,
+        SCRATCH=state_kv.shape[0] - 1, RATIO=ratio, STATE_ROWS=ratio, OVERLAP=False,
+        DIM=width, WIDTH=width, ROPE_DIM=0, BLOCK_SIZE=1, ROWS_PER_BLOCK=1, PART_WIDTH=width,
+        PARTS=1, BLOCK_W=min(1024, triton.next_power_of_2(width)),
+        BLOCK_D=max(16, min(triton.next_power_of_2(width), 8192 // block_l)), BLOCK_L=block_l,
+        BLOCK_R=2, HAS_BIAS=False, LATENT=True,
+    )  # fmt: skip
+    return latent
+
+
+def store_entries_decode_reference(
+    pool, block_tables, state_slots, positions, entries, ratio: int, block_size: int,
+    index_pool=None, keys=None,
+) -> None:  # fmt: skip
+    """One new token per row: where it closes its group (``(position + 1) % ratio == 0``, a
+    live row) store ``entries`` ``[B, D]`` as entry ``position // ratio`` of the row's
+    sequence in ``pool`` (and ``keys`` ``[B, K]`` in ``index_pool``); other rows write the
+    scratch block (`store_entries`)."""
+    positions = positions.long()
+    group = (positions // ratio)[:, None]
+    emits = (((positions + 1) % ratio == 0) & (state_slots >= 0))[:, None]
+    store_entries(pool, block_tables, group, entries[:, None], ratio, block_size, emits)
+    if keys is not None:
+        store_entries(index_pool, block_tables, group, keys[:, None], ratio, block_size, emits)
+
+
+@triton.jit
+def _store_entry_row(
+    values_row_ptr,
+    pool_ptr,
+    table_row_ptr,
+    first_token,
+    num_blocks,
+    RATIO: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,
+    PARTS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One entry's ``DIM`` channels from ``values_row_ptr`` into its pool row(s)."""
+    for d0 in range(0, DIM, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        mask = offs < DIM
+        values = tl.load(values_row_ptr + offs, mask=mask)
+        out = pool_ptr + pool_offsets(
+            table_row_ptr, first_token, offs, mask, num_blocks, RATIO, BLOCK_SIZE,
+            ROWS_PER_BLOCK, PART_WIDTH, PARTS,
+        )  # fmt: skip
+        tl.store(out, values.to(pool_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows", "stride_tables_row", "num_blocks"])
+def _store_entries_decode_kernel(
+    entries_ptr,
+    keys_ptr,  # HAS_KEYS: [B, KEY_DIM]
+    index_pool_ptr,  # HAS_KEYS
+    pool_ptr,
+    slots_ptr,
+    positions_ptr,
+    tables_ptr,
+    num_rows,
+    stride_tables_row,
+    num_blocks,
+    stride_entries_row,
+    stride_keys_row,
+    RATIO: tl.constexpr,
+    DIM: tl.constexpr,
+    KEY_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS_PER_BLOCK: tl.constexpr,
+    PART_WIDTH: tl.constexpr,
+    PARTS: tl.constexpr,
+    KEY_PART_WIDTH: tl.constexpr,
+    KEY_PARTS: tl.constexpr,
+    HAS_KEYS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per row: a row that closes its group stores its entry (and key); the
+    others, padded rows included, store nothing."""
+    program = tl.program_id(0)
+    if program < num_rows:
+        row = program.to(tl.int64)
+        slot = tl.load(slots_ptr + row)
+        position = tl.load(positions_ptr + row).to(tl.int64)
+        if ((position + 1) % RATIO == 0) & (slot >= 0):
+            first_token = position + 1 - RATIO
+            table_row = tables_ptr + row * stride_tables_row
+            _store_entry_row(
+                entries_ptr + row * stride_entries_row, pool_ptr, table_row, first_token,
+                num_blocks, RATIO, DIM, BLOCK_SIZE, ROWS_PER_BLOCK, PART_WIDTH, PARTS, BLOCK_D,
+            )  # fmt: skip
+            if HAS_KEYS:
+                _store_entry_row(
+                    keys_ptr + row * stride_keys_row, index_pool_ptr, table_row, first_token,
+                    num_blocks, RATIO, KEY_DIM, BLOCK_SIZE, ROWS_PER_BLOCK, KEY_PART_WIDTH,
+                    KEY_PARTS, BLOCK_K,
+                )  # fmt: skip
+
+
+def store_entries_decode(
+    pool, block_tables, state_slots, positions, entries, ratio: int, block_size: int,
+    index_pool=None, keys=None,
+) -> None:  # fmt: skip
+    """Triton `store_entries_decode_reference` in one launch (entries and keys), except that
+    rows closing no group write nothing (not the scratch block)."""
+    if not use_triton(entries):
+        store_entries_decode_reference(
+            pool, block_tables, state_slots, positions, entries, ratio, block_size,
+            index_pool, keys,
+        )  # fmt: skip
+        return
+    num_rows, dim = entries.shape
+    if num_rows == 0:
+        return
+    assert pool.is_contiguous() and entries.stride(1) == 1
+    has_keys = keys is not None
+    if has_keys:
+        assert index_pool.is_contiguous() and keys.stride(1) == 1
+    else:
+        keys, index_pool = entries, pool  # not read
+    parts = entry_parts(block_size, ratio)
+    _store_entries_decode_kernel[(num_rows,)](
+        entries, keys, index_pool, pool, state_slots, positions, block_tables, num_rows,
+        block_tables.stride(0), pool.shape[0] - 1, entries.stride(0), keys.stride(0),
+        RATIO=ratio, DIM=dim, KEY_DIM=keys.shape[1], BLOCK_SIZE=block_size,
+        ROWS_PER_BLOCK=pool.shape[1], PART_WIDTH=pool.shape[-1], PARTS=parts,
+        KEY_PART_WIDTH=index_pool.shape[-1], KEY_PARTS=parts, HAS_KEYS=has_keys,
+        BLOCK_D=min(1024, triton.next_power_of_2(dim)),
+        BLOCK_K=min(1024, triton.next_power_of_2(keys.shape[1])),
     )  # fmt: skip

@@ -10,7 +10,8 @@ Against V4 (atom/models/deepseek_v4.py, whose pieces it reuses):
   collapses stream 0 only, the final norm takes the last FFN site's `pre`); no head.
 - router: logits / `gate_temp`, sqrtsoftplus, fp32 `bias` for the choice only (`bias_vl`
   is for image tokens: unused here); one shared expert; routed experts through
-  atom/models/moe.py `routed_experts`.
+  atom/models/moe.py `routed_experts` (at decode on CUDA the shared expert runs as one more
+  pair of the routed experts' GEMVs: `SharedExpert`).
 - Engram on `engram_layer_ids`: hashed n-gram rows, a gated add to every stream
   (atom/kernels/v41_engram.py: Triton hashing on CUDA; the lookup is the torch reference,
   which a Triton lookup lost to: docs/benchmarks.md); its history is the sequence's state (the first layer's
@@ -64,20 +65,20 @@ from atom.models.deepseek_v4 import (
     load_checkpoint,
     norm_then_rope,
 )
-from atom.models.moe import routed_experts
+from atom.models.moe import SharedExpert, routed_experts
 
 logger = logging.getLogger(__name__)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Triton on CUDA, the torch reference on CPU (atom/kernels/v41_quant.py)."""
-    if x.is_cuda:
+    """Triton on the CUDA path, the torch reference on CPU (atom/kernels/v41_quant.py)."""
+    if use_cuda_path(x):
         return v41_quant.fake_quant_fp8(x, block)
     return v41_quant.fake_quant_fp8_reference(x, block)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
-    if x.is_cuda:
+    if use_cuda_path(x):
         return v41_quant.fake_quant_fp4(x, block, e4m3_scales)
     return v41_quant.fake_quant_fp4_reference(x, block, e4m3_scales)
 
@@ -279,11 +280,15 @@ class DeepseekV41MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        # routed + shared: on CUDA in the launch that sums the routed experts over k
+        # routed + shared: on CUDA in the launch that sums the routed experts over k, and at
+        # decode the shared expert one more pair of their GEMVs: a routed expert's math (SwiGLU,
+        # the same limit and width; its weight 1 before w2 leaves its activation as it is)
+        mlp = self.shared_experts
+        halves = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
         return routed_experts(
             x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
             weight_before_down=True,  # the reference weights an expert's input to w2
-            shared=self.shared_experts(x),
+            shared_expert=SharedExpert(mlp, halves),
         )  # fmt: skip
 
 
@@ -379,7 +384,7 @@ class EngramHashes(nn.Module):
 
     def forward(self, input_ids, positions, history: V41Attention) -> torch.Tensor:
         tokens = self.tokens(input_ids, positions, history)
-        hash_ids = engram_hash if tokens.is_cuda else engram_hash_reference  # Triton on CUDA
+        hash_ids = engram_hash if use_cuda_path(tokens) else engram_hash_reference  # Triton
         return hash_ids(tokens, self.multipliers, self.primes, self.offsets)
 
 

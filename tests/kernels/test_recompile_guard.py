@@ -287,6 +287,11 @@ KERNELS = {
         ["num_rows", "stride_tables_row", "num_blocks"],
         ["eps", "stride_kv_row", "stride_gate_row", "stride_cos_row"],
     ),
+    # DeepSeek-V4.1's decode store of the emitted entries (and keys): rows from the grid
+    (v4_compressor, "_store_entries_decode_kernel"): (
+        ["num_rows", "stride_tables_row", "num_blocks"],
+        ["stride_entries_row", "stride_keys_row"],
+    ),
     (v4_attention, "_v4_merge_kernel"): (["num_splits"], ["stride_out_row", "stride_out_head"]),
     (v4_attention, "_v4_decode_kernel"): (
         ["num_entries", "stride_tables_row", "num_blocks", "stride_ids_row"],
@@ -395,6 +400,7 @@ DEVICE_FUNCTIONS = {
     (v4_topk, "_slice_bounds"),
     (v4_topk, "_radix_state"),
     (v4_compressor, "pool_offsets"),
+    (v4_compressor, "_store_entry_row"),
     (v4_mhc, "_split_tile"),
     (v4_mhc, "_stream_rows"),
     (moe_gemv, "_pair"),
@@ -1312,6 +1318,42 @@ def test_v4_compressor_decode_one_variant(overlap, ratio):
         )  # fmt: skip
 
     assert_one_variant(v4_compressor, ["_compressor_decode_kernel"], run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_v41_compressor_latent_and_entry_store_one_variant(ratio):
+    """DeepSeek-V4.1's decode emission: the compressor kernel's LATENT variant (ratio > 1)
+    and the one-launch store of entries and keys, rows swept."""
+    dim, key_dim, slots, block_size = 512, 128, 8, 16
+    state_kv = torch.randn(slots + 1, max(ratio, 2), dim, device=DEVICE)
+    state_gate = torch.randn(slots + 1, max(ratio, 2), dim, device=DEVICE)
+    pool = torch.zeros(4097, *v4_compressor.pool_layout(block_size, ratio, dim), device=DEVICE,
+                       dtype=BF16)  # fmt: skip
+    index_pool = torch.zeros(4097, *v4_compressor.pool_layout(block_size, ratio, key_dim),
+                             device=DEVICE, dtype=BF16)  # fmt: skip
+    kv = torch.randn(max(SWEEP), dim, device=DEVICE)
+    keys = torch.randn(max(SWEEP), key_dim, device=DEVICE, dtype=BF16)
+    generator = _generator()
+
+    def run(n):
+        state = torch.randint(
+            -1, slots, (n,), device=DEVICE, dtype=torch.int32, generator=generator
+        )
+        positions = torch.randint(0, 8000, (n,), device=DEVICE, generator=generator)
+        latent = kv[:n].to(BF16)
+        if ratio > 1:
+            latent = v4_compressor.compressor_latent_decode(
+                state_kv, state_gate, kv[:n], kv[:n], state, positions, BF16
+            )
+        tables = _block_tables(n, 8192, 4096)
+        v4_compressor.store_entries_decode(
+            pool, tables, state, positions, latent, ratio, block_size, index_pool, keys[:n]
+        )
+
+    names = ["_store_entries_decode_kernel"]
+    names += ["_compressor_decode_kernel"] if ratio > 1 else []
+    assert_one_variant(v4_compressor, names, run)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 kernels against their torch references (and the references against
 hand-computed values): fake quantisation (FP8 e4m3 / FP4 e2m1, ue8m0 and e4m3 scales),
 Engram hashing, the two-level top-k's references (candidate blocks, then entries), the
-indexer scores over a shared source's keys (the Triton top-k and Engram lookup, candidates
+indexer scores over a shared source's keys, the decode pooling on V4's compressor kernel
+and the one-launch store of entries and keys (the Triton top-k and Engram lookup, candidates
 that lost, are tested in benchmarks/tests/test_v41_candidates.py). Kernels run under TRITON_INTERPRET=1 on CPU
 (conftest) and on CUDA when there is one; bf16 inputs only on CUDA (the interpreter rounds
 float -> bf16 toward zero). Lengths 1, non-multiples of every tile and long rows.
@@ -208,3 +209,64 @@ def test_decode_selects_match_the_two_level_references(ties):
         expected = two_level_topk_reference(scores, visible, topk, candidates)
         got = two_level_topk_decode(scores, num_visible, topk, candidates)
         assert torch.equal(got, ascending_ids(expected)), (got, expected)
+
+
+@pytest.mark.parametrize("ratio,dim,length", [(2, 40, 1), (2, 32, 9), (4, 24, 23)])
+def test_compressor_latent_decode_matches_reference(ratio, dim, length):
+    """V4.1's decode pooling on V4's compressor kernel (no position bias, the latent out):
+    token by token over a sequence with a padded row beside it, the same state bit for bit
+    and the same latent of every row (a partial group too; ~4e-7 apart on the CPU)."""
+    from atom.kernels.v4_compressor import (
+        compressor_latent_decode,
+        compressor_latent_decode_reference,
+    )
+
+    generator = torch.Generator().manual_seed(ratio + length)
+    kv = torch.randn(length, 2, dim, generator=generator).to(DEVICE)
+    gate = torch.randn(length, 2, dim, generator=generator).to(DEVICE)
+    states = [torch.zeros(3, ratio, dim, device=DEVICE) for _ in range(4)]
+    slots = torch.tensor([1, -1], device=DEVICE, dtype=torch.int32)
+    for t in range(length):
+        positions = torch.tensor([t, 0], device=DEVICE)
+        expected = compressor_latent_decode_reference(
+            *states[:2], kv[t], gate[t], slots, positions, torch.float32
+        )
+        got = compressor_latent_decode(*states[2:], kv[t], gate[t], slots, positions, torch.float32)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # CUDA: tl.exp approx
+    for got, expected in zip(states[2:], states[:2], strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("ratio,with_keys", [(1, True), (2, True), (2, False)])
+def test_store_entries_decode_matches_reference(ratio, with_keys):
+    """The entries (and keys) of the rows that close a group, in one launch: the same pools
+    as the reference outside the scratch block (which the reference writes for the other
+    rows); padded rows (state slot -1) and rows mid-group store nothing."""
+    from atom.kernels.v4_compressor import (
+        pool_layout,
+        store_entries_decode,
+        store_entries_decode_reference,
+    )
+
+    generator = torch.Generator().manual_seed(ratio)
+    dim, key_dim, block_size, width = 40, 24, 16, 4
+    positions = torch.tensor([0, 1, 17, 33, 63, 5], device=DEVICE)
+    slots = torch.tensor([0, 1, 2, 3, -1, 5], device=DEVICE, dtype=torch.int32)
+    rows = len(positions)
+    tables = torch.randperm(rows * width, generator=generator).view(rows, width).int().to(DEVICE)
+    entries = torch.randn(rows, dim, generator=generator).to(DEVICE)
+    keys = torch.randn(rows, key_dim, generator=generator).to(DEVICE) if with_keys else None
+    num_blocks = rows * width + 1
+    pools = [
+        torch.zeros(num_blocks, *pool_layout(block_size, ratio, d), device=DEVICE)
+        for d in (dim, key_dim) * 2
+    ]
+    for fn, (pool, index_pool) in (
+        (store_entries_decode_reference, pools[:2]),
+        (store_entries_decode, pools[2:]),
+    ):
+        fn(pool, tables, slots, positions, entries, ratio, block_size,
+           index_pool if with_keys else None, keys)  # fmt: skip
+    assert torch.equal(pools[2][:-1], pools[0][:-1])
+    assert torch.equal(pools[3][:-1], pools[1][:-1])
+    assert pools[2].count_nonzero() == (5 if ratio == 1 else 4) * dim  # live rows that close

@@ -13,6 +13,8 @@ compress group), the last prompt logits and, for tiny-full, every position's eng
   rounding-fragile (`EXCUSED` records which were needed: none in this run); the hash ids
   the engine computed (chunked prefill and decode, history from the sequence's state) equal
   the recorded ones at every position.
+- the CUDA path's decode under the interpreter (`ATOM_INTERPRET_CUDA_PATH=1`, V4's decode
+  kernels): both models' golden tokens for two prompts decoding together.
 - bf16: on CPU the engine runs (a pooled fp32 latent meets bf16 indexer weights) with the
   last prompt logits within the measured gap; `gpu`: bf16 on CUDA (Triton fake quantisation,
   engram hashing and lookup, indexer scores, two-level top-k, decode attention; eager and
@@ -193,6 +195,32 @@ def test_full_chunked_prefill_and_preemption_batched():
     )
     assert _tokens(llm) == _expected(FULL)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-minimal", "tiny-full"])
+def test_decode_cuda_path_under_the_interpreter_matches_golden(name, monkeypatch):
+    """The CUDA path's decode (V4's window write, decode attention, compressor kernel in its
+    V4.1 variant with the one-launch entry store, indexer scores and selects; the shared
+    expert as one more pair of the MoE GEMVs; Triton fake quantisation and engram hashing)
+    under the interpreter: two prompts decoding together give the golden tokens, and every
+    source layer's decode steps stored through the kernel path. Few tokens: each
+    interpreted step is slow (the GPU parity tests run every prompt)."""
+    import atom.attention.v41
+
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    real, stores = atom.attention.v41.store_entries_decode, []
+
+    def counted(pool, *args, **kwargs):
+        stores.append(pool.shape)
+        return real(pool, *args, **kwargs)
+
+    monkeypatch.setattr(atom.attention.v41, "store_entries_decode", counted)
+    llm = _llm(name)
+    golden = MINIMAL if name == "tiny-minimal" else FULL
+    n = 6
+    assert _tokens(llm, PROMPTS[1:3], n) == _expected(golden, n)[1:3]
+    sources = sum(layer.is_source for layer in llm.engine.model_runner.model.attention_layers)
+    assert len(stores) == sources * (n - 1)  # the first token comes from the prefill
 
 
 # bf16 on CUDA against fp32 on the same tokens. The fp32 logits come from atom on CPU,
