@@ -261,10 +261,11 @@ class V4Attention(nn.Module):
                     _rows(compressor, a, b), self.state_kv, self.state_gate, self.pool,
                     slot, start, end, table,
                 )  # fmt: skip
-                if indexer is not None:
+                if indexer is not None:  # the sparse path's select reads the keys' pool
                     index_keys = self._emit_prefill(
                         _rows(indexer.compressor, a, b), self.index_state_kv,
                         self.index_state_gate, self.index_pool, slot, start, end, table,
+                        gather=not sparse,
                     )  # fmt: skip
             if sparse:
                 out[a:b] = self._attend_sparse(q[a:b], window, entries, indexer, sinks, start,
@@ -314,9 +315,11 @@ class V4Attention(nn.Module):
     def _window_prefill(self, kv, slot: int, start: int, end: int):
         return window_prefill(self.ring, kv, slot, start, end)
 
-    def _emit_prefill(self, inputs, state_kv, state_gate, pool, slot, start, end, table):
+    def _emit_prefill(self, inputs, state_kv, state_gate, pool, slot, start, end, table,
+                      gather: bool = True):  # fmt: skip
         """Pool the windows closing in [start, end), store them, keep the partial window's
-        rows in the state; returns every entry of the sequence so far [end // ratio, dim]."""
+        rows in the state; returns every entry of the sequence so far [end // ratio, dim]
+        (None without ``gather``)."""
         ratio, size, device = self.ratio, state_kv.shape[1], inputs.kv.device
         dim = inputs.norm_weight.shape[-1]  # the entry width
         block_size = self.block_size
@@ -346,6 +349,8 @@ class V4Attention(nn.Module):
                 self.compress_cos[starts], self.compress_sin[starts],
             )  # fmt: skip
             store_entries(pool, table, windows[None], entries[None], ratio, block_size)
+        if not gather:
+            return None
         ids = torch.arange(last, device=device)[None]
         return gather_entries(pool, table, ids, ratio, block_size)[0]
 
