@@ -263,7 +263,7 @@ def _gemv_row_kernel(
         up = second.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
         out = silu.to(tl.float32) * up
-    tl.store(out_ptr + offs_n, out.to(dtype), mask=n_mask)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)  # x's, or fp32
 
 
 def gemv_config(
@@ -413,16 +413,23 @@ def gemv(
     config: GemvConfig | None = None,
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: F.linear (``weight_scale``: of the FP8 weight times its
-    scale per row).
+    scale per row). ``out_dtype`` float32 (no weight scale): the fp32 sums unrounded, as
+    ``F.linear(x.float(), weight.float())`` gives them (bf16 / fp16 products are exact in
+    fp32), without a float32 copy of the weight.
 
     One row runs the Triton kernel on CUDA (or under TRITON_INTERPRET=1); more rows, or no
     Triton, the reference. ``config`` overrides ``gemv_config`` (the sweep's candidates).
     """
+    out_dtype = out_dtype or x.dtype
+    assert out_dtype in (x.dtype, torch.float32) and (out_dtype == x.dtype or weight_scale is None)
     if not use_triton(x) or x.shape[0] != 1:
+        if out_dtype != x.dtype:
+            return gemv_reference(x.float(), weight.float(), None if bias is None else bias.float())
         return gemv_reference(x, weight, bias, weight_scale)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
     _launch(x, weight, out, silu_mul=False, config=config, bias=bias, weight_scale=weight_scale)
     return out
 

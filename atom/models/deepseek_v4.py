@@ -32,7 +32,7 @@ from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
 from atom.models.moe import SharedExpert, routed_experts
-from atom.models.parallel_layers import linear
+from atom.models.parallel_layers import ColumnParallelLinear, linear, part_targets
 
 
 class FP32RMSNorm(nn.Module):
@@ -69,41 +69,52 @@ def _inv_freq(config, kind: str) -> torch.Tensor:
 
 
 class Compressor(nn.Module):
-    """Projections of one compressed branch (HF `compressor` / `compressor.indexer`)."""
+    """One compressed branch (HF `compressor` / `compressor.indexer`): its kv and gate
+    projections are rows of the attention's stacked input projection (`input_parts`)."""
 
     def __init__(self, config, dim: int, ratio: int, overlap: bool):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.eps = config.rms_norm_eps
-        self.kv_proj = nn.Linear(config.hidden_size, width, bias=False)
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.kv_norm = FP32RMSNorm(dim, config.rms_norm_eps)
 
-    def inputs(self, hidden: torch.Tensor) -> CompressorInputs:
-        return CompressorInputs(
-            linear(hidden, self.kv_proj.weight),
-            linear(hidden, self.gate_proj.weight),
-            self.position_bias,
-            self.kv_norm.weight,
-            self.eps,
-        )
+    def inputs(self, kv: torch.Tensor, gate: torch.Tensor) -> CompressorInputs:
+        return CompressorInputs(kv, gate, self.position_bias, self.kv_norm.weight, self.eps)
 
 
 class Indexer(Compressor):
     def __init__(self, config, ratio: int):
         super().__init__(config, config.index_head_dim, ratio, overlap=True)
         self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.scorer = nn.Module()
-        self.scorer.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
 
-    def indexer_inputs(self, hidden, q_residual, positions, tables, fused) -> IndexerInputs:
-        q = linear(q_residual, self.q_b_proj.weight).view(-1, self.num_heads, self.head_dim)
-        weights = linear(hidden, self.scorer.weights_proj.weight).float() * self.num_heads**-0.5
-        return IndexerInputs(
-            self.inputs(hidden), norm_then_rope(q, positions, tables, fused), weights
-        )
+
+def stacked(input_size: int, parts: dict[str, int]) -> ColumnParallelLinear:
+    """One weight for the linear layers `parts` (checkpoint module name -> rows) that read
+    the same input: one GEMV at batch 1 where they were several; a checkpoint's parts load
+    into their rows by name (`parallel_layers.part_targets`)."""
+    names = list(parts)
+    return ColumnParallelLinear(input_size, list(parts.values()), bias=False, part_names=names)
+
+
+def input_parts(config, layer_type: str) -> dict[str, int]:
+    """The rows of a V4 attention layer's projections of its input, by HF module name
+    (relative to the attention), in the stacked weight's order: one GEMV at batch 1 where
+    HF runs up to seven (q_a, kv, the compressor's kv and gate, the indexer's kv, gate
+    and scorer weights)."""
+    parts = {"q_a_proj": config.q_lora_rank, "kv_proj": config.head_dim}
+    if layer_type != "sliding_attention":
+        overlap = layer_type == "compressed_sparse_attention"
+        width = (2 if overlap else 1) * config.head_dim
+        parts.update({"compressor.kv_proj": width, "compressor.gate_proj": width})
+        if overlap:
+            index_width = 2 * config.index_head_dim
+            parts.update({
+                "compressor.indexer.kv_proj": index_width,
+                "compressor.indexer.gate_proj": index_width,
+                "compressor.indexer.scorer.weights_proj": config.index_n_heads,
+            })  # fmt: skip
+    return parts
 
 
 class DeepseekV4Attention(nn.Module):
@@ -114,10 +125,13 @@ class DeepseekV4Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.o_groups, self.eps = config.o_groups, config.rms_norm_eps
         hidden, heads_dim = config.hidden_size, self.num_heads * self.head_dim
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.input_proj = stacked(hidden, input_parts(config, layer_type))
         self.q_a_norm = FP32RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
-        self.kv_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        # q_b and the indexer's q_b both read the normed q_a: stacked too
+        q_parts = {"q_b_proj": heads_dim}
+        if layer_type == "compressed_sparse_attention":
+            q_parts["compressor.indexer.q_b_proj"] = config.index_n_heads * config.index_head_dim
+        self.query_proj = stacked(config.q_lora_rank, q_parts)
         self.kv_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_a_proj = nn.Linear(
             heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, bias=False
@@ -136,20 +150,22 @@ class DeepseekV4Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
-        q_residual = norm_then_rope(
-            linear(hidden, self.q_a_proj.weight)[:, None], positions, None, fused, self.q_a_norm
-        )[:, 0]
-        q = linear(q_residual, self.q_b_proj.weight).view(-1, self.num_heads, self.head_dim)
+        projected = self.input_proj(hidden).split(self.input_proj.local_sizes, -1)
+        q_a, kv = projected[0], projected[1]
+        q_residual = norm_then_rope(q_a[:, None], positions, None, fused, self.q_a_norm)[:, 0]
+        q_all = self.query_proj(q_residual).split(self.query_proj.local_sizes, -1)
+        q = q_all[0].view(-1, self.num_heads, self.head_dim)
         q = norm_then_rope(q, positions, tables, fused, eps=self.eps)
-        kv = linear(hidden, self.kv_proj.weight)[:, None, :]
-        kv = norm_then_rope(kv, positions, tables, fused, self.kv_norm)[:, 0]
+        kv = norm_then_rope(kv[:, None, :], positions, tables, fused, self.kv_norm)[:, 0]
         compressor = indexer = None
         if self.compressor is not None:
-            compressor = self.compressor.inputs(hidden)
+            compressor = self.compressor.inputs(projected[2], projected[3])
             if hasattr(self.compressor, "indexer"):
-                indexer = self.compressor.indexer.indexer_inputs(
-                    hidden, q_residual, positions, self.tables["compress"], fused
-                )
+                index = self.compressor.indexer
+                index_q = q_all[1].view(-1, index.num_heads, index.head_dim)
+                index_q = norm_then_rope(index_q, positions, self.tables["compress"], fused)
+                weights = projected[6].float() * index.num_heads**-0.5
+                indexer = IndexerInputs(index.inputs(projected[4], projected[5]), index_q, weights)
         out = self.attn(q, kv, positions, self.sinks, compressor, indexer)
         out = norm_then_rope(out, positions, tables, fused, inverse=True)
         return grouped_output(out, self.o_groups, self.o_a_proj.weight, self.o_b_proj)
@@ -441,6 +457,7 @@ class DeepseekV4ForCausalLM(DeepseekCausalLM):
         `hf_name`). Every parameter and routing buffer must be set; MTP layers are skipped."""
         targets = dict(self.named_parameters(remove_duplicate=False))
         targets.update(self.named_buffers())
+        part_targets(self, targets)  # the stacked input projections' parts, by HF name
 
         def name_of(source: str) -> str | None:
             if source.startswith("mtp.") or ".mtp." in source or "rotary_emb" in source:

@@ -42,6 +42,7 @@ from atom.attention.v41 import (
 )
 from atom.forward_context import get_forward_context
 from atom.kernels import v41_quant
+from atom.kernels.gemv import gemv
 from atom.kernels.moe_routing import v4_route
 from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_collapse, hc_post, hc_pre_carried
@@ -64,8 +65,10 @@ from atom.models.deepseek_v4 import (
     grouped_output,
     load_checkpoint,
     norm_then_rope,
+    stacked,
 )
 from atom.models.moe import SharedExpert, routed_experts
+from atom.models.parallel_layers import linear, part_targets
 
 logger = logging.getLogger(__name__)
 
@@ -140,31 +143,39 @@ def site_output(out: torch.Tensor, streams: torch.Tensor, post, comb) -> torch.T
 
 
 class Compressor(nn.Module):
+    """A KV source's compressor: its wkv (and wgate) are rows of the attention's stacked
+    projections (ratio 1: of `input_proj`; else of `pool_proj`, whose product is fp32)."""
+
     def __init__(self, config, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = nn.Linear(config.hidden_size, config.head_dim, bias=False)
-        self.wgate = (
-            nn.Linear(config.hidden_size, config.head_dim, bias=False) if ratio > 1 else None
-        )
         self.norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
 
 class Indexer(nn.Module):
+    """An index layer's scorer: its wq_b and weights_proj are rows of the attention's
+    stacked projections; a key-owning source also projects its latent (wk)."""
+
     def __init__(self, config, owns_keys: bool):
         super().__init__()
         self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
         if owns_keys:
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def inputs(self, hidden, q_residual, positions, tables, fused: bool) -> IndexerInputs:
-        q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
+    def inputs(self, q, weights, positions, tables, fused: bool) -> IndexerInputs:
+        q = q.view(-1, self.num_heads, self.head_dim)
         q = fake_quant_fp4(norm_then_rope(q, positions, tables, fused), 32)
-        weights = self.weights_proj(hidden).float() * self.num_heads**-0.5
-        return IndexerInputs(q, weights)
+        return IndexerInputs(q, weights.float() * self.num_heads**-0.5)
+
+
+def pool_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The compressor's fp32 product of the block input (the reference pools in fp32):
+    ``F.linear(x.float(), weight.float())``; at one row on the CUDA path the GEMV's fp32
+    sums (no fp32 copy of the weight)."""
+    if use_cuda_path(x) and x.shape[0] == 1:
+        return gemv(x, weight, out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
 
 
 class DeepseekV41Attention(nn.Module):
@@ -175,34 +186,50 @@ class DeepseekV41Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.o_groups = config.o_groups
         hidden, heads_dim = config.hidden_size, self.num_heads * self.head_dim
-        self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        engram_history = (
+            config.engram_max_ngram_size - 1 if (layer_idx == 0 and config.engram_layer_ids) else 0
+        )
+        self.attn = V41Attention(config, layer_idx, max_model_len, engram_history)
+        # The projections of the block's input in one weight (q_a, the window's kv, the
+        # indexer's weights, a ratio-1 source's latent), q_b with the indexer's q_b in one,
+        # the pooled source's kv and gate in one (fp32 out)
+        inputs = {"wq_a": config.q_lora_rank, "wkv": self.head_dim}
+        q_parts = {"wq_b": heads_dim}
+        self.compressor = self.pool_proj = None
+        if self.attn.is_source:
+            self.compressor = Compressor(config, self.ratio)
+            if self.ratio == 1:
+                inputs["compressor.wkv"] = self.head_dim
+            else:
+                self.pool_proj = stacked(
+                    hidden, {"compressor.wkv": self.head_dim, "compressor.wgate": self.head_dim}
+                )
+        self.indexer = Indexer(config, self.attn.owns_keys) if self.attn.is_index else None
+        if self.indexer is not None:
+            inputs["indexer.weights_proj"] = config.index_n_heads
+            q_parts["indexer.wq_b"] = config.index_n_heads * config.index_head_dim
+        self.input_parts = list(inputs)
+        self.input_proj = stacked(hidden, inputs)
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.wq_b = nn.Linear(config.q_lora_rank, heads_dim, bias=False)
-        self.wkv = nn.Linear(hidden, self.head_dim, bias=False)
+        self.query_proj = stacked(config.q_lora_rank, q_parts)
         self.kv_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.wo_a = nn.Linear(
             heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, bias=False
         )
         self.wo_b = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
-        engram_history = (
-            config.engram_max_ngram_size - 1 if (layer_idx == 0 and config.engram_layer_ids) else 0
-        )
-        self.attn = V41Attention(config, layer_idx, max_model_len, engram_history)
-        self.compressor = Compressor(config, self.ratio) if self.attn.is_source else None
-        self.indexer = Indexer(config, self.attn.owns_keys) if self.attn.is_index else None
         self.tables = tables
 
     def _finish(self, latent: torch.Tensor, group_positions: torch.Tensor):
         """Pre-RoPE latents [G, D] at their groups' first positions -> (entries, keys)."""
         tables, fused = self.tables["compress"], use_cuda_path(latent)
         # pooled in fp32: cast to the model's dtype before the norm, as the reference does
-        latent = self.compressor.norm(latent.to(self.wkv.weight.dtype), fused)
+        latent = self.compressor.norm(latent.to(self.input_proj.weight.dtype), fused)
         entries = norm_then_rope(latent[:, None, :], group_positions, tables, fused)[:, 0]
         entries = fake_quant_fp4(entries, 16, e4m3_scales=True)
         keys = None
         if self.attn.owns_keys:
-            keys = self.indexer.wk(latent)[:, None, :]
+            keys = linear(latent, self.indexer.wk.weight)[:, None, :]
             keys = norm_then_rope(
                 keys, group_positions, tables, fused, self.indexer.k_norm, round_normed=True
             )[:, 0]
@@ -211,27 +238,31 @@ class DeepseekV41Attention(nn.Module):
 
     def forward(self, positions, hidden, shared: SharedChoice) -> torch.Tensor:
         tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
+        parts = self.input_proj(hidden).split(self.input_proj.local_sizes, -1)
+        projected = dict(zip(self.input_parts, parts, strict=True))
         q_residual = norm_then_rope(
-            self.wq_a(hidden)[:, None], positions, None, fused, self.q_norm, round_normed=True
+            projected["wq_a"][:, None], positions, None, fused, self.q_norm, round_normed=True
         )[:, 0]
-        q = self.wq_b(q_residual).view(-1, self.num_heads, self.head_dim)
+        q_all = self.query_proj(q_residual).split(self.query_proj.local_sizes, -1)
+        q = q_all[0].view(-1, self.num_heads, self.head_dim)
         q = norm_then_rope(q, positions, tables, fused)
-        kv = self.wkv(hidden)[:, None, :]
+        kv = projected["wkv"][:, None, :]
         kv = norm_then_rope(kv, positions, tables, fused, self.kv_norm, round_normed=True)[:, 0]
         kv = fake_quant_fp8(kv, 32)
         source = indexer = None
         if self.compressor is not None:
-            c = self.compressor
-            if c.wgate is None:  # ratio 1: the latent itself, normed in `_finish`
-                source = SourceInputs(c.wkv(hidden), None, self._finish)
+            if self.pool_proj is None:  # ratio 1: the latent itself, normed in `_finish`
+                source = SourceInputs(projected["compressor.wkv"], None, self._finish)
             else:  # pooled in fp32
-                x = hidden.float()
-                kv_raw = F.linear(x, c.wkv.weight.float())
-                source = SourceInputs(kv_raw, F.linear(x, c.wgate.weight.float()), self._finish)
+                kv_raw, gate = pool_projection(hidden, self.pool_proj.weight).split(
+                    self.pool_proj.local_sizes, -1
+                )
+                source = SourceInputs(kv_raw, gate, self._finish)
         if self.indexer is not None:
             indexer = self.indexer.inputs(
-                hidden, q_residual, positions, self.tables["compress"], fused
-            )
+                q_all[1], projected["indexer.weights_proj"], positions, self.tables["compress"],
+                fused,
+            )  # fmt: skip
         out = self.attn(q, kv, positions, self.attn_sink, source, indexer, shared)
         out = norm_then_rope(out, positions, tables, fused, inverse=True)
         return grouped_output(out, self.o_groups, self.wo_a.weight, self.wo_b)
@@ -504,6 +535,7 @@ class DeepseekV41ForCausalLM(DeepseekCausalLM):
             return module_name(source)
 
         targets = dict(self.named_parameters(remove_duplicate=False))
+        part_targets(self, targets)  # the stacked projections' parts, by checkpoint name
         load_checkpoint(self.config, targets, weights, name_of, _EXPERT)
         if skipped:
             logger.info("deepseek_v41: skipped %d DSpark / vision tensors (not supported)", skipped)

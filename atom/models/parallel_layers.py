@@ -179,6 +179,24 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+def part_targets(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+    """For a loader that copies checkpoint tensors by module name (DeepSeek-V4 / V4.1):
+    in `targets` (name -> tensor), replace each one-rank dense ColumnParallelLinear with
+    `part_names` by its parts, `<parent>.<part name>.weight` -> the part's rows of the
+    weight (a view), so a checkpoint that keeps the parts apart loads into the fused
+    layer (and a missing part is still reported by its own name)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, ColumnParallelLinear) or module.part_names is None:
+            continue
+        assert module.tp.world_size == 1 and module.quant_method is None and module.bias is None
+        targets.pop(f"{name}.weight")
+        parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        offset = 0
+        for part, rows in zip(module.part_names, module.local_sizes, strict=True):
+            targets[f"{parent}{part}.weight"] = module.weight.data.narrow(0, offset, rows)
+            offset += rows
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q | k | v projection split by heads: each rank keeps num_heads / N query heads
     and num_kv_heads / N key/value heads (GQA groups stay whole: local query head i reads

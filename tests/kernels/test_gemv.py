@@ -214,3 +214,23 @@ def test_fits_gemv_refuses_what_it_cannot_take():
     assert not fits_gemv(torch.zeros(0, 16), weight)
     assert not fits_gemv(torch.zeros(1, 16, dtype=torch.float16), weight)
     assert not fits_gemv(torch.zeros(1, 32)[:, ::2], weight)  # columns not unit-stride
+
+
+@pytest.mark.parametrize(
+    "dtype, device",
+    [(torch.float16, DEVICE), pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_float32_out_is_the_float32_product(rows, dtype, device):
+    """``out_dtype=float32`` (V4.1's pooled compressor projections): the fp32 sums of the
+    exact products, as F.linear on the widened inputs, never rounded to x's dtype; more
+    rows are that F.linear itself."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=generator).to(dtype)
+    weight = (torch.randn(130, 200, generator=generator) / 8).to(dtype)
+    expected = torch.nn.functional.linear(x.double(), weight.double()).float()
+    out = gemv(x.to(device), weight.to(device), out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    # fp32 summation order only: far below one fp16 / bf16 unit of the output
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+    assert (out.cpu() - expected.to(dtype).float()).abs().max() > 1e-4  # not rounded to x's

@@ -69,3 +69,42 @@ def test_tensor_parallelism_is_refused_with_the_model_name():
         cls.validate_tensor_parallel(CONFIG, 1)  # one process: fine
         with pytest.raises(ShardingError, match=f"^{name}: tensor parallelism is not supported"):
             cls.validate_tensor_parallel(CONFIG, 2)
+
+
+def test_v4_input_projections_load_into_their_rows_of_the_stacked_weight():
+    """HF keeps V4's projections of a layer's input apart (q_a, kv, the compressor's and the
+    indexer's kv / gate / scorer; q_b and the indexer's q_b); atom stacks them (one GEMV at
+    batch 1): each checkpoint tensor must land in its own rows, and one left out is named."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("needs transformers with DeepSeek-V4")
+    from atom.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    csa = "compressed_sparse_attention"
+    config = transformers.DeepseekV4Config(
+        vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_attention_heads=4,
+        head_dim=32, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
+        partial_rotary_factor=0.25, o_groups=2, o_lora_rank=8, index_n_heads=16,
+        index_head_dim=16, num_hidden_layers=1, layer_types=[csa], mlp_layer_types=["moe"],
+        compress_rates={csa: 4}, sliding_window=8, hc_mult=2, index_topk=3,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_weights = transformers.DeepseekV4ForCausalLM(config).state_dict()
+    model = DeepseekV4ForCausalLM(config, 64)
+    model.load_weights(list(hf_weights.items()))
+    attn = model.model.layers[0].self_attn
+    prefix = "model.layers.0.self_attn."
+    for layer, names in [
+        (attn.input_proj, ["q_a_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj",
+                           "compressor.indexer.kv_proj", "compressor.indexer.gate_proj",
+                           "compressor.indexer.scorer.weights_proj"]),
+        (attn.query_proj, ["q_b_proj", "compressor.indexer.q_b_proj"]),
+    ]:  # fmt: skip
+        assert layer.part_names == names
+        rows = layer.weight.split(layer.local_sizes)
+        for name, part in zip(names, rows, strict=True):
+            assert torch.equal(part, hf_weights[f"{prefix}{name}.weight"]), name
+    left_out = [(k, v) for k, v in hf_weights.items() if not k.endswith("indexer.kv_proj.weight")]
+    with pytest.raises(ValueError, match=r"missing weights: .*compressor\.indexer\.kv_proj"):
+        DeepseekV4ForCausalLM(config, 64).load_weights(left_out)
