@@ -7,6 +7,7 @@
     python -m benchmarks.kernels --only-v4-mhc       # the V4 mHC pre's two launches
     python -m benchmarks.kernels --only-moe-align    # the MoE align's geometry
     python -m benchmarks.kernels --only-moe-gemv     # MoE decode: per-pair GEMV vs grouped
+    python -m benchmarks.kernels --only-v4-decode    # V4 decode attention's launch geometry
 
 One JSON line per measurement, on stdout:
 
@@ -44,6 +45,12 @@ One JSON line per measurement, on stdout:
   (``default``) and other (gate_up, down) tiles (`moe_gemv.TILES_OVERRIDE`); ``cold``: L2
   flushed before each call (a decode step reads each layer's experts once). ``gb_s``: the
   distinct experts' weight bytes / cold time; ``max_gap``: against the grouped path.
+- ``v4_decode``: `v4_attention.v4_decode_attention` at V4's shape (64 heads of 512, bf16,
+  window 128, block size 16) and an 8K context, 1 and 64 rows: CSA (ratio 4, 512 chosen
+  entries) and HCA (ratio 128, every visible entry), per (BLOCK_H, BLOCK_N, num_warps,
+  num_stages) and split count (auto, 2), each checked against the reference; ``gb_s``: the
+  distinct key bytes read (window + entries, once per row) / time. A geometry Triton cannot
+  fit is skipped with its error.
 
 Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
 15 replays after a warm-up.
@@ -472,6 +479,82 @@ def bench_moe_gemv() -> None:
         moe.DECODE_GEMV_OVERRIDE, moe_gemv.TILES_OVERRIDE = None, None
 
 
+def v4_decode_case(rows: int, ratio: int, chosen: int, context: int = 8192):
+    """`v4_decode_attention`'s arguments at V4's shape (as tests/kernels/test_v4_kernels.py's
+    case, every row at `context` tokens, none padded) and the key bytes a call reads."""
+    from atom.kernels.v4_compressor import pool_layout
+
+    heads, dim, window, block_size = 64, 512, 128, 16
+    generator = torch.Generator("cuda").manual_seed(rows + ratio)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=generator).to(BF16)
+
+    positions = torch.full((rows,), context - 1, device="cuda")
+    width = context // block_size + 1
+    tables = torch.randperm(rows * width, device="cuda", generator=generator).view(rows, width)
+    visible = context // ratio
+    entries = min(chosen, visible) if chosen else visible
+    if chosen:
+        ids = torch.rand(rows, visible, device="cuda", generator=generator).topk(chosen).indices
+        ids = ids.sort(dim=-1).values
+    else:
+        ids = None
+    args = (
+        randn(rows, heads, dim),
+        randn(rows + 1, window, dim),
+        torch.arange(rows, device="cuda", dtype=torch.int32),
+        positions,
+        torch.full((rows,), context, device="cuda", dtype=torch.int32),
+        randn(rows * width + 1, *pool_layout(block_size, ratio, dim)),
+        ids,
+        tables.int(),
+        ratio,
+        block_size,
+        torch.randn(heads, device="cuda", generator=generator),
+    )
+    return args, rows * (window + entries) * dim * 2
+
+
+def bench_v4_decode() -> None:
+    """V4 decode attention's launch geometry (see the module doc)."""
+    from atom.kernels import v4_attention
+
+    geometries = [(16, 16, None, None), (16, 16, 4, 3), (16, 16, 8, 2)]  # the default first
+    for block_h in (16, 32, 64):
+        for block_n in (32, 64):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    geometries.append((block_h, block_n, warps, stages))
+    scale = 512**-0.5
+    for rows in (1, 64):
+        for name, ratio, chosen in (("csa", 4, 512), ("hca", 128, 0)):
+            args, key_bytes = v4_decode_case(rows, ratio, chosen)
+            expected = v4_attention.v4_decode_attention_reference(*args, scale=scale).float()
+            tolerance = 2e-2 * expected.abs().max().item()
+            for block_h, block_n, warps, stages in geometries:
+                for splits in (None, 2):
+                    record = dict(bench="v4_decode", kind=name, rows=rows, block_h=block_h,
+                                  block_n=block_n, warps=warps, stages=stages,
+                                  splits=splits or "auto")  # fmt: skip
+
+                    def run(geometry=(block_h, block_n, warps, stages), splits=splits, args=args):
+                        h, n, w, st = geometry
+                        return v4_attention.v4_decode_attention(
+                            *args, scale=scale, num_splits=splits, block_h=h, block_n=n,
+                            num_warps=w, num_stages=st,
+                        )  # fmt: skip
+
+                    try:
+                        gap = (run().float() - expected).abs().max().item()
+                        us = device_us(run)
+                    except Exception as e:  # out of shared memory / registers
+                        emit(record, error=f"{type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    emit(record, us=round(us, 2), gb_s=round(key_bytes / us / 1e3, 1),
+                         max_gap=round(gap, 4), ok=gap <= tolerance)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-tune", action="store_true", help="skip the store tile sweep")
@@ -480,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-v4-mhc", action="store_true", help="the V4 mHC pre only")
     parser.add_argument("--only-moe-align", action="store_true", help="the MoE align only")
     parser.add_argument("--only-moe-gemv", action="store_true", help="the MoE decode paths")
+    parser.add_argument("--only-v4-decode", action="store_true", help="V4 decode attention")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -502,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only_moe_gemv:
         bench_moe_gemv()
+        return 0
+    if args.only_v4_decode:
+        bench_v4_decode()
         return 0
     if args.only_v4_topk:
         bench_v4_topk()

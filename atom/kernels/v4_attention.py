@@ -316,6 +316,12 @@ def _v4_merge_kernel(
 
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
 SPLITS_OVERRIDE: int | None = None  # a fixed split count (benchmarks' A/B), else decode_splits
+# The decode kernel's geometry when a call leaves it None: heads and keys per tile, warps
+# and pipeline stages (None: Triton's); `python -m benchmarks.kernels --only-v4-decode`
+# sweeps them.
+BLOCK_H, BLOCK_N = 16, 16
+NUM_WARPS: int | None = None
+NUM_STAGES: int | None = None
 
 
 def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
@@ -335,12 +341,16 @@ def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
 def v4_decode_attention(
     q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables,
     ratio: int, block_size: int, sinks, scale: float, *, num_splits: int | None = None,
+    block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Triton `v4_decode_attention_reference` (same arguments, same result).
 
     ``num_splits``: programs sharing each (row, head block)'s keys, their partial softmaxes
     merged by a second launch with the sink (None: `decode_splits`; at batch 1 the 4 head
-    blocks of a 64-head layer alone would leave most of the SMs idle)."""
+    blocks of a 64-head layer alone would leave most of the SMs idle). ``block_h`` /
+    ``block_n`` (heads and keys a tile), ``num_warps`` / ``num_stages``: the launch's
+    geometry (None: the module's BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES)."""
     if not use_triton(q):
         return v4_decode_attention_reference(
             q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables,
@@ -358,7 +368,15 @@ def v4_decode_attention(
     if entry_ids is None:  # not read (no entries, or every visible one): any int tensor
         entry_ids = torch.full((num_rows, 1), -1, device=q.device)
     assert pool.is_contiguous()
-    block_h = 16
+    block_h = BLOCK_H if block_h is None else block_h
+    block_n = BLOCK_N if block_n is None else block_n
+    launch = {}
+    for knob, value in (
+        ("num_warps", num_warps or NUM_WARPS),
+        ("num_stages", num_stages or NUM_STAGES),
+    ):
+        if value is not None:
+            launch[knob] = value
     head_blocks = triton.cdiv(num_heads, block_h)
     splits = decode_splits(q, head_blocks) if num_splits is None else num_splits
     assert 1 <= splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
@@ -377,8 +395,8 @@ def v4_decode_attention(
         RATIO=ratio, BLOCK_SIZE=block_size,
         ROWS_PER_BLOCK=rows_per_block(block_size, ratio) if has_entries else 1,
         PART_WIDTH=pool.shape[-1], PARTS=entry_parts(block_size, ratio) if has_entries else 1,
-        HAS_ENTRIES=has_entries, ALL_VISIBLE=all_visible, BLOCK_H=block_h, BLOCK_N=16,
-        BLOCK_D=block_d,
+        HAS_ENTRIES=has_entries, ALL_VISIBLE=all_visible, BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_D=block_d, **launch,
     )  # fmt: skip
     if splits > 1:
         _v4_merge_kernel[(num_rows, num_heads)](

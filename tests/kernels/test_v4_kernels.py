@@ -84,7 +84,8 @@ def _case(device, dtype, window, positions, ratio, num_ids, heads=4, dim=32, blo
 def test_decode_attention_matches_reference(device, window, positions, ratio, num_ids, entries):
     """Chosen ids (CSA), every visible entry (HCA: no id list, the count from the
     position) and window only; unsplit, and split in 3 (some splits empty for the short
-    rows) and in 7 (more splits than most rows have tiles), merged with the sink."""
+    rows) and in 7 (more splits than most rows have tiles), merged with the sink; and
+    split in 2 with another launch geometry (32 heads and 32 keys a tile)."""
     args = list(_case(device, torch.float32, window, positions, ratio, num_ids))
     if entries != "chosen":
         args[6] = None
@@ -95,6 +96,9 @@ def test_decode_attention_matches_reference(device, window, positions, ratio, nu
         got = v4_decode_attention(*args, scale=32**-0.5, num_splits=splits)
         torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
         assert got[-1].abs().max() == 0  # the padded row attends to nothing
+    # another launch geometry (the benchmark's sweep): more heads and keys a tile than exist
+    got = v4_decode_attention(*args, scale=32**-0.5, num_splits=2, block_h=32, block_n=32)
+    torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.gpu
