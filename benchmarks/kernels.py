@@ -8,6 +8,7 @@
     python -m benchmarks.kernels --only-moe-align    # the MoE align's geometry
     python -m benchmarks.kernels --only-moe-gemv     # MoE decode: per-pair GEMV vs grouped
     python -m benchmarks.kernels --only-v4-decode    # V4 decode attention's launch geometry
+    python -m benchmarks.kernels --only-v4-decode --short  # its default against 4 others
 
 One JSON line per measurement, on stdout:
 
@@ -50,7 +51,8 @@ One JSON line per measurement, on stdout:
   entries) and HCA (ratio 128, every visible entry), per (BLOCK_H, BLOCK_N, num_warps,
   num_stages) and split count (auto, 2), each checked against the reference; ``gb_s``: the
   distinct key bytes read (window + entries, once per row) / time. A geometry Triton cannot
-  fit is skipped with its error.
+  fit is skipped with its error. ``--short``: the default against four other geometries,
+  automatic splits, at 8K and 64K.
 
 Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
 15 replays after a warm-up.
@@ -516,43 +518,51 @@ def v4_decode_case(rows: int, ratio: int, chosen: int, context: int = 8192):
     return args, rows * (window + entries) * dim * 2
 
 
-def bench_v4_decode() -> None:
-    """V4 decode attention's launch geometry (see the module doc)."""
+def bench_v4_decode(short: bool = False) -> None:
+    """V4 decode attention's launch geometry (see the module doc); ``short``: the default
+    against a few candidates, automatic splits, at 8K and 64K."""
     from atom.kernels import v4_attention
 
-    geometries = [(16, 16, None, None), (16, 16, 4, 3), (16, 16, 8, 2)]  # the default first
-    for block_h in (16, 32, 64):
-        for block_n in (32, 64):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    geometries.append((block_h, block_n, warps, stages))
+    default = (v4_attention.BLOCK_H, v4_attention.BLOCK_N, v4_attention.NUM_WARPS,
+               v4_attention.NUM_STAGES)  # fmt: skip
+    geometries = [default, (16, 16, 4, 3), (16, 16, 8, 2), (16, 32, 8, 2), (16, 32, 4, 3)]
+    if not short:
+        for block_h in (16, 32, 64):
+            for block_n in (32, 64):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        geometries.append((block_h, block_n, warps, stages))
+    geometries = list(dict.fromkeys(geometries))
     scale = 512**-0.5
-    for rows in (1, 64):
-        for name, ratio, chosen in (("csa", 4, 512), ("hca", 128, 0)):
-            args, key_bytes = v4_decode_case(rows, ratio, chosen)
-            expected = v4_attention.v4_decode_attention_reference(*args, scale=scale).float()
-            tolerance = 2e-2 * expected.abs().max().item()
-            for block_h, block_n, warps, stages in geometries:
-                for splits in (None, 2):
-                    record = dict(bench="v4_decode", kind=name, rows=rows, block_h=block_h,
-                                  block_n=block_n, warps=warps, stages=stages,
-                                  splits=splits or "auto")  # fmt: skip
+    for context in (8192, 65536) if short else (8192,):
+        for rows in (1, 64):
+            for name, ratio, chosen in (("csa", 4, 512), ("hca", 128, 0)):
+                args, key_bytes = v4_decode_case(rows, ratio, chosen, context)
+                expected = v4_attention.v4_decode_attention_reference(*args, scale=scale)
+                expected = expected.float()
+                tolerance = 2e-2 * expected.abs().max().item()
+                for geometry in geometries:
+                    for splits in (None,) if short else (None, 2):
+                        record = dict(bench="v4_decode", kind=name, rows=rows, context=context,
+                                      block_h=geometry[0], block_n=geometry[1],
+                                      warps=geometry[2], stages=geometry[3],
+                                      splits=splits or "auto", default=geometry == default)  # fmt: skip
 
-                    def run(geometry=(block_h, block_n, warps, stages), splits=splits, args=args):
-                        h, n, w, st = geometry
-                        return v4_attention.v4_decode_attention(
-                            *args, scale=scale, num_splits=splits, block_h=h, block_n=n,
-                            num_warps=w, num_stages=st,
-                        )  # fmt: skip
+                        def run(geometry=geometry, splits=splits, args=args):
+                            h, n, w, st = geometry
+                            return v4_attention.v4_decode_attention(
+                                *args, scale=scale, num_splits=splits, block_h=h, block_n=n,
+                                num_warps=w, num_stages=st,
+                            )  # fmt: skip
 
-                    try:
-                        gap = (run().float() - expected).abs().max().item()
-                        us = device_us(run)
-                    except Exception as e:  # out of shared memory / registers
-                        emit(record, error=f"{type(e).__name__}: {str(e)[:120]}")
-                        continue
-                    emit(record, us=round(us, 2), gb_s=round(key_bytes / us / 1e3, 1),
-                         max_gap=round(gap, 4), ok=gap <= tolerance)  # fmt: skip
+                        try:
+                            gap = (run().float() - expected).abs().max().item()
+                            us = device_us(run)
+                        except Exception as e:  # out of shared memory / registers
+                            emit(record, error=f"{type(e).__name__}: {str(e)[:120]}")
+                            continue
+                        emit(record, us=round(us, 2), gb_s=round(key_bytes / us / 1e3, 1),
+                             max_gap=round(gap, 4), ok=gap <= tolerance)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -564,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-moe-align", action="store_true", help="the MoE align only")
     parser.add_argument("--only-moe-gemv", action="store_true", help="the MoE decode paths")
     parser.add_argument("--only-v4-decode", action="store_true", help="V4 decode attention")
+    parser.add_argument("--short", action="store_true", help="--only-v4-decode: a few geometries")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("this benchmark needs a CUDA device", file=sys.stderr)
@@ -588,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_moe_gemv()
         return 0
     if args.only_v4_decode:
-        bench_v4_decode()
+        bench_v4_decode(short=args.short)
         return 0
     if args.only_v4_topk:
         bench_v4_topk()

@@ -317,11 +317,13 @@ def _v4_merge_kernel(
 MAX_SPLITS = 32  # the merge kernel's tile: one compiled variant for every split count
 SPLITS_OVERRIDE: int | None = None  # a fixed split count (benchmarks' A/B), else decode_splits
 # The decode kernel's geometry when a call leaves it None: heads and keys per tile, warps
-# and pipeline stages (None: Triton's); `python -m benchmarks.kernels --only-v4-decode`
-# sweeps them.
-BLOCK_H, BLOCK_N = 16, 16
-NUM_WARPS: int | None = None
-NUM_STAGES: int | None = None
+# and pipeline stages; `python -m benchmarks.kernels --only-v4-decode` sweeps them. H100,
+# V4's shape at 8K (docs/benchmarks.md): 32 keys a tile and 2 stages took CSA from 11.4 to
+# 10.9 us at 1 row and 104.9 to 88.0 at 64, HCA from 17.6 to 12.9 at 1 row, against 16 keys
+# and Triton's 3 stages; no other of the 48 geometries was faster on all of them.
+BLOCK_H, BLOCK_N = 16, 32
+NUM_WARPS: int | None = 4
+NUM_STAGES: int | None = 2
 
 
 def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
