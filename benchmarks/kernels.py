@@ -8,7 +8,7 @@
     python -m benchmarks.kernels --only-moe-align    # the MoE align's geometry
     python -m benchmarks.kernels --only-moe-gemv     # MoE decode: per-pair GEMV vs grouped
     python -m benchmarks.kernels --only-v4-decode    # V4 decode attention's launch geometry
-    python -m benchmarks.kernels --only-v4-decode --short  # its default against 4 others
+    python -m benchmarks.kernels --only-v4-decode --short  # its per-case default against 5 others
 
 One JSON line per measurement, on stdout:
 
@@ -51,8 +51,9 @@ One JSON line per measurement, on stdout:
   entries) and HCA (ratio 128, every visible entry), per (BLOCK_H, BLOCK_N, num_warps,
   num_stages) and split count (auto, 2), each checked against the reference; ``gb_s``: the
   distinct key bytes read (window + entries, once per row) / time. A geometry Triton cannot
-  fit is skipped with its error. ``--short``: the default against four other geometries,
-  automatic splits, at 8K and 64K.
+  fit is skipped with its error. ``--short``: the default (the per-case choice,
+  `v4_attention.decode_geometry`, its resolution in ``chosen``) against the module's
+  geometry and four others, automatic splits, 1 / 8 / 32 / 64 rows at 8K and 64K.
 
 Timing: CUDA events around a CUDA graph of 20 launches (no host launch overhead), median of
 15 replays after a warm-up.
@@ -523,9 +524,11 @@ def bench_v4_decode(short: bool = False) -> None:
     against a few candidates, automatic splits, at 8K and 64K."""
     from atom.kernels import v4_attention
 
-    default = (v4_attention.BLOCK_H, v4_attention.BLOCK_N, v4_attention.NUM_WARPS,
-               v4_attention.NUM_STAGES)  # fmt: skip
-    geometries = [default, (16, 16, 4, 3), (16, 16, 8, 2), (16, 32, 8, 2), (16, 32, 4, 3)]
+    default = (None, None, None, None)  # the per-case choice (`decode_geometry`)
+    module = (v4_attention.BLOCK_H, v4_attention.BLOCK_N, v4_attention.NUM_WARPS,
+              v4_attention.NUM_STAGES)  # fmt: skip
+    geometries = [default, module, (16, 16, 4, 3), (16, 16, 8, 2), (16, 32, 8, 2),
+                  (16, 32, 4, 3)]  # fmt: skip
     if not short:
         for block_h in (16, 32, 64):
             for block_n in (32, 64):
@@ -535,7 +538,7 @@ def bench_v4_decode(short: bool = False) -> None:
     geometries = list(dict.fromkeys(geometries))
     scale = 512**-0.5
     for context in (8192, 65536) if short else (8192,):
-        for rows in (1, 64):
+        for rows in (1, 8, 32, 64) if short else (1, 64):
             for name, ratio, chosen in (("csa", 4, 512), ("hca", 128, 0)):
                 args, key_bytes = v4_decode_case(rows, ratio, chosen, context)
                 expected = v4_attention.v4_decode_attention_reference(*args, scale=scale)
@@ -547,6 +550,11 @@ def bench_v4_decode(short: bool = False) -> None:
                                       block_h=geometry[0], block_n=geometry[1],
                                       warps=geometry[2], stages=geometry[3],
                                       splits=splits or "auto", default=geometry == default)  # fmt: skip
+                        if geometry == default:  # what the per-case choice resolved to
+                            q = args[0]
+                            record["chosen"] = v4_attention.decode_geometry(
+                                chosen > 0, v4_attention.decode_splits(q, q.shape[1] // 16)
+                            )  # fmt: skip
 
                         def run(geometry=geometry, splits=splits, args=args):
                             h, n, w, st = geometry

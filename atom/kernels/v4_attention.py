@@ -324,6 +324,21 @@ SPLITS_OVERRIDE: int | None = None  # a fixed split count (benchmarks' A/B), els
 BLOCK_H, BLOCK_N = 16, 32
 NUM_WARPS: int | None = 4
 NUM_STAGES: int | None = 2
+# CSA (chosen ids: entries gathered from scattered pool rows) per case, H100 at 8K / 64K
+# (`--only-v4-decode --short`): once the rows fill the SMs (one split) a third stage hides
+# the gather (64 rows: 89.4 -> 78.0 us / 134.7 -> 76.0); split over the SMs, 8 warps (1 row:
+# 10.9 -> 9.7 / 11.8 -> 9.6). HCA and the window alone keep the geometry above.
+CSA_FILLED = (16, 32, 4, 3)
+CSA_SPLIT = (16, 32, 8, 2)
+
+
+def decode_geometry(chosen_ids: bool, splits: int) -> tuple[int, int, int | None, int | None]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages) of a call that names none: CSA_FILLED or
+    CSA_SPLIT for chosen ids (by ``splits``: 1 when the rows fill the SMs), else the module's
+    BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES."""
+    if chosen_ids:
+        return CSA_FILLED if splits == 1 else CSA_SPLIT
+    return BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES
 
 
 def decode_splits(q: torch.Tensor, head_blocks: int) -> int:
@@ -352,7 +367,8 @@ def v4_decode_attention(
     merged by a second launch with the sink (None: `decode_splits`; at batch 1 the 4 head
     blocks of a 64-head layer alone would leave most of the SMs idle). ``block_h`` /
     ``block_n`` (heads and keys a tile), ``num_warps`` / ``num_stages``: the launch's
-    geometry (None: the module's BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES)."""
+    geometry (all None: `decode_geometry`'s for the case; one None: the module's BLOCK_H,
+    BLOCK_N, NUM_WARPS, NUM_STAGES)."""
     if not use_triton(q):
         return v4_decode_attention_reference(
             q, ring, state_slots, positions, context_lens, pool, entry_ids, block_tables,
@@ -365,6 +381,11 @@ def v4_decode_attention(
     assert ring.is_contiguous() and q.stride(-1) == 1
     has_entries = pool is not None
     all_visible = has_entries and entry_ids is None
+    if (block_h, block_n, num_warps, num_stages) == (None,) * 4:
+        splits = num_splits or decode_splits(q, triton.cdiv(num_heads, BLOCK_H))
+        block_h, block_n, num_warps, num_stages = decode_geometry(
+            has_entries and not all_visible, splits
+        )
     if not has_entries:
         pool, ratio = ring, 1
     if entry_ids is None:  # not read (no entries, or every visible one): any int tensor
