@@ -463,6 +463,46 @@ def test_deepseek_v4_block_fp8_matches_dequantized_hf(v4_fp8_dirs):
     assert csa.attn_hc.fn.dtype == attn.sinks.dtype == torch.float32
 
 
+def test_deepseek_v4_block_fp8_cuda_path_under_the_interpreter_matches_hf(v4_fp8_dirs, monkeypatch):
+    """The CUDA path on the CPU under Triton's interpreter: the FP8 linears through their
+    kernels (atom/kernels/fp8_linear.py: the dot kernel at prefill, the GEMV at decode, on the
+    per-row scales of q_a | kv and the 128 x 128 blocks of the others), the routed experts
+    through the grouped FP8 MoE GEMMs with V4's clamp, and V4's own kernels: HF's greedy
+    tokens. One prompt, 4 tokens (each interpreted step is slow)."""
+    import atom.kernels.fp8_linear as fp8_kernels
+    import atom.kernels.moe as moe_kernels
+    from atom.models.quantization.fp8 import Fp8LinearMethod
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    launches = []
+
+    def cuda_apply(self, layer, x, bias=None):  # Fp8LinearMethod.apply's CUDA branch
+        return fp8_kernels.fp8_linear(x, layer.weight, layer.weight_scale, layer.weight_block, bias)
+
+    def counted(name, real):
+        def run(*args, **kwargs):
+            launches.append(name)
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(Fp8LinearMethod, "apply", cuda_apply)
+    monkeypatch.setattr(fp8_kernels, "fp8_gemv", counted("gemv", fp8_kernels.fp8_gemv))
+    monkeypatch.setattr(fp8_kernels, "fp8_dot", counted("dot", fp8_kernels.fp8_dot))
+    grouped = counted("moe", moe_kernels._grouped_pairs)
+    monkeypatch.setattr(moe_kernels, "_grouped_pairs", grouped)
+    quant_dir, plain_dir = v4_fp8_dirs
+    prompts, params = (
+        V4_PROMPTS[1:2],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    )
+    llm = build_llm(quant_dir, num_kvcache_blocks=64, max_model_len=256)
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == hf_greedy_no_eos(plain_dir, prompts, params.max_tokens)
+    assert {"gemv", "dot"} <= set(launches) and launches.count("moe") == 3 * 4  # layers x steps
+
+
 @pytest.mark.parametrize(
     "edit, key",
     [
