@@ -463,6 +463,32 @@ def test_deepseek_v4_block_fp8_matches_dequantized_hf(v4_fp8_dirs):
     assert csa.attn_hc.fn.dtype == attn.sinks.dtype == torch.float32
 
 
+def test_deepseek_v4_block_fp8_under_deepseek_names_matches_hf(v4_fp8_dirs, tmp_path):
+    """The names DeepSeek's V4 checkpoints use (what HF's `save_pretrained` writes:
+    `attn.wq_a`, `ffn.experts.N.w1`, `ffn.shared_experts.w2`, ...), each linear beside its
+    `weight_scale_inv`: the plain directory's tensors quantized again (the same blocks give
+    the same fp8 values and scales; the indexer's kv / gate and scorer stay plain, as in
+    the first checkpoint), HF's greedy tokens."""
+    quant_dir, plain_dir = v4_fp8_dirs
+    tensors = load_file(f"{plain_dir}/model.safetensors")
+    assert "model.layers.1.attn.wq_a.weight" in tensors  # DeepSeek names
+    for name in [n for n in tensors if n.startswith("model.layers.")]:
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        plain = ".indexer.compressor." in name or module == "weights_proj"
+        if name.endswith(".weight") and module.startswith("w") and not plain:
+            q, scale, _ = fp8_quantize(tensors.pop(name), "block")
+            tensors.update({name: q, f"{name}_scale_inv": scale})
+    target = tmp_path / "deepseek_names"
+    target.mkdir()
+    save_file(tensors, target / "model.safetensors")
+    shutil.copy(f"{quant_dir}/config.json", target / "config.json")
+    llm = build_llm(str(target), num_kvcache_blocks=64, max_model_len=256)
+    got = [o.token_ids for o in llm.generate(V4_PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == hf_greedy_no_eos(plain_dir, V4_PROMPTS, GREEDY.max_tokens)
+    attn = llm.engine.model_runner.model.model.layers[1].self_attn
+    assert attn.input_proj.weight.dtype == attn.o_b_proj.weight.dtype == FP8
+
+
 def test_deepseek_v4_block_fp8_cuda_path_under_the_interpreter_matches_hf(v4_fp8_dirs, monkeypatch):
     """The CUDA path on the CPU under Triton's interpreter: the FP8 linears through their
     kernels (atom/kernels/fp8_linear.py: the dot kernel at prefill, the GEMV at decode, on the
