@@ -37,15 +37,10 @@ from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
 from atom.models.load_error import ModelLoadError
 from atom.models.moe import routed_experts
-from atom.models.parallel_layers import (
-    ColumnParallelLinear,
-    dense,
-    linear_method_for,
-    load_parameter,
-)
+from atom.models.parallel_layers import checkpoint_linear, dense, load_parameter
 from atom.models.quantization import FP8, read_quantization_scheme
 from atom.models.quantization.experts import Fp8Experts
-from atom.models.quantization.fp8 import Fp8Weight, quant_kernels_enabled
+from atom.models.quantization.fp8 import quant_kernels_enabled
 
 
 def _linear(config, name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -53,10 +48,8 @@ def _linear(config, name: str, in_features: int, out_features: int, bias: bool) 
     model.layers.0.self_attn.q_proj) a one-part ColumnParallelLinear holding FP8 / int4
     weights. kv_b_proj (read whole by MLA) is dequantized at load; routed experts:
     DeepseekMoE."""
-    method = linear_method_for(read_quantization_scheme(config), [name], name)
-    if method is None:
-        return nn.Linear(in_features, out_features, bias=bias)
-    return ColumnParallelLinear(in_features, [out_features], bias, quant_method=method)
+    scheme = read_quantization_scheme(config)
+    return checkpoint_linear(scheme, name, in_features, out_features, bias)
 
 
 def _rope_params(config) -> tuple[float, dict]:
@@ -375,7 +368,7 @@ class DeepseekV2ForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             experts = self.get_submodule(prefix)
             if isinstance(experts, Fp8Experts):
-                experts.load(expert, part, _fp8_expert(tensor, name, inter, experts))
+                experts.load(expert, part, experts.expert_weight(tensor, name, part))
                 loaded.add(f"{target}#{expert}.{part}")
                 continue
             dest = param.data[expert]
@@ -399,19 +392,6 @@ class DeepseekV2ForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
-
-
-def _fp8_expert(tensor, name: str, inter: int, experts: Fp8Experts) -> Fp8Weight:
-    """An expert linear of an FP8 checkpoint: an Fp8Weight of the expert's shape."""
-    if not isinstance(tensor, Fp8Weight):
-        raise ModelLoadError(
-            f"checkpoint tensor {name!r} is a plain {tensor.dtype} tensor where the checkpoint's "
-            f"quantization_config says {experts.method.scheme.describe()}"
-        )
-    hidden = experts.down_proj.shape[1]
-    expected = (hidden, inter) if name.endswith("down_proj.weight") else (inter, hidden)
-    _check_shape(torch.empty(expected, device="meta"), tensor, name)
-    return tensor
 
 
 def _check_shape(dest, tensor, source_name):

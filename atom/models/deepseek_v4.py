@@ -12,11 +12,14 @@ weight names, so a `save_pretrained` directory loads).
 - MoE: `sqrtsoftplus` scores, e_score_correction_bias for the choice only,
   routed_scaling_factor; hash layers route by `tid2eid[input_ids]`; a shared expert;
   SwiGLU clamp `swiglu_limit` on the routed and shared experts.
+- A block-FP8 checkpoint (`quant_method: "fp8"`, `weight_scale_inv`; docs/quantization.md):
+  the linears transformers' FP8 quantizer converts are held in FP8 (q_a | kv, q_b | the
+  indexer's q_b, o_a, o_b, the shared expert, the routed experts: `Fp8Experts`); the
+  compressor's and indexer's kv / gate and scorer projections stay dense (`DENSE_INPUT_PARTS`).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -31,8 +34,23 @@ from atom.kernels.platform import use_cuda_path
 from atom.kernels.v4_mhc import hc_head, hc_post, hc_pre
 from atom.kernels.v4_rope import norm_rope, norm_rope_reference, rope_tables
 from atom.models.deepseek_v2 import _yarn_inv_freq
+from atom.models.deepseek_v4_checkpoint import (
+    V4_EXPERT,
+    checkpoint_targets,
+    hf_name,
+    load_checkpoint,
+)
 from atom.models.moe import SharedExpert, routed_experts
-from atom.models.parallel_layers import ColumnParallelLinear, linear, part_targets
+from atom.models.parallel_layers import (
+    ColumnParallelLinear,
+    checkpoint_linear,
+    linear,
+    linear_method_for,
+    project,
+)
+from atom.models.quantization import FP8, read_quantization_scheme
+from atom.models.quantization.experts import Fp8Experts
+from atom.models.quantization.fp8 import quant_kernels_enabled
 
 
 class FP32RMSNorm(nn.Module):
@@ -89,12 +107,29 @@ class Indexer(Compressor):
         self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
 
 
-def stacked(input_size: int, parts: dict[str, int]) -> ColumnParallelLinear:
+def stacked(input_size: int, parts: dict[str, int], quant_method=None) -> ColumnParallelLinear:
     """One weight for the linear layers `parts` (checkpoint module name -> rows) that read
     the same input: one GEMV at batch 1 where they were several; a checkpoint's parts load
-    into their rows by name (`parallel_layers.part_targets`)."""
-    names = list(parts)
-    return ColumnParallelLinear(input_size, list(parts.values()), bias=False, part_names=names)
+    into their rows by name (`parallel_layers.part_targets`). `quant_method`: held quantized
+    (FP8 block scales stay blocks where every part starts on a block row, else they become
+    blocks of one row: exact either way, atom/models/quantization/fp8.py)."""
+    names, sizes = list(parts), list(parts.values())
+    return ColumnParallelLinear(
+        input_size, sizes, bias=False, part_names=names, quant_method=quant_method
+    )
+
+
+# The input projections transformers keeps out of FP8 (DeepseekV4 `_keep_in_fp32_modules`:
+# DeepSeek-V4-Flash ships them in bf16 without scales; the scorer's 64 rows are not a
+# 128-row block). A quantized checkpoint's q_a | kv are stacked apart from them, and these
+# load dense: an FP8 tensor for one of them is dequantized at load.
+DENSE_INPUT_PARTS = (
+    "compressor.kv_proj",
+    "compressor.gate_proj",
+    "compressor.indexer.kv_proj",
+    "compressor.indexer.gate_proj",
+    "compressor.indexer.scorer.weights_proj",
+)
 
 
 def input_parts(config, layer_type: str) -> dict[str, int]:
@@ -125,18 +160,28 @@ class DeepseekV4Attention(nn.Module):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.o_groups, self.eps = config.o_groups, config.rms_norm_eps
         hidden, heads_dim = config.hidden_size, self.num_heads * self.head_dim
-        self.input_proj = stacked(hidden, input_parts(config, layer_type))
+        scheme, prefix = read_quantization_scheme(config), f"model.layers.{layer_idx}.self_attn"
+        parts, dense_parts = input_parts(config, layer_type), {}
+        if scheme is not None:  # q_a | kv held as the checkpoint stores them, the rest dense
+            dense_parts = {n: parts.pop(n) for n in DENSE_INPUT_PARTS if n in parts}
+        method = linear_method_for(scheme, [f"{prefix}.{n}" for n in parts], f"{prefix}.input_proj")
+        self.input_proj = stacked(hidden, parts, method)
+        self.compressor_proj = stacked(hidden, dense_parts) if dense_parts else None
         self.q_a_norm = FP32RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         # q_b and the indexer's q_b both read the normed q_a: stacked too
         q_parts = {"q_b_proj": heads_dim}
         if layer_type == "compressed_sparse_attention":
             q_parts["compressor.indexer.q_b_proj"] = config.index_n_heads * config.index_head_dim
-        self.query_proj = stacked(config.q_lora_rank, q_parts)
+        names = [f"{prefix}.{n}" for n in q_parts]
+        method = linear_method_for(scheme, names, f"{prefix}.query_proj")
+        self.query_proj = stacked(config.q_lora_rank, q_parts, method)
         self.kv_norm = FP32RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.o_a_proj = nn.Linear(
-            heads_dim // config.o_groups, config.o_groups * config.o_lora_rank, bias=False
-        )
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, hidden, bias=False)
+        self.o_a_proj = checkpoint_linear(
+            scheme, f"{prefix}.o_a_proj", heads_dim // config.o_groups,
+            config.o_groups * config.o_lora_rank, bias=False,
+        )  # fmt: skip
+        o_b_inputs = config.o_groups * config.o_lora_rank
+        self.o_b_proj = checkpoint_linear(scheme, f"{prefix}.o_b_proj", o_b_inputs, hidden, False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.compressor = None
         if layer_type != "sliding_attention":
@@ -151,6 +196,8 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         tables, fused = self.tables[self.rope_kind], use_cuda_path(hidden)
         projected = self.input_proj(hidden).split(self.input_proj.local_sizes, -1)
+        if self.compressor_proj is not None:  # a quantized checkpoint's dense parts
+            projected += self.compressor_proj(hidden).split(self.compressor_proj.local_sizes, -1)
         q_a, kv = projected[0], projected[1]
         q_residual = norm_then_rope(q_a[:, None], positions, None, fused, self.q_a_norm)[:, 0]
         q_all = self.query_proj(q_residual).split(self.query_proj.local_sizes, -1)
@@ -168,7 +215,15 @@ class DeepseekV4Attention(nn.Module):
                 indexer = IndexerInputs(index.inputs(projected[4], projected[5]), index_q, weights)
         out = self.attn(q, kv, positions, self.sinks, compressor, indexer)
         out = norm_then_rope(out, positions, tables, fused, inverse=True)
-        return grouped_output(out, self.o_groups, self.o_a_proj.weight, self.o_b_proj)
+        return grouped_output(out, self.o_groups, self.o_a_weight(out.dtype), self.o_b_proj)
+
+    def o_a_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """o_a's weight for the grouped product; held in FP8 it is dequantized for it (the
+        torch reference's way, on CUDA too: no grouped FP8 kernel yet)."""
+        layer = self.o_a_proj
+        if isinstance(layer, ColumnParallelLinear):
+            return layer.quant_method.dequantize(layer, dtype)
+        return layer.weight
 
 
 def norm_then_rope(x, positions, tables, fused: bool, norm=None, eps=None, inverse=False,
@@ -189,7 +244,7 @@ def grouped_output(out: torch.Tensor, groups: int, a_weight: torch.Tensor, b_pro
     grouped = out.reshape(-1, groups, a_weight.shape[-1])  # a_weight: [groups * rank, width]
     weight = a_weight.view(groups, -1, grouped.shape[-1])
     grouped = torch.bmm(grouped.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
-    return linear(grouped.flatten(1), b_proj.weight)
+    return project(b_proj, grouped.flatten(1))
 
 
 class HyperConnection(nn.Module):
@@ -287,17 +342,25 @@ class SwiGLUMLP(nn.Module):
     """down(silu(gate) * up), gate clamped to at most `limit` and up to [-limit, limit];
     `limit` None: no clamp (V4.1 with swiglu_limit <= 0; HF V4 clamps at any limit)."""
 
-    def __init__(self, hidden: int, inter: int, limit: float | None):
+    def __init__(self, hidden: int, inter: int, limit: float | None, scheme=None, prefix=""):
         super().__init__()
         self.limit = limit
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = checkpoint_linear(scheme, f"{prefix}.gate_proj", hidden, inter, False)
+        self.up_proj = checkpoint_linear(scheme, f"{prefix}.up_proj", hidden, inter, False)
+        self.down_proj = checkpoint_linear(scheme, f"{prefix}.down_proj", inter, hidden, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
+        gate, up = project(self.gate_proj, x), project(self.up_proj, x)
         act = clamped_silu_and_mul if use_cuda_path(x) else clamped_silu_and_mul_reference
-        return linear(act(gate, up, self.limit), self.down_proj.weight)
+        return project(self.down_proj, act(gate, up, self.limit))
+
+    def shared_expert(self) -> SharedExpert:
+        """This MLP as a MoE layer's shared expert, with its weights for the decode GEMV's
+        extra pair where they are dense (a quantized one always runs its own forward)."""
+        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        if any(isinstance(layer, ColumnParallelLinear) for layer in layers):
+            return SharedExpert(self)
+        return SharedExpert(self, tuple(layer.weight for layer in layers))
 
 
 class DeepseekV4MoE(nn.Module):
@@ -323,21 +386,32 @@ class DeepseekV4MoE(nn.Module):
             self.gate.register_buffer(
                 "e_score_correction_bias", torch.zeros(experts, dtype=torch.float32)
             )
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
-        self.experts.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
-        self.shared_experts = SwiGLUMLP(hidden, inter, self.limit)
+        scheme, prefix = read_quantization_scheme(config), f"model.layers.{layer_idx}.mlp"
+        if scheme is not None and scheme.kind == FP8 and scheme.quantizes(f"{prefix}.experts"):
+            self.experts = Fp8Experts(experts, hidden, inter, scheme)  # read one expert at a time
+        else:
+            self.experts = nn.Module()
+            self.experts.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
+            self.experts.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
+        self.shared_experts = SwiGLUMLP(
+            hidden, inter, self.limit, scheme, f"{prefix}.shared_experts"
+        )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x, input_ids)
+        experts = self.experts
+        gate_up, down, fp8_scales = experts.gate_up_proj, experts.down_proj, None
+        if isinstance(experts, Fp8Experts):
+            if use_cuda_path(x) and quant_kernels_enabled():
+                fp8_scales = experts.fp8_scales()  # the grouped kernels read the FP8 weights
+            else:  # the reference (CPU), or ATOM_QUANT_KERNELS=0's A/B runs on CUDA
+                gate_up, down, ids = experts.dense(ids, x.dtype)
         # routed + shared: on CUDA in the launch that sums the routed experts over k, and at
-        # decode the shared expert one more pair of their GEMVs (a routed expert's math:
-        # SwiGLU with the same clamp)
-        mlp = self.shared_experts
-        halves = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        # decode (bf16 experts) the shared expert one more pair of their GEMVs (a routed
+        # expert's math: SwiGLU with the same clamp)
         return routed_experts(
-            x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
-            shared_expert=SharedExpert(mlp, halves),
+            x, weights, ids, gate_up, down, self.limit, fp8_scales=fp8_scales,
+            shared_expert=self.shared_experts.shared_expert(),
         )  # fmt: skip
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor):
@@ -455,106 +529,11 @@ class DeepseekV4ForCausalLM(DeepseekCausalLM):
         """Copy checkpoint tensors in: HF module names, or the DeepSeek names HF's
         `save_pretrained` writes for V4 (`attn.wq_a`, `ffn.experts.N.w1`, ...; see
         `hf_name`). Every parameter and routing buffer must be set; MTP layers are skipped."""
-        targets = dict(self.named_parameters(remove_duplicate=False))
-        targets.update(self.named_buffers())
-        part_targets(self, targets)  # the stacked input projections' parts, by HF name
+        targets = checkpoint_targets(self)
 
         def name_of(source: str) -> str | None:
             if source.startswith("mtp.") or ".mtp." in source or "rotary_emb" in source:
                 return None
             return source if source in targets else hf_name(source)
 
-        load_checkpoint(self.config, targets, weights, name_of, _EXPERT)
-
-
-def load_checkpoint(config, targets: dict, weights, name_of, expert_pattern) -> None:
-    """Copy `weights` ((source name, tensor) pairs) into `targets` (module name -> tensor),
-    DeepSeek V4 / V4.1 style: `name_of(source)` is the module name (None: skip the tensor);
-    names matching `expert_pattern` ((prefix).N.(w1|w2|w3).weight) go into row N of the
-    stacked `prefix.gate_up_proj` (w1, w3: its two halves) or `prefix.down_proj`. Raises
-    ValueError for a tensor with no place, a shape that differs, or any target left unset
-    (a stacked expert tensor counts per expert and part, unless it came whole)."""
-    tied = getattr(config, "tie_word_embeddings", False)
-    inter = config.moe_intermediate_size
-    loaded = set()
-    for source, tensor in weights:
-        name = name_of(source)
-        if name is None or (name == "lm_head.weight" and tied):
-            continue
-        expert = expert_pattern.match(name)
-        if expert is not None:
-            prefix, index, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            target = f"{prefix}.down_proj" if part == "w2" else f"{prefix}.gate_up_proj"
-            if target not in targets or index >= targets[target].shape[0]:
-                raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
-            dest = targets[target].data[index]
-            if part != "w2":
-                dest = dest.narrow(0, 0 if part == "w1" else inter, inter)
-            _copy(dest, tensor, source)
-            loaded.add(f"{target}#{index}.{part}")
-            continue
-        if name not in targets:
-            raise ValueError(f"checkpoint tensor {source!r} has no place in the model")
-        _copy(targets[name].data, tensor, source)
-        loaded.add(name)
-    expected = set()
-    for name, target in targets.items():
-        if tied and name == "lm_head.weight":
-            continue
-        parts = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and name not in loaded:
-            expected |= {f"{name}#{e}.{p}" for e in range(target.shape[0]) for p in parts}
-        else:
-            expected.add(name)
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
-
-
-def _copy(dest: torch.Tensor, tensor: torch.Tensor, source: str) -> None:
-    if dest.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(dest.shape)}"
-        )
-    dest.copy_(tensor)
-
-
-# HF transformers' V4 conversion mapping (conversion_mapping.py, "deepseek_v4"), in order.
-_RENAMES = [
-    (r"\.attn\.", ".self_attn."),
-    (r"\.ffn\.", ".mlp."),
-    (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight", "model.embed_tokens.weight"),
-    (r"^head\.weight", "lm_head.weight"),
-    (r"^hc_head_(fn|base|scale)", r"model.hc_head.hc_\1"),
-    (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
-    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"),
-    (r"\.attn_sink", ".sinks"),
-    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."),
-    (r"\.ape$", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."),
-    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."),
-    (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."),
-    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-]
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
-
-
-def hf_name(name: str) -> str:
-    """The HF module name of a DeepSeek-named V4 checkpoint tensor (experts stay per expert:
-    `...mlp.experts.N.w1/w2/w3.weight`, stacked by `load_weights`)."""
-    for pattern, replacement in _RENAMES:
-        name = re.sub(pattern, replacement, name)
-    return name
+        load_checkpoint(self.config, targets, weights, name_of, V4_EXPERT)

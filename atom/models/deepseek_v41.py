@@ -63,10 +63,10 @@ from atom.models.deepseek_v4 import (
     _inv_freq,
     collapse,
     grouped_output,
-    load_checkpoint,
     norm_then_rope,
     stacked,
 )
+from atom.models.deepseek_v4_checkpoint import load_checkpoint
 from atom.models.moe import SharedExpert, routed_experts
 from atom.models.parallel_layers import linear, part_targets
 

@@ -39,7 +39,9 @@ SUPPORTED_MODEL_TYPES = (
 # their tokenizer is built from tokenizer.json / tokenizer_config.json alone.
 NATIVE_MODEL_TYPES = ("deepseek_v41_text",)
 # Families whose linear layers hold quantized weights (config.json quantization_config).
-QUANTIZED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3")
+QUANTIZED_MODEL_TYPES = ("llama", "qwen2", "deepseek_v2", "deepseek_v3", "deepseek_v4")
+# Families that read only some of the quantized formats (`quant_method`), the others all.
+QUANTIZED_METHODS = {"deepseek_v4": ("fp8",)}  # DeepSeek's block FP8, as V4 ships
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -200,6 +202,13 @@ def _open_hf_directory(path: str) -> ModelSource:
         raise ModelLoadError(
             f"{directory / 'config.json'}: a quantized {hf_config.model_type} checkpoint is not "
             f"supported (quantized checkpoints: {', '.join(QUANTIZED_MODEL_TYPES)})"
+        )
+    methods = QUANTIZED_METHODS.get(hf_config.model_type)
+    if scheme is not None and methods is not None and scheme.layout not in methods:
+        raise ModelLoadError(
+            f"{directory / 'config.json'}: a {hf_config.model_type} checkpoint in "
+            f"{scheme.describe()} is not supported ({hf_config.model_type} reads "
+            f"quantization_config.quant_method {', '.join(methods)})"
         )
     files = _safetensors_files(directory)
     for file in files:  # read each header now so a damaged file fails at open time

@@ -88,6 +88,25 @@ def linear_method_for(scheme: QuantizationScheme | None, names: list[str], layer
     return linear_method(scheme) if quantized.pop() else None
 
 
+def checkpoint_linear(scheme, name: str, in_features: int, out_features: int, bias: bool):
+    """nn.Linear, or where the quantized checkpoint `scheme` quantizes the HF linear `name`
+    (e.g. model.layers.0.self_attn.o_proj) a one-part ColumnParallelLinear holding its FP8 /
+    int4 weight (DeepSeek-V2/V3/V4's projections). Call it through `project`."""
+    method = linear_method_for(scheme, [name], name)
+    if method is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, [out_features], bias, quant_method=method)
+
+
+def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x through `layer`, an nn.Linear or a ColumnParallelLinear (dense or quantized): a
+    dense weight through `linear` (the batch-1 GEMV policy, a packed CPU weight), a quantized
+    one through its linear method."""
+    if isinstance(layer, ColumnParallelLinear):
+        return layer(x)
+    return linear(x, layer.weight, layer.bias)
+
+
 def _check_shape(tensor: torch.Tensor, expected, name: str) -> None:
     if tuple(tensor.shape) != tuple(expected):
         raise ValueError(
@@ -179,18 +198,44 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-def part_targets(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+class LayerPart:
+    """A checkpoint linear that loads through its layer's weight loader (a quantized layer:
+    the FP8 / int4 weight and its scales are written together): `part` is its name in a
+    stacked layer (`part_names`), None for a one-part layer."""
+
+    def __init__(self, layer: ColumnParallelLinear, part: str | None):
+        self.layer, self.part = layer, part
+
+    def load(self, tensor, name: str) -> None:
+        load_parameter(self.layer.weight, tensor, self.part, name)
+
+
+def part_targets(model: nn.Module, targets: dict) -> None:
     """For a loader that copies checkpoint tensors by module name (DeepSeek-V4 / V4.1):
     in `targets` (name -> tensor), replace each one-rank dense ColumnParallelLinear with
     `part_names` by its parts, `<parent>.<part name>.weight` -> the part's rows of the
     weight (a view), so a checkpoint that keeps the parts apart loads into the fused
-    layer (and a missing part is still reported by its own name)."""
+    layer (and a missing part is still reported by its own name). A quantized
+    ColumnParallelLinear (its weight and scales) becomes a LayerPart per part instead
+    (`<name>.weight` for a one-part layer), which the loader calls with the checkpoint's
+    Fp8Weight / Int4Weight."""
     for name, module in model.named_modules():
-        if not isinstance(module, ColumnParallelLinear) or module.part_names is None:
+        if not isinstance(module, ColumnParallelLinear):
             continue
-        assert module.tp.world_size == 1 and module.quant_method is None and module.bias is None
-        targets.pop(f"{name}.weight")
+        assert module.tp.world_size == 1 and module.bias is None
         parent = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        if module.quant_method is not None:
+            targets.pop(f"{name}.weight")
+            for buffer, _ in module.named_buffers(recurse=False):
+                targets.pop(f"{name}.{buffer}")
+            if module.part_names is None:
+                targets[f"{name}.weight"] = LayerPart(module, None)
+            for part in module.part_names or ():
+                targets[f"{parent}{part}.weight"] = LayerPart(module, part)
+            continue
+        if module.part_names is None:
+            continue
+        targets.pop(f"{name}.weight")
         offset = 0
         for part, rows in zip(module.part_names, module.local_sizes, strict=True):
             targets[f"{parent}{part}.weight"] = module.weight.data.narrow(0, offset, rows)

@@ -1,4 +1,4 @@
-"""load_checkpoint (atom/models/deepseek_v4.py), the V4 / V4.1 weight loader: per-expert
+"""load_checkpoint (atom/models/deepseek_v4_checkpoint.py), the V4 / V4.1 weight loader: per-expert
 checkpoint tensors stacked into the fused expert weights, and the errors a bad checkpoint
 gets (no place, wrong shape, anything left unset)."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from atom.models.deepseek_v4 import load_checkpoint
+from atom.models.deepseek_v4_checkpoint import load_checkpoint
 
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 CONFIG = SimpleNamespace(moe_intermediate_size=3, tie_word_embeddings=False)

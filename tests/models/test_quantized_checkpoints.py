@@ -213,22 +213,26 @@ LLAMA_FORMATS = [
 ]
 
 
-def write_pair(model, root, fmt, quantized_names):
+def write_pair(
+    model, root, fmt, quantized_names, expert_parts=("gate_proj", "up_proj", "down_proj")
+):
     """Save `model` twice: quantized in format `fmt`, and dequantized as a plain checkpoint.
-    Returns (quantized dir, plain dir)."""
+    `expert_parts`: the names of one routed expert's gate, up and down linears (DeepSeek-V4's
+    checkpoints: w1, w3, w2). Returns (quantized dir, plain dir)."""
     kind, _, option = fmt.partition(":")
     plain_dir, quant_dir = root / "plain", root / "quantized"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     tensors = {}
+    gate_name, up_name, down_name = expert_parts
     for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         # HF stacks the routed experts; DeepSeek's checkpoints store each expert's linears
         stacked, prefix = state[name], name.rsplit(".", 1)[0]
         for e in range(stacked.shape[0]):
             if name.endswith("gate_up_proj"):
                 gate, up = stacked[e].chunk(2)
-                parts = {"gate_proj": gate, "up_proj": up}
+                parts = {gate_name: gate, up_name: up}
             else:
-                parts = {"down_proj": stacked[e]}
+                parts = {down_name: stacked[e]}
             for part, rows in parts.items():  # views: the dequantized values go back in
                 stored, dequantized = quantize_linear(f"{prefix}.{e}.{part}", rows.float(), fmt)
                 tensors.update(stored)
@@ -377,6 +381,203 @@ def test_deepseek_quantized_checkpoint_matches_dequantized_hf(tmp_path, version,
     experts = torch.float8_e4m3fn if "fp8" in fmt else torch.float32
     assert layer.mlp.experts.gate_up_proj.dtype == experts
     assert layer.mlp.experts.down_proj.dtype == experts
+
+
+# -- DeepSeek-V4 with DeepSeek's block FP8, 128 x 128 as V4 ships ---------------------------
+CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+# 128 x 128 blocks over dims of 128 (whole blocks) and 64 / 96 (partial blocks, the scale grid
+# rounded up as DeepSeek's format does). q_lora_rank 96: kv's rows start inside q_a's block
+# in the stacked q_a | kv, which then keeps a scale per row; q_b | indexer q_b (256 + 128
+# rows) keep 128-row blocks.
+DEEPSEEK_V4 = dict(
+    vocab_size=VOCAB, hidden_size=128, moe_intermediate_size=64, num_attention_heads=4,
+    head_dim=64, q_lora_rank=96, num_experts_per_tok=2, n_routed_experts=4,
+    partial_rotary_factor=0.25, hc_sinkhorn_iters=3, o_groups=2, o_lora_rank=64,
+    index_n_heads=4, index_head_dim=32, max_position_embeddings=512, initializer_range=0.2,
+    num_hidden_layers=3, layer_types=[SWA, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={CSA: 4, HCA: 8}, sliding_window=8, hc_mult=2, index_topk=3,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+V4_PROMPTS = vocab_prompts(4, [5, 17, 40], VOCAB)  # shorter and longer than window and ratios
+
+
+def _v4_quantized(name):
+    """The linears transformers' FP8 quantizer converts in V4 (every nn.Linear of the layers,
+    the routed experts are quantized by write_pair), and also the compressor's kv / gate,
+    which V4-Flash ships in bf16 and atom holds dense: an FP8 one is dequantized at load. The
+    indexer's kv / gate and scorer stay plain, as V4-Flash ships them; the router, norms, mHC,
+    sinks, position biases, embedding and LM head too."""
+    plain = (".indexer.kv_proj.", ".indexer.gate_proj.", ".weights_proj.")
+    return (
+        name.startswith("model.layers.")
+        and name.endswith("proj.weight")
+        and not any(part in name for part in plain)
+    )
+
+
+@pytest.fixture(scope="module")
+def v4_fp8_dirs(tmp_path_factory):
+    """(quantized dir, plain dir of the dequantized weights) of a tiny random V4."""
+    torch.manual_seed(7)
+    config = transformers.DeepseekV4Config(**DEEPSEEK_V4)
+    model = transformers.DeepseekV4ForCausalLM(config)
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    with torch.no_grad():  # what HF initialises to zero, randomised so that its use is checked
+        for name, param in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buffer.copy_(torch.stack([torch.randperm(experts)[:top_k] for _ in buffer]))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    root = tmp_path_factory.mktemp("v4_fp8")
+    return write_pair(model, root, "deepseek_fp8:128x128", _v4_quantized, ("w1", "w3", "w2"))
+
+
+def test_deepseek_v4_block_fp8_matches_dequantized_hf(v4_fp8_dirs):
+    """atom's fp32 greedy tokens on the block-FP8 V4 checkpoint equal HF's DeepseekV4 on the
+    dequantized weights (the test's own quantizer; HF's model is the independent reference),
+    and the quantized linears stay FP8 in memory."""
+    quant_dir, plain_dir = v4_fp8_dirs
+    llm = build_llm(quant_dir, num_kvcache_blocks=64, max_model_len=256)
+    got = [o.token_ids for o in llm.generate(V4_PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == hf_greedy_no_eos(plain_dir, V4_PROMPTS, GREEDY.max_tokens)
+    model = llm.engine.model_runner.model
+    csa = model.model.layers[1]
+    attn, mlp = csa.self_attn, csa.mlp
+    assert attn.input_proj.part_names == ["q_a_proj", "kv_proj"]
+    for layer in (attn.input_proj, attn.query_proj, attn.o_a_proj, attn.o_b_proj,
+                  mlp.shared_experts.gate_proj, mlp.shared_experts.down_proj):  # fmt: skip
+        assert layer.weight.dtype == FP8, layer
+    assert attn.input_proj.weight_block == (1, 128)  # kv starts at row 96, inside a block
+    assert attn.query_proj.weight_block == (128, 128)  # the indexer's q_b starts at row 256
+    assert mlp.experts.gate_up_proj.dtype == mlp.experts.down_proj.dtype == FP8
+    # dense: the compressor's and indexer's projections, router, norms, mHC, embedding, head
+    assert attn.compressor_proj.part_names == [
+        "compressor.kv_proj", "compressor.gate_proj", "compressor.indexer.kv_proj",
+        "compressor.indexer.gate_proj", "compressor.indexer.scorer.weights_proj",
+    ]  # fmt: skip
+    assert attn.compressor_proj.weight.dtype == torch.float32
+    assert mlp.gate.weight.dtype == model.lm_head.weight.dtype == torch.float32
+    assert csa.attn_hc.fn.dtype == attn.sinks.dtype == torch.float32
+
+
+def test_deepseek_v4_block_fp8_under_deepseek_names_matches_hf(v4_fp8_dirs, tmp_path):
+    """The names DeepSeek's V4 checkpoints use (what HF's `save_pretrained` writes:
+    `attn.wq_a`, `ffn.experts.N.w1`, `ffn.shared_experts.w2`, ...), each linear beside its
+    `weight_scale_inv`: the plain directory's tensors quantized again (the same blocks give
+    the same fp8 values and scales; the indexer's kv / gate and scorer stay plain, as in
+    the first checkpoint), HF's greedy tokens."""
+    quant_dir, plain_dir = v4_fp8_dirs
+    tensors = load_file(f"{plain_dir}/model.safetensors")
+    assert "model.layers.1.attn.wq_a.weight" in tensors  # DeepSeek names
+    for name in [n for n in tensors if n.startswith("model.layers.")]:
+        module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        plain = ".indexer.compressor." in name or module == "weights_proj"
+        if name.endswith(".weight") and module.startswith("w") and not plain:
+            q, scale, _ = fp8_quantize(tensors.pop(name), "block")
+            tensors.update({name: q, f"{name}_scale_inv": scale})
+    target = tmp_path / "deepseek_names"
+    target.mkdir()
+    save_file(tensors, target / "model.safetensors")
+    shutil.copy(f"{quant_dir}/config.json", target / "config.json")
+    llm = build_llm(str(target), num_kvcache_blocks=64, max_model_len=256)
+    got = [o.token_ids for o in llm.generate(V4_PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == hf_greedy_no_eos(plain_dir, V4_PROMPTS, GREEDY.max_tokens)
+    attn = llm.engine.model_runner.model.model.layers[1].self_attn
+    assert attn.input_proj.weight.dtype == attn.o_b_proj.weight.dtype == FP8
+
+
+def test_deepseek_v4_block_fp8_cuda_path_under_the_interpreter_matches_hf(v4_fp8_dirs, monkeypatch):
+    """The CUDA path on the CPU under Triton's interpreter: the FP8 linears through their
+    kernels (atom/kernels/fp8_linear.py: the dot kernel at prefill, the GEMV at decode, on the
+    per-row scales of q_a | kv and the 128 x 128 blocks of the others), the routed experts
+    through the grouped FP8 MoE GEMMs with V4's clamp, and V4's own kernels: HF's greedy
+    tokens. One prompt, 4 tokens (each interpreted step is slow)."""
+    import atom.kernels.fp8_linear as fp8_kernels
+    import atom.kernels.moe as moe_kernels
+    from atom.models.quantization.fp8 import Fp8LinearMethod
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("ATOM_INTERPRET_CUDA_PATH", "1")
+    launches = []
+
+    def cuda_apply(self, layer, x, bias=None):  # Fp8LinearMethod.apply's CUDA branch
+        return fp8_kernels.fp8_linear(x, layer.weight, layer.weight_scale, layer.weight_block, bias)
+
+    def counted(name, real):
+        def run(*args, **kwargs):
+            launches.append(name)
+            return real(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(Fp8LinearMethod, "apply", cuda_apply)
+    monkeypatch.setattr(fp8_kernels, "fp8_gemv", counted("gemv", fp8_kernels.fp8_gemv))
+    monkeypatch.setattr(fp8_kernels, "fp8_dot", counted("dot", fp8_kernels.fp8_dot))
+    grouped = counted("moe", moe_kernels._grouped_pairs)
+    monkeypatch.setattr(moe_kernels, "_grouped_pairs", grouped)
+    quant_dir, plain_dir = v4_fp8_dirs
+    prompts, params = (
+        V4_PROMPTS[1:2],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+    )
+    llm = build_llm(quant_dir, num_kvcache_blocks=64, max_model_len=256)
+    tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == hf_greedy_no_eos(plain_dir, prompts, params.max_tokens)
+    assert {"gemv", "dot"} <= set(launches) and launches.count("moe") == 3 * 4  # layers x steps
+
+
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda c: c.update(expert_dtype="fp4"), "expert_dtype = 'fp4'"),
+        (lambda c: c.update(scale_fmt="ue8m0"), "scale_fmt = 'ue8m0'"),
+        (lambda c: c.update(fmt="e5m2"), "fmt = 'e5m2'"),
+        (lambda c: c.update(modules_to_convert=["embed_tokens"]), "modules_to_convert = "),
+        (
+            lambda c: (c.clear(), c.update(quant_method="gptq", bits=4, group_size=128)),
+            "quant_method fp8",
+        ),
+    ],
+    ids=["fp4_experts", "ue8m0_scales", "e5m2", "fp8_embedding", "gptq"],
+)
+def test_deepseek_v4_unsupported_fp8_config_is_refused_naming_the_key(
+    v4_fp8_dirs, tmp_path, edit, key
+):
+    path = _variant(v4_fp8_dirs[0], tmp_path, edit_config=edit)
+    with pytest.raises(ModelLoadError, match=f"quantization_config.{key}".replace(".", r"\.")):
+        open_model(path)
+
+
+def test_deepseek_v4_scales_of_another_block_size_are_refused_naming_the_tensor(
+    v4_fp8_dirs, tmp_path
+):
+    """A config whose weight_block_size does not match the stored scales (64 x 64 over
+    128 x 128 ones) is refused while the weights stream in, naming the scale tensor."""
+    path = _variant(
+        v4_fp8_dirs[0], tmp_path, edit_config=lambda c: c.update(weight_block_size=[64, 64])
+    )
+    with pytest.raises(ModelLoadError, match=r"weight_scale_inv has shape .*64x64 block"):
+        _load_all(path)
+
+
+def test_deepseek_v4_stacked_fp8_experts_are_refused(v4_fp8_dirs, tmp_path):
+    """HF's stacked expert tensors (`experts.gate_up_proj`, fp8) instead of one tensor per
+    expert linear: refused by name, not copied as fp8 values without their scales."""
+    prefix = "model.layers.1.mlp.experts"
+
+    def stack(tensors):
+        tensors[f"{prefix}.gate_up_proj"] = torch.zeros(4, 128, 128).to(FP8)
+        for e in range(4):
+            for part in ("w1", "w3"):
+                tensors.pop(f"{prefix}.{e}.{part}.weight")
+                tensors.pop(f"{prefix}.{e}.{part}.weight_scale_inv")
+
+    path = _variant(v4_fp8_dirs[0], tmp_path, edit_tensors=stack)
+    with pytest.raises(ModelLoadError, match="stacked experts in a quantized checkpoint"):
+        build_llm(path, num_kvcache_blocks=8)
 
 
 # -- bad input: refused at load, naming the tensor or the key ------------------------------

@@ -1,4 +1,4 @@
-"""Routed experts of an FP8 checkpoint (DeepSeek-V2/V3), held in FP8 with their scales.
+"""Routed experts of an FP8 checkpoint (DeepSeek-V2/V3/V4), held in FP8 with their scales.
 
 `Fp8Experts` replaces the stacked dense experts of a MoE layer: `gate_up_proj` float8_e4m3fn
 [E, 2I, H] (gate rows then up rows) and `down_proj` [E, H, I], with float32 scales per block
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from atom.kernels.moe import Fp8Scales
+from atom.models.load_error import ModelLoadError
 from atom.models.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, Fp8Weight, dequantize_fp8
 from atom.models.quantization.scheme import QuantizationScheme
 
@@ -43,6 +44,23 @@ class Fp8Experts(nn.Module):
     def _scale(self, experts: int, rows: int, cols: int, gate_up: bool) -> torch.Tensor:
         rb, cb = self.gate_up_block if gate_up else self.down_block
         return torch.empty(experts, -(-rows // rb), -(-cols // cb), dtype=torch.float32)
+
+    def expert_weight(self, tensor, name: str, part: str) -> Fp8Weight:
+        """The checkpoint tensor `name`, one expert's `part` (`gate_proj`, `up_proj` or
+        `down_proj`), checked: an Fp8Weight of that shape, else refused naming it."""
+        if not isinstance(tensor, Fp8Weight):
+            raise ModelLoadError(
+                f"checkpoint tensor {name!r} is a plain {tensor.dtype} tensor where the "
+                f"checkpoint's quantization_config says {self.method.scheme.describe()}"
+            )
+        hidden = self.down_proj.shape[1]
+        expected = (hidden, self.inter) if part == "down_proj" else (self.inter, hidden)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {expected}"
+            )
+        return tensor
 
     def load(self, expert: int, part: str, weight: Fp8Weight) -> None:
         """Copy one checkpoint expert linear (`gate_proj`, `up_proj` or `down_proj`) in."""

@@ -6,7 +6,8 @@ Four families of config, each refused key by key where atom does not run it
   weights, per-tensor / per-channel / block scales) and `pack-quantized` (int4 weights,
   per-channel or group scales, symmetric or with zero points);
 - GPTQ and AWQ (`quant_method: "gptq"` / `"awq"`): int4 in their classic packed layouts;
-- DeepSeek's native FP8 (`quant_method: "fp8"`, `weight_block_size`, `weight_scale_inv`).
+- DeepSeek's native FP8 (`quant_method: "fp8"`, `weight_block_size`, `weight_scale_inv`;
+  float32 scales and FP8 experts: no ue8m0 scales, no FP4 experts).
 
 The weights stay quantized in memory and are dequantized in the linear layer
 (atom/models/quantization/fp8.py, int4.py). compressed-tensors' dynamic per-token FP8
@@ -244,6 +245,15 @@ def _deepseek_fp8(config: dict) -> QuantizationScheme:
     if "weight_block_size" not in config or config["weight_block_size"] is None:
         raise _refuse("weight_block_size", None, "[rows, cols]: per-tensor fp8 is not read")
     block = _block(config["weight_block_size"], "weight_block_size")
+    # transformers' FineGrainedFP8Config options that change what a tensor holds
+    scale_fmt = config.get("scale_fmt", "float")
+    if scale_fmt != "float":
+        raise _refuse("scale_fmt", scale_fmt, "float: ue8m0 (float8_e8m0fnu) scales are not read")
+    expert_dtype = config.get("expert_dtype", "fp8")
+    if expert_dtype != "fp8":
+        raise _refuse("expert_dtype", expert_dtype, "fp8: FP4-packed experts are not read")
+    if config.get("modules_to_convert"):
+        raise _refuse("modules_to_convert", config["modules_to_convert"], "none (FP8 embeddings)")
     ignore = config.get("modules_to_not_convert") or config.get("ignored_layers") or ()
     return QuantizationScheme(
         FP8, DEEPSEEK_FP8, block=block, activations=activations, ignore=tuple(ignore)
