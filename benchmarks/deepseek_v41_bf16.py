@@ -84,7 +84,8 @@ def agreement_and_regret(reference, prompts, outputs) -> tuple[float, float]:
     + bf16's tokens."""
     sequences = [p + o for p, o in zip(prompts, outputs, strict=True)]
     regrets = []
-    for prompt, generated, rows in zip(prompts, outputs, sequence_logits(reference, sequences)):
+    logits = sequence_logits(reference, sequences)
+    for prompt, generated, rows in zip(prompts, outputs, logits, strict=True):
         rows = rows[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
         chosen = rows.gather(1, torch.tensor(generated)[:, None])[:, 0]
         regrets.append((rows.max(dim=-1).values - chosen) / rows.abs().max(dim=-1).values)

@@ -553,7 +553,8 @@ def bench_v4_decode(short: bool = False) -> None:
                         if geometry == default:  # what the per-case choice resolved to
                             q = args[0]
                             record["chosen"] = v4_attention.decode_geometry(
-                                chosen > 0, v4_attention.decode_splits(q, q.shape[1] // 16)
+                                chosen > 0,
+                                splits or v4_attention.decode_splits(q, q.shape[1] // 16),
                             )  # fmt: skip
 
                         def run(geometry=geometry, splits=splits, args=args):
