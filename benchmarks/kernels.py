@@ -554,7 +554,7 @@ def bench_v4_decode(short: bool = False) -> None:
                             q = args[0]
                             record["chosen"] = v4_attention.decode_geometry(
                                 chosen > 0,
-                                splits or v4_attention.decode_splits(q, q.shape[1] // 16),
+                                splits or v4_attention.decode_splits(q, -(-q.shape[1] // v4_attention.BLOCK_H)),
                             )  # fmt: skip
 
                         def run(geometry=geometry, splits=splits, args=args):
