@@ -35,7 +35,7 @@ from atom.distributed.tensor_parallel import ShardingError
 from atom.kernels.platform import use_cuda_path
 from atom.models.layers import DecoderStack, PreNormDecoderLayer, RMSNorm, yarn_mscale
 from atom.models.layers import yarn_inv_freq as _yarn_inv_freq
-from atom.models.load_error import ModelLoadError
+from atom.models.load_error import ModelLoadError, check_shape
 from atom.models.moe import routed_experts
 from atom.models.parallel_layers import checkpoint_linear, dense, load_parameter
 from atom.models.quantization import FP8, read_quantization_scheme
@@ -375,7 +375,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             if part != "down_proj":
                 dest = dest.narrow(0, 0 if part == "gate_proj" else inter, inter)
             tensor = dense(tensor, dest.dtype)  # quantized experts are dequantized at load
-            _check_shape(dest, tensor, name)
+            check_shape(tensor, dest.shape, name)
             dest.copy_(tensor)
             loaded.add(f"{target}#{expert}.{part}")
         expected = set()
@@ -394,14 +394,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}")
 
 
-def _check_shape(dest, tensor, source_name):
-    if dest.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {source_name!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(dest.shape)}"
-        )
-
-
 def _copy_into(params, target, tensor, source_name):
     param = params.get(target)
     if param is None:
@@ -415,5 +407,5 @@ def _copy_into(params, target, tensor, source_name):
             "not read; FP8 experts are read one expert at a time (experts.<e>.gate_proj ...)"
         )
     tensor = dense(tensor, param.dtype)  # e.g. kv_b_proj, which MLA reads whole
-    _check_shape(param.data, tensor, source_name)
+    check_shape(tensor, param.shape, source_name)
     param.data.copy_(tensor)

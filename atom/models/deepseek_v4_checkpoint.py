@@ -14,7 +14,7 @@ import re
 import torch
 from torch import nn
 
-from atom.models.load_error import ModelLoadError
+from atom.models.load_error import ModelLoadError, check_shape
 from atom.models.parallel_layers import LayerPart, dense, part_targets
 from atom.models.quantization.experts import Fp8Experts
 from atom.models.quantization.fp8 import FP8_DTYPE
@@ -111,11 +111,7 @@ def _copy(dest: torch.Tensor, tensor, source: str) -> None:
             f"checkpoint tensor {source!r} is {FP8_DTYPE} without a weight_scale_inv beside "
             "it (a quantized checkpoint's FP8 weights come with their block scales)"
         )
-    if dest.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(dest.shape)}"
-        )
+    check_shape(tensor, dest.shape, source)
     dest.copy_(tensor)
 
 

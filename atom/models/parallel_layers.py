@@ -30,7 +30,7 @@ from atom.forward_context import current_fusions
 from atom.kernels.cpu_linear import PackedLinearWeight, can_pack
 from atom.kernels.gemv import gemv
 from atom.kernels.gemv_policy import use_gemv
-from atom.models.load_error import ModelLoadError
+from atom.models.load_error import ModelLoadError, check_shape
 from atom.models.quantization import QuantizationScheme, QuantizedWeight, linear_method
 
 
@@ -54,7 +54,7 @@ def load_parameter(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: st
         loader(param, tensor, shard_id, name)
     else:
         tensor = dense(tensor, param.dtype)
-        _check_shape(tensor, param.shape, name)
+        check_shape(tensor, param.shape, name)
         param.data.copy_(tensor)
 
 
@@ -105,14 +105,6 @@ def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(layer, ColumnParallelLinear):
         return layer(x)
     return linear(x, layer.weight, layer.bias)
-
-
-def _check_shape(tensor: torch.Tensor, expected, name: str) -> None:
-    if tuple(tensor.shape) != tuple(expected):
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(expected)}"
-        )
 
 
 def _single(tp: TensorParallelGroup | None) -> TensorParallelGroup:
@@ -184,12 +176,12 @@ class ColumnParallelLinear(nn.Module):
         offset = sum(self.local_sizes[:part])
         if self.quant_method is not None and param is self.weight:
             tensor = _quantized(self, tensor, name)
-            _check_shape(tensor, (full, self.input_size), name)
+            check_shape(tensor, (full, self.input_size), name)
             self.quant_method.load(self, tensor, offset, self.tp.rank * local, local, 0)
             return
         tensor = dense(tensor, param.dtype)
         expected = (full, self.input_size) if param.dim() == 2 else (full,)
-        _check_shape(tensor, expected, name)
+        check_shape(tensor, expected, name)
         param.data.narrow(0, offset, local).copy_(tensor.narrow(0, self.tp.rank * local, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -305,11 +297,11 @@ class RowParallelLinear(nn.Module):
         start = self.tp.rank * self.local_input
         if self.quant_method is not None:
             tensor = _quantized(self, tensor, name)
-            _check_shape(tensor, (self.output_size, self.input_size), name)
+            check_shape(tensor, (self.output_size, self.input_size), name)
             self.quant_method.load(self, tensor, 0, 0, self.output_size, start)
             return
         tensor = dense(tensor, param.dtype)
-        _check_shape(tensor, (self.output_size, self.input_size), name)
+        check_shape(tensor, (self.output_size, self.input_size), name)
         param.data.copy_(tensor.narrow(1, start, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,7 +333,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load(self, param, tensor, shard_id, name) -> None:
         tensor = dense(tensor, param.dtype)
-        _check_shape(tensor, (self.vocab_size, self.hidden_size), name)
+        check_shape(tensor, (self.vocab_size, self.hidden_size), name)
         valid = max(0, min(self.end, self.vocab_size) - self.start)
         param.data[:valid].copy_(tensor[self.start : self.start + valid])
         param.data[valid:].zero_()  # padding rows: never looked up, logits trimmed away

@@ -42,6 +42,7 @@ from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.kernels.rotary import apply_rotary
 from atom.models.layers import RMSNorm, rope_parameters
+from atom.models.load_error import check_shape
 from atom.models.loader import ModelLoadError
 from atom.models.moe import SharedExpert, routed_experts
 from atom.models.parallel_layers import linear
@@ -454,9 +455,5 @@ class Qwen3NextForCausalLM(nn.Module):
 
 
 def _copy(dest: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if dest.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(dest.shape)}"
-        )
+    check_shape(tensor, dest.shape, name)
     dest.copy_(tensor)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from atom.kernels.moe import Fp8Scales
-from atom.models.load_error import ModelLoadError
+from atom.models.load_error import ModelLoadError, check_shape
 from atom.models.quantization.fp8 import FP8_DTYPE, Fp8LinearMethod, Fp8Weight, dequantize_fp8
 from atom.models.quantization.scheme import QuantizationScheme
 
@@ -55,11 +55,7 @@ class Fp8Experts(nn.Module):
             )
         hidden = self.down_proj.shape[1]
         expected = (hidden, self.inter) if part == "down_proj" else (self.inter, hidden)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the model expects {expected}"
-            )
+        check_shape(tensor, expected, name)
         return tensor
 
     def load(self, expert: int, part: str, weight: Fp8Weight) -> None:
