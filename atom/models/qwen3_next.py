@@ -42,8 +42,7 @@ from atom.kernels.platform import use_cuda_path
 from atom.kernels.rmsnorm import rms_norm, rms_norm_reference
 from atom.kernels.rotary import apply_rotary
 from atom.models.layers import RMSNorm, rope_parameters
-from atom.models.load_error import check_shape
-from atom.models.loader import ModelLoadError
+from atom.models.load_error import ModelLoadError, check_shape
 from atom.models.moe import SharedExpert, routed_experts
 from atom.models.parallel_layers import linear
 
