@@ -73,9 +73,13 @@ def sequence_logits(llm, sequences) -> list[torch.Tensor]:
         for sequence in sequences:
             captured.clear()
             llm.generate([sequence], params, use_tqdm=False)
-            out.append(captured[0].float().cpu())
+            # the prompt's rows, then the sampled row: nothing else ran the LM head
+            shapes = [tuple(c.shape[:1]) for c in captured]
+            if shapes != [(len(sequence) - 1,), (1,)]:
+                raise RuntimeError(f"LM head calls {shapes} for a {len(sequence)}-token prompt")
+            out.append(captured[0].float().cpu().clone())  # no alias of an engine buffer
     finally:
-        model.compute_logits = compute
+        del model.compute_logits  # the class's method again
     return out
 
 
@@ -133,7 +137,17 @@ def use_variant(variant: str) -> Callable[[], None]:
     return undo
 
 
-def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | None = None):
+def release_device_memory() -> None:
+    """Free a dropped engine's KV cache before the next engine sizes its own."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | None = None,
+        graphs: bool = False):  # fmt: skip
     rows = []
     for name in models:
         data = golden(name)
@@ -142,18 +156,22 @@ def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | N
         sequences = [p["prompt_ids"] + p["greedy_continuation"][:tokens] for p in chosen]
         reference = build(name)
         expected = sequence_logits(reference, sequences)
-        llm = build(name, device=device, dtype=dtype, enforce_eager=True)
         for variant in variants:
             undo = use_variant(variant)
             try:
+                # a new engine a variant: no prefix cached under another variant's attention
+                llm = build(name, device=device, dtype=dtype, enforce_eager=not graphs,
+                            cuda_graph_batch_sizes=[1, 2, 4])  # fmt: skip
                 outputs = greedy(llm, prompt_ids, tokens)
                 agreement, regret = agreement_and_regret(reference, prompt_ids, outputs)
                 row = dict(bench="deepseek_v41_bf16", model=name, variant=variant, device=device,
-                           dtype=dtype, greedy_agreement=round(agreement, 4),
+                           dtype=dtype, graphs=graphs, greedy_agreement=round(agreement, 4),
                            worst_regret=round(regret, 4),
                            **logit_error(sequence_logits(llm, sequences), expected, prompt_ids))  # fmt: skip
             finally:
                 undo()
+                llm = None
+                release_device_memory()
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -167,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=24, help="greedy tokens a prompt")
     parser.add_argument("--prompts", type=int, default=None, help="the first N prompts only")
+    parser.add_argument("--graphs", action="store_true", help="decode under CUDA graphs")
     args = parser.parse_args(argv)
-    run(args.models, args.variants, args.device, args.dtype, args.tokens, args.prompts)
+    run(args.models, args.variants, args.device, args.dtype, args.tokens, args.prompts,
+        args.graphs)  # fmt: skip
     return 0
 
 
