@@ -50,3 +50,19 @@ def test_a_variant_switches_the_prefill_attention_and_undoes(variant):
 def test_an_unknown_variant_is_refused():
     with pytest.raises(ValueError, match="unknown 'triton'"):
         bench.use_variant("triton")
+
+
+def test_the_measure_is_the_parity_tests():
+    """The benchmark's agreement and regret are the GPU parity test's on the same tokens
+    (tests/model_engine/test_deepseek_v41_parity.py keeps its own copy: tests import no
+    benchmark): golden tokens with one position of every prompt changed."""
+    from tests.model_engine import test_deepseek_v41_parity as parity
+
+    prompts = parity.PROMPTS[:2]
+    outputs = [tokens[:4] for tokens in parity._expected(parity.MINIMAL, 4)[:2]]
+    outputs[0][1] = (outputs[0][1] + 7) % 256
+    outputs[1][3] = (outputs[1][3] + 1) % 256
+    expected = parity.fp32_agreement_and_regret("tiny-minimal", prompts, outputs)
+    got = bench.agreement_and_regret(bench.build("tiny-minimal"), prompts, outputs)
+    assert got == expected
+    assert expected[0] < 1.0 and expected[1] > 0.0  # the changed positions count

@@ -31,7 +31,6 @@ import torch
 from atom.attention.v41 import V41Backend
 from atom.forward_context import AttentionMetadata, forward_context
 from atom.sampling_params import SamplingParams
-from benchmarks import deepseek_v41_bf16 as bench
 from tests.engine_support import build_llm
 
 # Tiny ops, one torch thread, engines too (tests/engine_support.py, one_cpu_thread).
@@ -246,9 +245,22 @@ BF16_BOUNDS = {"tiny-minimal": (0.86, 0.30), "tiny-full": (0.64, 0.42)}  # agree
 
 
 def fp32_agreement_and_regret(name, prompts, outputs) -> tuple[float, float]:
-    """The benchmark's measure (benchmarks/deepseek_v41_bf16.py, which prints it per
-    prefill-attention variant): a fp32 CPU engine teacher-forced on each prompt + outputs."""
-    return bench.agreement_and_regret(_llm(name), prompts, outputs)
+    llm = _llm(name)
+    model = llm.engine.model_runner.model
+    captured = []
+    compute = model.compute_logits
+    model.compute_logits = lambda hidden: captured.append(compute(hidden)) or captured[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    regrets = []
+    for prompt, generated in zip(prompts, outputs, strict=True):
+        captured.clear()
+        llm.generate([prompt + generated], params, use_tqdm=False)
+        rows = captured[0][len(prompt) - 1 :]  # the logits that chose each generated token
+        assert rows.shape[0] == len(generated), rows.shape
+        chosen = rows.gather(1, torch.tensor(generated)[:, None])[:, 0]
+        regrets.append((rows.max(dim=-1).values - chosen) / rows.abs().max(dim=-1).values)
+    regrets = torch.cat(regrets)
+    return float((regrets == 0).float().mean()), float(regrets.max())
 
 
 @pytest.mark.gpu
