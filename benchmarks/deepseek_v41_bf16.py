@@ -19,7 +19,9 @@ Variants (the prefill's attention; decode is the same in all):
 
 The variants compute the same function and differ only in the order of fp32 sums and where
 bf16 rounds, so their spread is the noise of the greedy measure (top-k choices and V4.1's
-fake quantisation turn rounding noise into discrete flips). One JSON line per (model,
+fake quantisation turn rounding noise into discrete flips). Each variant runs on a new
+engine (nothing prefix-cached under another variant; ``--graphs``: decode graphs, as the
+test's ``graphs`` case). One JSON line per (model,
 variant). ``--device cpu --dtype float32`` runs the plumbing on the CPU (the CPU test).
 """
 
