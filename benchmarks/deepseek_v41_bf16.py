@@ -159,7 +159,7 @@ def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | N
         reference = build(name)
         expected = sequence_logits(reference, sequences)
         for variant in variants:
-            undo = use_variant(variant)
+            undo, llm = use_variant(variant), None
             try:
                 # a new engine a variant: no prefix cached under another variant's attention
                 llm = build(name, device=device, dtype=dtype, enforce_eager=not graphs,
@@ -172,6 +172,8 @@ def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | N
                            **logit_error(sequence_logits(llm, sequences), expected, prompt_ids))  # fmt: skip
             finally:
                 undo()
+                if llm is not None:
+                    llm.shutdown()
                 llm = None
                 release_device_memory()
             print(json.dumps(row), flush=True)
