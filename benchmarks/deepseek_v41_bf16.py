@@ -28,6 +28,7 @@ variant). ``--device cpu --dtype float32`` runs the plumbing on the CPU (the CPU
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from collections.abc import Callable
@@ -139,15 +140,6 @@ def use_variant(variant: str) -> Callable[[], None]:
     return undo
 
 
-def release_device_memory() -> None:
-    """Free a dropped engine's KV cache before the next engine sizes its own."""
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | None = None,
         graphs: bool = False):  # fmt: skip
     rows = []
@@ -174,8 +166,10 @@ def run(models, variants, device: str, dtype: str, tokens: int, prompts: int | N
                 undo()
                 if llm is not None:
                     llm.shutdown()
-                llm = None
-                release_device_memory()
+                del llm  # its KV cache freed before the next engine sizes its own
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
